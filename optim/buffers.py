@@ -1,0 +1,206 @@
+"""Flat parameter / gradient buckets and their data-parallel shards.
+
+A bucket packs parameters of one param group into one flat 1-D buffer of `numel`
+elements. Each parameter starts at a multiple of `ALIGN` elements and the total is
+padded to a multiple of `N·ALIGN` (N = data-parallel size), so the buffer splits into
+N equal shards; rank r owns elements [r·S/N, (r+1)·S/N).
+
+    stage | full param buffer   | param shard         | fp32 master     | grads (reduce dtype)
+    ------+---------------------+---------------------+-----------------+---------------------------
+      0   | persistent          | view of the buffer  | covers S        | persistent full buffer
+      1   | persistent          | view of the buffer  | covers S/N      | persistent full buffer
+      2   | persistent          | view of the buffer  | covers S/N      | full buffer only in backward
+      3   | only while gathered | persistent S/N      | covers S/N      | full buffer only in backward
+
+The master is the param shard itself when params are fp32 (no copy). Stage 0 updates
+the whole buffer (`opt_range` = [0, S)); stages 1-3 update their own shard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+ALIGN = 16  # elements; keeps every parameter view 64-byte aligned in fp32
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+@dataclass
+class FlatBucket:
+    """One flat bucket of parameters: layout, storage and shard views (see module docstring)."""
+
+    params: list[torch.nn.Parameter]
+    group_index: int
+    stage: int
+    rank: int
+    world: int
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    offsets: list[int] = field(init=False)
+    numel: int = field(init=False)
+    param_buffer: torch.Tensor | None = field(init=False, default=None)
+    param_shard: torch.Tensor = field(init=False)
+    master: torch.Tensor = field(init=False)
+    grad_buffer: torch.Tensor | None = field(init=False, default=None)
+    grad_shard: torch.Tensor = field(init=False)
+    needs_carry: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self.shapes = [p.shape for p in self.params]
+        self.offsets, end = [], 0
+        for p in self.params:
+            self.offsets.append(end)
+            end = _round_up(end + p.numel(), ALIGN)
+        self.numel = _round_up(max(end, 1), self.world * ALIGN)
+
+    # ---- layout -------------------------------------------------------------------------
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.world
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        """[lo, hi) of the flat buffer owned by this rank."""
+        return self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+
+    @property
+    def opt_range(self) -> tuple[int, int]:
+        """[lo, hi) of the flat buffer this rank's optimizer updates: all of it at stage 0."""
+        return (0, self.numel) if self.stage == 0 else self.shard_range
+
+    def ranges_of(self, lo: int, hi: int, rank: int | None = None) -> list[tuple[int, int, int, int]]:
+        """Per parameter i overlapping flat [lo, hi): (i, start, end, at) where [start, end) is
+        the range of the parameter's own flattening and `at` its offset inside [lo, hi)."""
+        out = []
+        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+            start, end = max(lo, off) - off, min(hi, off + p.numel()) - off
+            if start < end:
+                out.append((i, start, end, off + start - lo))
+        return out
+
+    def shard_ranges(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """`ranges_of` for the shard that `rank` owns."""
+        return self.ranges_of(rank * self.shard_numel, (rank + 1) * self.shard_numel)
+
+    # ---- storage ------------------------------------------------------------------------
+    def allocate(self, flat_fp32: torch.Tensor) -> None:
+        """Create the storage from the full flat fp32 values (identical on all ranks) and
+        point each parameter at its view (or at an empty tensor at stage 3)."""
+        lo, hi = self.shard_range
+        full = flat_fp32.to(self.param_dtype)
+        if self.stage == 3:
+            self.param_shard = full[lo:hi].clone()
+            self.release_params()
+        else:
+            self.param_buffer = full
+            self.param_shard = full[lo:hi]
+            self.bind_params(self.param_buffer)
+        olo, ohi = self.opt_range
+        if self.param_dtype == torch.float32:
+            self.master = self.param_buffer if self.stage == 0 else self.param_shard
+        else:
+            self.master = flat_fp32[olo:ohi].clone()
+        if self.stage in (0, 1):
+            self.grad_buffer = torch.zeros(self.numel, dtype=self.reduce_dtype, device=flat_fp32.device)
+            self.grad_shard = self.grad_buffer[olo:ohi]
+        else:
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=flat_fp32.device)
+
+    def bind_params(self, full: torch.Tensor) -> None:
+        """Point every parameter's data at its view of the full flat buffer `full`."""
+        for i, p in enumerate(self.params):
+            p.data = self.param_view(full, i)
+
+    def release_params(self) -> None:
+        """Stage 3: drop the parameters' full data (their shapes stay in `shapes`)."""
+        for p in self.params:
+            p.data = torch.empty(0, dtype=self.param_dtype, device=self.param_shard.device)
+
+    def param_view(self, full: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's view (original shape) of the full flat buffer `full`."""
+        off = self.offsets[i]
+        return full[off : off + self.shapes[i].numel()].view(self.shapes[i])
+
+    def flat_values(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Pack `tensors` (one per parameter, in order) into a zero-padded flat buffer."""
+        flat = torch.zeros(self.numel, dtype=dtype, device=tensors[0].device if tensors else None)
+        for t, off in zip(tensors, self.offsets):
+            flat[off : off + t.numel()].copy_(t.reshape(-1))
+        return flat
+
+    # ---- gradients ----------------------------------------------------------------------
+    def grad_view(self, i: int) -> torch.Tensor:
+        """The slot of parameter i in the full gradient buffer, allocating it if needed.
+
+        Carry rule: after a reduction, this rank's own region already holds the reduced
+        sum A of earlier backwards; the other regions restart at zero, so the next
+        reduction yields A + Σ_ranks g exactly (each region is owned by one rank).
+        """
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.grad_shard.device)
+            if self.needs_carry:
+                lo, hi = self.shard_range
+                self.grad_buffer[lo:hi].copy_(self.grad_shard)
+        elif self.needs_carry:
+            lo, hi = self.shard_range
+            self.grad_buffer[:lo].zero_()
+            self.grad_buffer[hi:].zero_()
+        self.needs_carry = False
+        off = self.offsets[i]
+        return self.grad_buffer[off : off + self.shapes[i].numel()]
+
+    def ensure_grad_buffer(self) -> torch.Tensor:
+        """The full gradient buffer (carry rule applied), for a reduction with no local grads."""
+        if self.grad_buffer is None or self.needs_carry:
+            self.grad_view(0)
+        return self.grad_buffer
+
+    def after_reduction(self) -> None:
+        """The reduced sum now lives in `grad_shard`; stages 2-3 drop the full buffer."""
+        if self.stage >= 2:
+            self.grad_buffer = None
+        self.needs_carry = True
+
+    def zero_grad(self) -> None:
+        self.grad_shard.zero_()
+        if self.stage >= 2:
+            self.grad_buffer = None
+        elif self.grad_buffer is not None:
+            self.grad_buffer.zero_()
+        self.needs_carry = False
+
+    # ---- parameters after the step --------------------------------------------------------
+    @property
+    def opt_param(self) -> torch.Tensor:
+        """The low-precision parameter region the optimizer updates (full buffer at stage 0)."""
+        return self.param_buffer if self.stage == 0 else self.param_shard
+
+    def write_master_to_params(self) -> None:
+        """Copy the updated fp32 master into the low-precision params (no-op when they alias)."""
+        if self.master.data_ptr() != self.opt_param.data_ptr():
+            self.opt_param.copy_(self.master)
+
+
+def assign_buckets(
+    params: list[torch.nn.Parameter], key: Callable[[torch.nn.Parameter], object], bucket_numel: int
+) -> list[list[torch.nn.Parameter]]:
+    """Split `params` by `key(p)` (keys in order of first appearance), then pack each part
+    greedily, in the given order, into buckets of at most ~bucket_numel elements."""
+    parts: dict[object, list[torch.nn.Parameter]] = {}
+    for p in params:
+        parts.setdefault(key(p), []).append(p)
+    buckets: list[list[torch.nn.Parameter]] = []
+    for part in parts.values():
+        current, size = [], 0
+        for p in part:
+            if current and size + p.numel() > bucket_numel:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += p.numel()
+        buckets.append(current)
+    return buckets

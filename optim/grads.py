@@ -1,0 +1,114 @@
+"""Gradient accumulation into flat buckets and their reduction over the data-parallel group.
+
+Each parameter's gradient, as soon as autograd has accumulated it, is added into its
+bucket's slot scaled by 1/N and freed, so the reduction SUM yields the DDP average
+ḡ = (1/N) Σ_r g_r. A bucket whose gradients are all in is reduced asynchronously —
+all-reduce at stage 0, reduce-scatter at stages 1-3 — while backward goes on. Buckets
+are launched strictly in bucket order, which every rank shares, so ranks whose autograd
+finishes buckets in a different order still issue the same collectives in the same order.
+At the end of backward the remaining buckets (whose parameters got no gradient this time)
+are launched too and every reduction is waited for.
+"""
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from optim.buffers import FlatBucket
+from parallel import comm
+
+
+class GradReducer:
+    """Hooks that accumulate and reduce gradients bucket by bucket (see module docstring).
+
+    `on_bucket_done(i)` runs once all parameters of bucket i have their gradient in a
+    backward (stage 3 frees the gathered parameters there); `on_backward_end()` runs last.
+    """
+
+    def __init__(
+        self,
+        buckets: list[FlatBucket],
+        group: dist.ProcessGroup | None,
+        on_bucket_done: Callable[[int], None] | None = None,
+        on_backward_end: Callable[[], None] | None = None,
+    ) -> None:
+        self.buckets = buckets
+        self.group = group
+        self.sync = True
+        self.pending_unsynced = False  # local gradients accumulated under no_sync, not reduced yet
+        self._scale = 1.0 / dist.get_world_size(group)
+        self._on_bucket_done = on_bucket_done
+        self._on_backward_end = on_backward_end
+        self._ready = [0] * len(buckets)
+        self._next = 0
+        self._works: list[tuple[dist.Work | None, FlatBucket]] = []
+        self._callback_queued = False
+        self._handles = [
+            p.register_post_accumulate_grad_hook(partial(self._on_grad, b, i))
+            for b, bucket in enumerate(buckets)
+            for i, p in enumerate(bucket.params)
+        ]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate locally; the next synced backward reduces."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    def _on_grad(self, b: int, i: int, param: torch.Tensor) -> None:
+        bucket = self.buckets[b]
+        bucket.grad_view(i).add_(param.grad.reshape(-1), alpha=self._scale)
+        param.grad = None
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._ready[b] += 1
+        self.pending_unsynced = not self.sync
+        if self._ready[b] == len(bucket.params):
+            if self._on_bucket_done is not None:
+                self._on_bucket_done(b)
+            if self.sync:
+                self._launch_in_order()
+
+    def _launch_in_order(self, everything: bool = False) -> None:
+        while self._next < len(self.buckets) and (
+            everything or self._ready[self._next] == len(self.buckets[self._next].params)
+        ):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: FlatBucket) -> None:
+        full = bucket.ensure_grad_buffer()
+        if bucket.stage == 0:
+            work = comm.all_reduce(full, group=self.group, async_op=True)
+        else:
+            lo, hi = bucket.shard_range
+            out = full[lo:hi] if bucket.stage == 1 else bucket.grad_shard
+            work = comm.reduce_scatter_tensor(out, full, group=self.group, async_op=True)
+        self._works.append((work, bucket))
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self.sync:
+            self._launch_in_order(everything=True)
+            for work, bucket in self._works:
+                if work is not None:
+                    work.wait()
+                bucket.after_reduction()
+            self._works.clear()
+            self._next = 0
+            self.pending_unsynced = False
+        self._ready = [0] * len(self.buckets)
+        if self._on_backward_end is not None:
+            self._on_backward_end()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

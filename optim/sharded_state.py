@@ -1,0 +1,147 @@
+"""Canonical sharded optimizer state for ``torch.distributed.checkpoint`` (DCP).
+
+ZeRO keeps each parameter as a flat range ``[start, end)`` of its row-major
+flattening, inside a padded 1-D bucket shard. A checkpoint written in those
+terms would depend on the bucket layout (dp size, stage, packing order). Here
+every flat range is rewritten as a few axis-aligned boxes of the parameter's
+true global shape, and the boxes become the shards of a ``ShardedTensor``. DCP
+stores boxes by (offsets, sizes) and, on load, copies the overlap of each saved
+box with each requested box, so a checkpoint saved under one layout loads under
+any other without conversion.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import (
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+)
+
+Box = tuple[list[int], list[int]]
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
+    """Fewest boxes ``(offsets, sizes)`` covering flat ``[start, end)`` of a row-major ``shape``.
+
+    With ``inner = prod(shape[1:])`` the range splits at row boundaries of dim 0
+    into a head (suffix of row ``start // inner``), a middle of whole rows
+    ``[ceil(start / inner), end // inner)`` (one box), and a tail (prefix of row
+    ``end // inner``); head and tail recurse on ``shape[1:]``. A suffix or prefix
+    of a ``k``-dim tensor needs at most ``k`` boxes, so any range needs at most
+    ``2k - 1``. Boxes come in flat order and each is contiguous in memory.
+    A 0-dim ``shape`` is treated as ``[1]``.
+    """
+    shape = list(shape) or [1]
+    numel = math.prod(shape)
+    if not 0 <= start <= end <= numel:
+        raise ValueError(f"range [{start}, {end}) is outside a tensor of shape {shape} ({numel} elements)")
+    return _boxes(shape, start, end)
+
+
+def _boxes(shape: list[int], start: int, end: int) -> list[Box]:
+    if start >= end:
+        return []
+    if len(shape) == 1:
+        return [([start], [end - start])]
+    inner = math.prod(shape[1:])
+    zeros = [0] * (len(shape) - 1)
+    first_row, last_row = start // inner, end // inner
+    if first_row == last_row:
+        return _in_row(first_row, _boxes(shape[1:], start % inner, end % inner))
+    out: list[Box] = []
+    full_from = first_row
+    if start % inner:
+        out += _in_row(first_row, _boxes(shape[1:], start % inner, inner))
+        full_from += 1
+    if last_row > full_from:
+        out.append(([full_from, *zeros], [last_row - full_from, *shape[1:]]))
+    if end % inner:
+        out += _in_row(last_row, _boxes(shape[1:], 0, end % inner))
+    return out
+
+
+def _in_row(row: int, boxes: list[Box]) -> list[Box]:
+    """Lift boxes of ``shape[1:]`` into row ``row`` of ``shape`` (size 1 along dim 0)."""
+    return [([row, *offsets], [1, *sizes]) for offsets, sizes in boxes]
+
+
+def sharded_tensor_from_flat(
+    global_shape: Sequence[int],
+    local_pieces: list[tuple[int, torch.Tensor]],
+    all_ranges: list[list[tuple[int, int]]],
+    group: dist.ProcessGroup | None = None,
+) -> ShardedTensor:
+    """A ``ShardedTensor`` of ``global_shape`` whose local shards are views of ``local_pieces``.
+
+    ``local_pieces``: ``(flat_start, t)`` with ``t`` 1-D, holding flat
+    ``[flat_start, flat_start + t.numel())`` of the parameter on this rank.
+    ``all_ranges[r]``: the flat ranges that group rank ``r`` holds; together they
+    must tile ``[0, prod(global_shape))``. Each range becomes the boxes of
+    :func:`flat_range_boxes`; the shard of box ``b`` is
+    ``t[lo : lo + prod(b.sizes)].view(b.sizes)`` with ``lo = flat(b.offsets) - flat_start``,
+    so ``dcp.load`` writes straight into ``t``'s storage. The global metadata is
+    built locally (no collective). Placements name the GLOBAL rank of group rank
+    ``r``, which is what ``ShardedTensor`` compares with ``dist.get_rank()``.
+    A 0-dim shape has one box with empty offsets and sizes. A parameter with no
+    elements gets one empty box on group rank 0, backed by a fresh empty tensor.
+    """
+    shape = list(global_shape)
+    group = group if group is not None else dist.group.WORLD
+    my_rank = dist.get_rank(group)
+    if my_rank < 0:
+        raise ValueError("this rank is not a member of `group`")
+    if len(all_ranges) != dist.get_world_size(group):
+        raise ValueError(f"all_ranges has {len(all_ranges)} entries, the group {dist.get_world_size(group)} ranks")
+    if any(t.dim() != 1 for _, t in local_pieces):
+        raise ValueError("local pieces must be 1-D tensors")
+    mine = sorted((s, s + t.numel()) for s, t in local_pieces if t.numel())
+    if mine != sorted((s, e) for s, e in all_ranges[my_rank] if e > s):
+        raise ValueError(f"local pieces {mine} do not match all_ranges[{my_rank}] = {all_ranges[my_rank]}")
+    dtypes = {t.dtype for _, t in local_pieces}
+    if len(dtypes) > 1:
+        raise ValueError(f"local pieces mix dtypes {dtypes}")
+    dtype = dtypes.pop() if dtypes else torch.float32
+    devices = {t.device for _, t in local_pieces}
+    device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    local_shards: list[Shard] = []
+    metas: list[ShardMetadata] = []
+    for r, ranges in enumerate(all_ranges):
+        boxes = [box for s, e in ranges for box in flat_range_boxes(shape, s, e)]
+        placement = f"rank:{dist.get_global_rank(group, r)}/{device}" if boxes else ""
+        for offsets, sizes in boxes:
+            if not shape:
+                offsets, sizes = [], []
+            meta = ShardMetadata(shard_offsets=offsets, shard_sizes=sizes, placement=placement)
+            metas.append(meta)
+            if r == my_rank:
+                lo = sum(o * st for o, st in zip(offsets, strides))
+                local_shards.append(Shard(_piece_view(local_pieces, lo, sizes), meta))
+    if math.prod(shape) == 0:
+        meta = ShardMetadata([0] * len(shape), shape, f"rank:{dist.get_global_rank(group, 0)}/{device}")
+        metas.append(meta)
+        if my_rank == 0:
+            local_shards.append(Shard(torch.empty(shape, dtype=dtype, device=device), meta))
+
+    pinned = any(t.is_pinned() for _, t in local_pieces)
+    props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False, pin_memory=pinned)
+    st_meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(shape), tensor_properties=props)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, st_meta, process_group=group)
+
+
+def _piece_view(local_pieces: list[tuple[int, torch.Tensor]], lo: int, sizes: list[int]) -> torch.Tensor:
+    """Detached view of flat ``[lo, lo + prod(sizes))`` as ``sizes``, from the piece that holds it."""
+    n = math.prod(sizes)
+    for s, t in local_pieces:
+        if s <= lo and lo + n <= s + t.numel():
+            return t.detach()[lo - s : lo - s + n].view(sizes)
+    raise AssertionError(f"no local piece holds flat [{lo}, {lo + n})")

@@ -1,0 +1,202 @@
+"""ZeRO stage 3: parameters live as 1/N shards and are gathered per module when needed.
+
+Units. Walking the module tree in post-order, a module claims the trainable parameters
+of its subtree that no descendant claimed once they add up to `unit_numel` elements
+(the root claims the rest): for a GPT this gives one unit per transformer block when
+`unit_numel` is below a block's size. A unit's buckets are all-gathered just before the
+forward of its module and again before its backward, and freed after each.
+
+Foreign users. A module that holds a parameter claimed by a unit that is neither itself
+nor an ancestor (a tied output head using the embedding's weight) gathers that unit
+around its own forward and backward as well.
+
+Prefetch. The order in which units were first gathered in the previous forward and the
+previous backward is recorded; gathering unit u also starts the asynchronous gather of
+the unit that followed u last time. If the order changed, the prefetched unit is freed
+unused at the end of the pass: ranks still agree, since they share the same history.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from optim.buffers import FlatBucket
+from parallel import comm
+
+
+def stage3_units(
+    model: torch.nn.Module, trainable: set[torch.nn.Parameter], unit_numel: int
+) -> list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
+    """(module, claimed params) per unit, in post-order (see module docstring)."""
+    units: list[tuple[torch.nn.Module, list[torch.nn.Parameter]]] = []
+    seen: set[torch.nn.Parameter] = set()
+
+    def visit(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+        pending = [q for child in module.children() for q in visit(child)]
+        for p in module.parameters(recurse=False):
+            if p in trainable and p not in seen:
+                seen.add(p)
+                pending.append(p)
+        if pending and (module is model or sum(p.numel() for p in pending) >= unit_numel):
+            units.append((module, pending))
+            return []
+        return pending
+
+    visit(model)
+    return units
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass(eq=False)
+class Unit:
+    """The buckets gathered and freed together, and their gather state."""
+
+    buckets: list[FlatBucket]
+    full: list[torch.Tensor] | None = None
+    work: list[dist.Work | None] = field(default_factory=list)
+    users: int = 0
+    buckets_done: int = 0
+
+
+class ParamGatherer:
+    """Forward / backward hooks that gather and free stage-3 units (see module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        units: list[tuple[torch.nn.Module, list[FlatBucket]]],
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.group = group
+        self.units = [Unit(buckets) for _, buckets in units]
+        self._bucket_unit = {id(b): u for u, (_, bs) in zip(self.units, units) for b in bs}
+        self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
+        self._next: dict[str, dict[Unit, Unit]] = {"forward": {}, "backward": {}}
+        self._handles = [model.register_forward_pre_hook(self._on_root_forward)]
+        for module, needed in self._users(model, units).items():
+            self._handles += [
+                module.register_forward_pre_hook(lambda m, a, needed=needed: self._pre_forward(needed)),
+                module.register_forward_hook(lambda m, a, out, needed=needed: self._post_forward(needed, out)),
+            ]
+        self._handles.append(model.register_forward_hook(lambda m, a, out: self._release_idle()))
+
+    def _users(self, model: torch.nn.Module, units: list[tuple[torch.nn.Module, list[FlatBucket]]]) -> dict:
+        """module -> units it must have gathered around its forward and backward: its own
+        unit, plus the units of directly held parameters claimed outside its ancestry."""
+        owner = {p: (u, m) for u, (m, bs) in zip(self.units, units) for b in bs for p in b.params}
+        needs: dict[torch.nn.Module, list[Unit]] = {m: [u] for u, (m, _) in zip(self.units, units)}
+
+        def visit(module: torch.nn.Module, lineage: set[int]) -> None:
+            lineage = lineage | {id(module)}
+            for p in module.parameters(recurse=False):
+                unit, unit_module = owner.get(p, (None, None))
+                if unit is not None and id(unit_module) not in lineage and unit not in needs.get(module, []):
+                    needs.setdefault(module, []).append(unit)
+            for child in module.children():
+                visit(child, lineage)
+
+        visit(model, set())
+        return needs
+
+    # ---- gather / free ------------------------------------------------------------------
+    def _start_gather(self, unit: Unit) -> None:
+        if unit.full is not None:
+            return
+        unit.full, unit.work = [], []
+        for b in unit.buckets:
+            full = torch.empty(b.numel, dtype=b.param_dtype, device=b.param_shard.device)
+            unit.work.append(comm.all_gather_into_tensor(full, b.param_shard, group=self.group, async_op=True))
+            unit.full.append(full)
+
+    def _ensure(self, unit: Unit, phase: str) -> None:
+        """Gather `unit` now (waiting for a prefetch in flight) and prefetch its successor."""
+        order = self._order[phase]
+        if unit not in order:
+            order.append(unit)
+        self._start_gather(unit)
+        if unit.work:
+            for w in unit.work:
+                if w is not None:
+                    w.wait()
+            for b, full in zip(unit.buckets, unit.full):
+                b.bind_params(full)
+            unit.work = []
+        following = self._next[phase].get(unit)
+        if following is not None:
+            self._start_gather(following)
+
+    def _release(self, unit: Unit) -> None:
+        if unit.full is None:
+            return
+        for w in unit.work:
+            if w is not None:
+                w.wait()
+        for b in unit.buckets:
+            b.release_params()
+        unit.full, unit.work = None, []
+
+    def _release_idle(self) -> None:
+        """End of the root forward: free units gathered but not in use (unused prefetches)."""
+        if not _in_backward():
+            for unit in self.units:
+                if unit.users == 0:
+                    self._release(unit)
+
+    # ---- hooks --------------------------------------------------------------------------
+    def _on_root_forward(self, module: torch.nn.Module, args: tuple) -> None:
+        if not _in_backward():
+            self._finish_pass("forward")
+
+    def _pre_forward(self, needed: list[Unit]) -> None:
+        for unit in needed:
+            unit.users += 1
+            self._ensure(unit, "backward" if _in_backward() else "forward")
+
+    def _post_forward(self, needed: list[Unit], output: object) -> None:
+        for unit in needed:
+            unit.users -= 1
+            if unit.users == 0 and not _in_backward():
+                self._release(unit)
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors and torch.is_grad_enabled():
+            register_multi_grad_hook(tensors, lambda grads: self._pre_backward(needed), mode="any")
+
+    def _pre_backward(self, needed: list[Unit]) -> None:
+        for unit in needed:
+            self._ensure(unit, "backward")
+
+    def bucket_done(self, bucket: FlatBucket) -> None:
+        """All gradients of `bucket` are in: free its unit once all its buckets are done."""
+        unit = self._bucket_unit.get(id(bucket))
+        if unit is None:
+            return
+        unit.buckets_done += 1
+        if unit.buckets_done == len(unit.buckets):
+            unit.buckets_done = 0
+            self._release(unit)
+
+    def backward_end(self) -> None:
+        """Free everything still gathered and keep this backward's order for prefetching."""
+        for unit in self.units:
+            unit.buckets_done = 0
+            if unit.users == 0:
+                self._release(unit)
+        self._finish_pass("backward")
+
+    def _finish_pass(self, phase: str) -> None:
+        order = self._order[phase]
+        if order:
+            self._next[phase] = dict(zip(order, order[1:]))
+            self._order[phase] = []
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+

@@ -1,0 +1,538 @@
+"""ZeroOptimizer: a ZeRO (Rajbhandari et al. 2020) distributed optimizer, stages 0-3.
+
+With N data-parallel ranks, Ψ parameters and K bytes of optimizer state per parameter
+(mixed-precision Adam: fp32 master + m + v, K = 12), the model states per rank are
+
+    stage 0  (plain DP)          params 2Ψ   grads 2Ψ    optimizer KΨ
+    stage 1  (optimizer states)  params 2Ψ   grads 2Ψ    optimizer KΨ/N
+    stage 2  (+ gradients)       params 2Ψ   grads 2Ψ/N  optimizer KΨ/N
+    stage 3  (+ parameters)      params 2Ψ/N grads 2Ψ/N  optimizer KΨ/N
+
+(2 = bytes of the bf16 / fp16 dtype; grads use the reduce dtype). The semantics are
+DDP's: gradients are averaged over the group, several backward calls accumulate, and a
+run on N ranks equals a single-process run of the inner optimizer on the concatenated
+batch. The inner optimizer must be elementwise, so that it is exact on flat shards.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from optim import clip, fused, sharded_state
+from optim.buffers import FlatBucket, assign_buckets
+from optim.grads import GradReducer
+from optim.scaler import DynamicLossScaler
+from optim.stage3 import ParamGatherer, stage3_units
+from parallel import comm
+
+NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "Muon", "LAMB", "Lamb", "FusedLAMB", "Shampoo", "SparseAdam", "LARS"}
+PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Shards optimizer state (stage ≥ 1), gradients (≥ 2) and parameters (3) over a
+    data-parallel group; a drop-in `torch.optim.Optimizer` (LR schedulers work on it).
+
+    Args:
+        model: any module; its trainable parameters are moved into flat buckets (and cast
+            to `param_dtype`); frozen parameters and floating buffers are cast too.
+        optimizer_class: an elementwise `torch.optim.Optimizer` subclass (AdamW, SGD, ...).
+        stage: ZeRO stage 0, 1, 2 or 3.
+        process_group: the data-parallel group (None: the default group).
+        param_groups: [{"params": [...], **hyperparameters}]; trainable parameters not
+            listed join a group with the constructor's optimizer keyword arguments.
+        param_dtype: dtype of the model's compute copy (None = fp32); masters stay fp32.
+        reduce_dtype: dtype in which gradients are accumulated and reduced.
+        bucket_numel: target elements per bucket at stages 0-2.
+        unit_numel: stage 3 gathers a module's parameters together once they reach this.
+        resident_numel: stage-3 units smaller than this stay gathered (treated as stage 2).
+        step_backend: fused Adam backend ("triton", "torch_fused", "apex", "torch"; None = auto).
+        model_parallel_group: the group over which the model itself is split (tp × pp);
+            grad norms and fp16 overflow flags are summed over it after the DP group.
+        loss_scaler: dynamic loss scaler for fp16 (created by default for fp16).
+        **optimizer_kwargs: passed to `optimizer_class` (lr, weight_decay, betas, ...).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        stage: int = 2,
+        process_group: dist.ProcessGroup | None = None,
+        param_groups: list[dict[str, Any]] | None = None,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        bucket_numel: int = 2**24,
+        unit_numel: int = 2**22,
+        resident_numel: int = 2**16,
+        step_backend: str | None = None,
+        model_parallel_group: dist.ProcessGroup | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        _validate(model, optimizer_class, stage, param_dtype)
+        self.model = model
+        self.optimizer_class = optimizer_class
+        self.stage = stage
+        self.group = process_group
+        self.param_dtype = param_dtype or torch.float32
+        self.model_parallel_group = model_parallel_group
+        self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.names = _param_names(model)
+        groups, group_of = _user_groups(model, param_groups, optimizer_kwargs)
+        _check_same_model_on_all_ranks(model, stage, group_of, self.names, process_group)
+        self._orig_dtypes = {id(t): t.dtype for t in [*model.parameters(), *model.buffers()]}
+        self._cast_untrained(model)
+
+        self.buckets = self._build_buckets(group_of, reduce_dtype, bucket_numel, unit_numel, resident_numel)
+        self.inner = optimizer_class(
+            [{**g, "params": [b.master for b in self.buckets if b.group_index == i]} for i, g in enumerate(groups)],
+            **optimizer_kwargs,
+        )
+        super().__init__(self.inner.param_groups, self.inner.defaults)
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self.defaults = self.inner.defaults
+
+        device = self.buckets[0].master.device
+        self.backend = fused.pick_backend(device, step_backend)
+        self.scaler = loss_scaler or (DynamicLossScaler() if self.param_dtype == torch.float16 else None)
+        self._gatherer = None
+        if stage == 3:
+            self._gatherer = ParamGatherer(model, self._units, process_group)
+        self._reducer = GradReducer(
+            self.buckets,
+            process_group,
+            on_bucket_done=(lambda i: self._gatherer.bucket_done(self.buckets[i])) if self._gatherer else None,
+            on_backward_end=self._gatherer.backward_end if self._gatherer else None,
+        )
+        self._norm: torch.Tensor | None = None
+        self._clip_coef = 1.0
+        self._constructed = True
+
+    # ---- construction -------------------------------------------------------------------
+    def _cast_untrained(self, model: torch.nn.Module) -> None:
+        """Frozen parameters and floating buffers join the model's compute dtype, replicated
+        from group rank 0 as DDP does."""
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        for p in model.parameters():
+            if not p.requires_grad:
+                if p.is_floating_point():
+                    p.data = p.data.to(self.param_dtype)
+                comm.broadcast(p.data, src, group=self.group)
+        for buf in model.buffers():
+            if buf.is_floating_point():
+                buf.data = buf.data.to(self.param_dtype)
+            comm.broadcast(buf.data, src, group=self.group)
+
+    def _build_buckets(
+        self, group_of: dict, reduce_dtype: torch.dtype, bucket_numel: int, unit_numel: int, resident_numel: int
+    ) -> list[FlatBucket]:
+        """Buckets in the order gradients are expected in backward: reverse registration
+        order at stages 0-2, units in reverse post-order at stage 3."""
+        def key(p: torch.nn.Parameter) -> tuple:
+            return (group_of[p], tuple(id(g) for g in comm.replicated_groups(p)))
+
+        def make(params: list, stage: int) -> FlatBucket:
+            return FlatBucket(params, group_of[params[0]], stage, self.rank, self.world, self.param_dtype, reduce_dtype)
+
+        if self.stage < 3:
+            params = list(reversed(list(group_of)))
+            buckets = [make(ps, self.stage) for ps in assign_buckets(params, key, bucket_numel)]
+        else:
+            buckets, self._units = [], []
+            for module, params in reversed(stage3_units(self.model, set(group_of), unit_numel)):
+                stage = 2 if sum(p.numel() for p in params) < resident_numel else 3
+                unit = [make(ps, stage) for ps in assign_buckets(params, key, float("inf"))]
+                buckets += unit
+                if stage == 3:
+                    self._units.append((module, unit))
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        for bucket in buckets:
+            flat = bucket.flat_values([p.detach() for p in bucket.params], torch.float32)
+            comm.broadcast(flat, src, group=self.group)
+            bucket.allocate(flat)
+        return buckets
+
+    # ---- training API -------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), multiplied by the loss scale when training in fp16."""
+        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally without communicating; the
+        first backward after it reduces everything. Stages 2-3 then hold full-size
+        gradient buckets until that backward."""
+        with self._reducer.no_sync():
+            yield
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Global L2 norm of the (unscaled) gradients over every shard and model-parallel
+        rank; gradients are scaled by min(1, max_norm / (norm + 1e-6)) in the step."""
+        if norm_type != 2.0:
+            raise ValueError(f"norm_type={norm_type} is not supported; ZeroOptimizer clips by the L2 norm (2.0)")
+        norm = self._grad_norm()
+        if torch.isfinite(norm):
+            self._clip_coef = clip.clip_coefficient(norm, max_norm)
+        return norm
+
+    def _grad_norm(self) -> torch.Tensor:
+        if self._norm is None:
+            self._check_reduced()
+            groups = [self.group] + ([self.model_parallel_group] if self.model_parallel_group is not None else [])
+            self._norm = clip.global_grad_norm(self.buckets, groups, self._unscale)
+        return self._norm
+
+    @property
+    def _unscale(self) -> float:
+        return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+
+    def _check_reduced(self) -> None:
+        if self._reducer.pending_unsynced:
+            raise RuntimeError(
+                "gradients accumulated under no_sync() were never reduced: run the last backward before step() outside no_sync()"
+            )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One optimizer step on this rank's shards, then the updated parameters are
+        published (all-gathered at stages 1-2). With fp16, a non-finite gradient on any
+        rank skips the step on every rank and lowers the loss scale."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_reduced()
+        if self.scaler is not None:
+            found_inf = not bool(torch.isfinite(self._grad_norm()))
+            self.scaler.update(found_inf)
+            if found_inf:
+                self._end_step()
+                return loss
+        multiplier = self._unscale * self._clip_coef
+        if self._fusable():
+            for i, group in enumerate(self.param_groups):
+                self._fused_step(group, [b for b in self.buckets if b.group_index == i], multiplier)
+        else:
+            self._inner_step(multiplier)
+        self._publish_params()
+        self._end_step()
+        return loss
+
+    def _fusable(self) -> bool:
+        return all(fused.adam_hyperparams(g, self.optimizer_class) is not None for g in self.param_groups)
+
+    def _fused_step(self, group: dict, buckets: list[FlatBucket], multiplier: float) -> None:
+        """Adam/AdamW in one pass per shard, writing the low-precision params too. The
+        state keeps torch's keys and layout, so it is interchangeable with the inner step."""
+        for b in buckets:
+            self._init_adam_state(b.master)
+        steps = [self.state[b.master]["step"] for b in buckets]
+        for s in steps:
+            s += 1
+        fused.adam_step_(
+            self.backend,
+            [b.master for b in buckets],
+            [b.grad_shard for b in buckets],
+            [self.state[b.master]["exp_avg"] for b in buckets],
+            [self.state[b.master]["exp_avg_sq"] for b in buckets],
+            [b.opt_param if b.opt_param.data_ptr() != b.master.data_ptr() else None for b in buckets],
+            step=int(steps[0]),
+            grad_scale=multiplier,
+            **fused.adam_hyperparams(group, self.optimizer_class),
+        )
+
+    def _init_adam_state(self, master: torch.Tensor) -> None:
+        state = self.state[master]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+
+    def _inner_step(self, multiplier: float) -> None:
+        """Any elementwise optimizer: its own step on the fp32 master shards."""
+        for b in self.buckets:
+            grad = b.grad_shard.float()
+            b.master.grad = grad.mul_(multiplier) if multiplier != 1.0 else grad
+        self.inner.step()
+        for b in self.buckets:
+            b.master.grad = None
+            b.write_master_to_params()
+
+    def _publish_params(self) -> None:
+        """All-gather updated shards into the full parameter buffers (stages 1-2 and
+        resident stage-3 units); stage 0 updated everything, stage 3 gathers on use."""
+        works = [
+            comm.all_gather_into_tensor(b.param_buffer, b.param_shard, group=self.group, async_op=True)
+            for b in self.buckets
+            if b.stage in (1, 2)
+        ]
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    def _end_step(self) -> None:
+        self._norm = None
+        self._clip_coef = 1.0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buffers (this optimizer never leaves grads in `param.grad`)."""
+        for b in self.buckets:
+            b.zero_grad()
+        self._reducer.pending_unsynced = False
+        self._end_step()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_constructed", False):
+            raise NotImplementedError("ZeroOptimizer cannot add parameters after construction; pass every group in param_groups=")
+        super().add_param_group(param_group)
+
+    # ---- state ----------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights with the keys and shapes of `model.state_dict()`: trainable
+        parameters from the fp32 masters (in their original dtype), the rest as they are.
+        A collective: every rank must call it; every rank gets the whole dict."""
+        full: dict[torch.nn.Parameter, torch.Tensor] = {}
+        for b in self.buckets:
+            flat = self._gather_flat(b, b.master)
+            for i, p in enumerate(b.params):
+                full[p] = b.param_view(flat, i).to(self._orig_dtypes[id(p)]).clone()
+        return {
+            k: full[v] if v in full else v.detach().to(self._orig_dtypes.get(id(v), v.dtype)).clone()
+            for k, v in self.model.state_dict(keep_vars=True).items()
+        }
+
+    def _gather_flat(self, bucket: FlatBucket, shard: torch.Tensor) -> torch.Tensor:
+        """The full flat tensor of which `shard` (master-shaped) is this rank's part."""
+        if bucket.stage == 0:
+            return shard
+        flat = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
+        comm.all_gather_into_tensor(flat, shard, group=self.group)
+        return flat
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sharded state for `torch.distributed.checkpoint`, canonical per parameter:
+        {"params": {name: fp32 master}, "state": {name: {key: tensor}}, "param_groups",
+        "loss_scaler"}, each sharded tensor in the parameter's true shape. It loads under
+        any other data-parallel size and stage: `sd = opt.state_dict(); dcp.load(sd, ...);
+        opt.load_state_dict(sd)`. Entries are views of the optimizer's own storage."""
+        self._materialize_state()
+        params: dict[str, Any] = {}
+        state: dict[str, dict[str, Any]] = {}
+        for b in self.buckets:
+            for name, sharded in self._sharded_views(b, b.master).items():
+                params[name] = sharded
+            for key, value in self.state[b.master].items():
+                if value.numel() == b.master.numel():
+                    for name, sharded in self._sharded_views(b, value).items():
+                        state.setdefault(name, {})[key] = sharded
+                else:
+                    for p in b.params:
+                        state.setdefault(self.names[p], {})[key] = value
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"},
+             "params": [self.names[p] for b in self.buckets if b.group_index == i for p in b.params]}
+            for i, g in enumerate(self.param_groups)
+        ]
+        sd: dict[str, Any] = {"params": params, "state": state, "param_groups": groups}
+        if self.scaler is not None:
+            sd["loss_scaler"] = self.scaler.state_dict()
+        return sd
+
+    def _sharded_views(self, bucket: FlatBucket, shard: torch.Tensor) -> dict[str, Any]:
+        """name -> sharded tensor whose local pieces view `shard` (master-shaped)."""
+        lo, hi = bucket.shard_range
+        base = lo - bucket.opt_range[0]
+        all_ranges = [
+            {i: (s, e) for i, s, e, _ in bucket.shard_ranges(r)} for r in range(self.world)
+        ]
+        out = {}
+        for i, p in enumerate(bucket.params):
+            pieces = [(s, shard[base + at : base + at + e - s]) for j, s, e, at in bucket.ranges_of(lo, hi) if j == i]
+            ranges = [[rs[i]] if i in rs else [] for rs in all_ranges]
+            out[self.names[p]] = sharded_state.sharded_tensor_from_flat(bucket.shapes[i], pieces, ranges, self.group)
+        return out
+
+    def _materialize_state(self) -> None:
+        """Create the inner optimizer's state before its first step, so a checkpoint can be
+        loaded into it: one step with zero gradients and lr 0, after which the masters are
+        restored and every state tensor is zeroed (a fresh state for Adam-like optimizers)."""
+        if all(self.state[b.master] for b in self.buckets):
+            return
+        if self._fusable():
+            for b in self.buckets:
+                self._init_adam_state(b.master)
+            return
+        saved = [b.master.clone() for b in self.buckets]
+        lrs = [g["lr"] for g in self.param_groups]
+        for g in self.param_groups:
+            g["lr"] = 0.0
+        for b in self.buckets:
+            b.master.grad = torch.zeros_like(b.master)
+        self.inner.step()
+        for b, m, g, lr in zip(self.buckets, saved, self.param_groups, lrs):
+            b.master.copy_(m)
+            b.master.grad = None
+            g["lr"] = lr
+            for value in self.state[b.master].values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state dict filled by `torch.distributed.checkpoint.load` (or one returned
+        by `state_dict()` under the same layout), then republish the parameters."""
+        self._materialize_state()
+        mine = self.state_dict()
+        _copy_into(mine["params"], state_dict["params"])
+        for name, entries in mine["state"].items():
+            _copy_into(entries, state_dict["state"][name])
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        if self.scaler is not None and "loss_scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])
+        if self.stage == 0:
+            self._replicate_stage0()
+        for b in self.buckets:
+            b.write_master_to_params()
+        self._publish_params()
+
+    def _replicate_stage0(self) -> None:
+        """Stage 0 loads only its own shard of each replicated tensor; gather the rest."""
+        for b in self.buckets:
+            lo, hi = b.shard_range
+            for t in [b.master, *(v for v in self.state[b.master].values() if v.numel() == b.master.numel())]:
+                comm.all_gather_into_tensor(t, t[lo:hi].clone(), group=self.group)
+
+    # ---- introspection --------------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes per rank of the model states that exist right now, by category: params
+        (low-precision copies), grads, master (fp32 copies not aliasing params) and
+        optimizer (inner state). Each storage is counted once, in the first category."""
+        seen: set[int] = set()
+
+        def size(tensors: list[torch.Tensor | None]) -> int:
+            total = 0
+            for t in tensors:
+                if t is None or t.numel() == 0:
+                    continue
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+            return total
+
+        return {
+            "params": size([b.param_buffer for b in self.buckets] + [b.param_shard for b in self.buckets]
+                           + [p for p in self.model.parameters()]),
+            "grads": size([b.grad_buffer for b in self.buckets] + [b.grad_shard for b in self.buckets]),
+            "master": size([b.master for b in self.buckets]),
+            "optimizer": size([v for b in self.buckets for v in self.state[b.master].values()
+                               if isinstance(v, torch.Tensor)]),
+        }
+
+
+# ---- helpers ------------------------------------------------------------------------------
+def _validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, param_dtype: Any) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got {optimizer_class!r}"
+        )
+    if optimizer_class.__name__ in NOT_ELEMENTWISE:
+        raise ValueError(
+            f"{optimizer_class.__name__} is not elementwise (its update of one element depends on others), "
+            "so it is not exact on flat shards; use an elementwise optimizer such as AdamW, SGD or Adagrad"
+        )
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype={param_dtype} is not supported; use None (fp32), torch.bfloat16 or torch.float16")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "ZeroOptimizer needs torch.distributed initialized: launch with torchrun and call "
+            "dist.init_process_group() first (world_size=1 is fine)"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameter (every parameter has requires_grad=False)")
+
+
+def _param_names(model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
+    """The first name of each parameter (a tied parameter keeps the first)."""
+    names: dict[torch.nn.Parameter, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(p, name)
+    return names
+
+
+def _user_groups(
+    model: torch.nn.Module, param_groups: list[dict[str, Any]] | None, defaults: dict[str, Any]
+) -> tuple[list[dict[str, Any]], dict[torch.nn.Parameter, int]]:
+    """Hyperparameters per group (without "params") and trainable parameter -> group index,
+    in model registration order."""
+    trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    assigned: dict[torch.nn.Parameter, int] = {}
+    groups: list[dict[str, Any]] = []
+    for i, g in enumerate(param_groups or []):
+        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        for p in ps:
+            if p in assigned:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is in param groups {assigned[p]} and {i}; list it once")
+            if not any(p is q for q in trainable):
+                raise ValueError(f"param group {i} lists a tensor of shape {tuple(p.shape)} that is not a trainable parameter of the model")
+            assigned[p] = i
+        groups.append({k: v for k, v in g.items() if k != "params"})
+    rest = [p for p in trainable if p not in assigned]
+    if rest:
+        groups.append({})
+        for p in rest:
+            assigned[p] = len(groups) - 1
+    return groups, {p: assigned[p] for p in trainable}
+
+
+def _check_same_model_on_all_ranks(
+    model: torch.nn.Module, stage: int, group_of: dict, names: dict, group: dist.ProcessGroup | None
+) -> None:
+    """One all_gather_object of each rank's parameter signature; every rank raises the same
+    error when they differ, so a mismatch can never turn into a hang."""
+    signature = (
+        stage,
+        [(name, tuple(p.shape), str(p.dtype), p.requires_grad, group_of.get(p)) for name, p in model.named_parameters()],
+    )
+    everyone = comm.all_gather_object(signature, group=group)
+    for r, other in enumerate(everyone):
+        if other != everyone[0]:
+            diff = _first_difference(everyone[0], other)
+            raise ValueError(f"the model differs between group ranks 0 and {r} at construction ({diff}); build the same model on every rank")
+
+
+def _first_difference(a: tuple, b: tuple) -> str:
+    if a[0] != b[0]:
+        return f"stage {a[0]} vs {b[0]}"
+    if len(a[1]) != len(b[1]):
+        return f"{len(a[1])} vs {len(b[1])} parameters"
+    for x, y in zip(a[1], b[1]):
+        if x != y:
+            return f"parameter {x[0]}: {x[1:]} vs {y[0]}: {y[1:]}"
+    return "unknown"
+
+
+def _copy_into(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Copy loaded values into the optimizer's own views, unless they are the same storage."""
+    for key, target in mine.items():
+        source = theirs[key]
+        for dst, src in zip(_local_tensors(target), _local_tensors(source)):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+
+
+def _local_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor) and hasattr(value, "local_shards"):
+        return [s.tensor for s in value.local_shards()]
+    return [value]

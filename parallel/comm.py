@@ -1,0 +1,335 @@
+"""Collectives with per-group call and byte accounting.
+
+Every collective in zero3d goes through this module, so that ``tracking()`` can
+count, per process-group name and per op, the calls, the ``payload_bytes``
+(the tensor bytes handed to the call) and the ``bytes`` this rank puts on the wire
+under the ring algorithm. With N = group size and S = tensor bytes:
+
+    all_reduce               2·S·(N−1)/N     (reduce-scatter, then all-gather)
+    reduce_scatter_tensor    S_in·(N−1)/N    (S_in: the full, unsharded input)
+    all_gather_into_tensor   S_out·(N−1)/N   (S_out: the full, gathered output)
+    broadcast                S on src, 0 elsewhere
+    send / isend             S
+    recv / irecv             0
+    all_gather_object        P·(N−1)         (P: the pickled object; torch's size
+                                              exchange and padding are not counted)
+    barrier                  0
+
+Arithmetic is integer: ``S*(N-1)//N``. zero3d pads every sharded buffer to a
+multiple of N elements, so the division is exact. A group of size 1 still makes
+(and counts) the call, with 0 bytes. ``payload_bytes`` of reduce-scatter and
+all-gather is the full tensor, so that ZeRO's reduce-scatter + all-gather of Ψ
+bytes has the payload and wire bytes of one all-reduce of Ψ.
+
+The wrappers take torch's arguments and return exactly what torch returns.
+When no ``tracking()`` is active, the cost over torch is one ``is not None`` test.
+"""
+
+from __future__ import annotations
+
+import pickle
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
+
+Group = dist.ProcessGroup | None
+
+__all__ = [
+    "CommLog",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "group_name",
+    "irecv",
+    "isend",
+    "mark_replicated",
+    "recv",
+    "reduce_scatter_tensor",
+    "replicated_groups",
+    "send",
+    "set_group_name",
+    "tracking",
+]
+
+
+# ---------------------------------------------------------------------------
+# Group names
+# ---------------------------------------------------------------------------
+
+_names: weakref.WeakKeyDictionary[dist.ProcessGroup, str] = weakref.WeakKeyDictionary()
+
+
+def set_group_name(group: Group, name: str) -> None:
+    """Label ``group`` (None: the world group) as ``name`` in the stats.
+
+    The label lives as long as the group object. A mesh dimension that spans all
+    ranks *is* the world group, so labelling it also labels ``group=None`` calls.
+    """
+    _names[dist.group.WORLD if group is None else group] = name
+
+
+def group_name(group: Group) -> str:
+    """The label set by ``set_group_name``; else "world" for None / WORLD; else the
+    group's ``group_desc`` (DeviceMesh sets "mesh_<dim>"); else "ranks[0,1,..]"."""
+    pg = dist.group.WORLD if group is None else group
+    if pg in _names:
+        return _names[pg]
+    if pg is dist.group.WORLD:
+        return "world"
+    if pg.group_desc not in ("", "undefined"):
+        return pg.group_desc
+    return f"ranks[{','.join(map(str, dist.get_process_group_ranks(pg)))}]"
+
+
+# ---------------------------------------------------------------------------
+# Accounting
+# ---------------------------------------------------------------------------
+
+
+class CommLog:
+    """Per group name -> per op name -> {"calls", "bytes", "payload_bytes"}.
+
+    Filled by the wrappers of this module while the ``tracking()`` block that
+    yielded it is active (from any thread).
+    """
+
+    def __init__(self) -> None:
+        self._stats: dict[str, dict[str, dict[str, int]]] = {}
+        self._outer: CommLog | None = None  # the enclosing tracking() log, if nested
+
+    def _add(self, group: str, op: str, payload: int, wire: int) -> None:
+        ops = self._stats.setdefault(group, {})
+        entry = ops.setdefault(op, {"calls": 0, "bytes": 0, "payload_bytes": 0})
+        entry["calls"] += 1
+        entry["bytes"] += wire
+        entry["payload_bytes"] += payload
+
+    def as_dict(self) -> dict[str, dict[str, dict[str, int]]]:
+        """A copy of the stats."""
+        return {g: {op: dict(e) for op, e in ops.items()} for g, ops in self._stats.items()}
+
+    def _sum(self, key: str, group_name: str | None, op: str | None) -> int:
+        return sum(
+            e[key]
+            for g, ops in self._stats.items()
+            if group_name in (None, g)
+            for o, e in ops.items()
+            if op in (None, o)
+        )
+
+    def total_bytes(self, group_name: str | None = None, op: str | None = None) -> int:
+        """Wire bytes sent by this rank, over all groups / ops unless one is named."""
+        return self._sum("bytes", group_name, op)
+
+    def calls(self, group_name: str | None = None, op: str | None = None) -> int:
+        """Number of calls, over all groups / ops unless one is named."""
+        return self._sum("calls", group_name, op)
+
+    def reset(self) -> None:
+        """Forget everything recorded so far (recording goes on if active)."""
+        self._stats.clear()
+
+    def __repr__(self) -> str:
+        return f"CommLog({self._stats!r})"
+
+
+_log: CommLog | None = None  # innermost active tracking() log
+
+
+@contextmanager
+def tracking() -> Iterator[CommLog]:
+    """Record every collective issued through this module into a fresh ``CommLog``.
+
+    Blocks nest: a call inside an inner block is recorded by the inner log and by
+    every enclosing one. A log stops recording when its block exits.
+    """
+    global _log
+    log = CommLog()
+    log._outer = _log
+    _log = log
+    try:
+        yield log
+    finally:
+        _log = log._outer
+
+
+def _record(group: Group, op: str, payload: int, wire: int) -> None:
+    name = group_name(group)
+    log = _log
+    while log is not None:
+        log._add(name, op, payload, wire)
+        log = log._outer
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _ring(group: Group, s: int) -> int:
+    """S·(N−1)/N: what each rank sends in a ring reduce-scatter or all-gather of S bytes.
+    0 for N = 1 (and for a rank outside the group, where torch does nothing)."""
+    n = dist.get_world_size(group)
+    return s * (n - 1) // n if n > 1 else 0
+
+
+# ---------------------------------------------------------------------------
+# Collectives
+# ---------------------------------------------------------------------------
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: Group = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """In-place all-reduce. bytes = 2·S·(N−1)/N, payload = S."""
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    if _log is not None:
+        s = _nbytes(tensor)
+        _record(group, "all_reduce", s, 2 * _ring(group, s))
+    return work
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: Group = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Reduce ``input`` (N·shard) over the group; rank i keeps shard i in ``output``.
+    bytes = S_in·(N−1)/N, payload = S_in."""
+    # torch 2.13 deprecates reduce_scatter_tensor for this same-signature op.
+    work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    if _log is not None:
+        s = _nbytes(input)
+        _record(group, "reduce_scatter_tensor", s, _ring(group, s))
+    return work
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Concatenate every rank's ``input`` into ``output`` (N·shard).
+    bytes = S_out·(N−1)/N, payload = S_out."""
+    # torch 2.13 deprecates all_gather_into_tensor for this same-signature op.
+    work = dist.all_gather_single(output, input, group=group, async_op=async_op)
+    if _log is not None:
+        s = _nbytes(output)
+        _record(group, "all_gather_into_tensor", s, _ring(group, s))
+    return work
+
+
+def broadcast(
+    tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False
+) -> dist.Work | None:
+    """Copy ``tensor`` from global rank ``src`` to the group.
+    bytes = S on src (N > 1), 0 elsewhere; payload = S on every rank."""
+    work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    if _log is not None:
+        s = _nbytes(tensor)
+        sends = dist.get_rank() == src and dist.get_world_size(group) > 1
+        _record(group, "broadcast", s, s if sends else 0)
+    return work
+
+
+def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in group-rank order.
+    bytes = P·(N−1), payload = P, with P = len(pickle.dumps(obj))."""
+    n = dist.get_world_size(group)
+    out: list[Any] = [None] * n
+    dist.all_gather_object(out, obj, group=group)
+    if _log is not None:
+        p = len(pickle.dumps(obj))
+        _record(group, "all_gather_object", p, p * (n - 1))
+    return out
+
+
+def barrier(group: Group = None) -> None:
+    """Block until every rank of the group arrives. bytes = payload = 0."""
+    dist.barrier(group=group)
+    if _log is not None:
+        _record(group, "barrier", 0, 0)
+
+
+def send(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
+    """Blocking send to global rank ``dst``. bytes = payload = S."""
+    dist.send(tensor, dst=dst, group=group)
+    if _log is not None:
+        s = _nbytes(tensor)
+        _record(group, "send", s, s)
+
+
+def recv(tensor: torch.Tensor, src: int, group: Group = None) -> int:
+    """Blocking receive from global rank ``src``; returns torch's sender rank.
+    bytes = 0, payload = S."""
+    sender = dist.recv(tensor, src=src, group=group)
+    if _log is not None:
+        _record(group, "recv", _nbytes(tensor), 0)
+    return sender
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> dist.Work | None:
+    """Non-blocking send to global rank ``dst``. bytes = payload = S."""
+    work = dist.isend(tensor, dst=dst, group=group)
+    if _log is not None:
+        s = _nbytes(tensor)
+        _record(group, "isend", s, s)
+    return work
+
+
+def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> dist.Work | None:
+    """Non-blocking receive from global rank ``src``. bytes = 0, payload = S."""
+    work = dist.irecv(tensor, src=src, group=group)
+    if _log is not None:
+        _record(group, "irecv", _nbytes(tensor), 0)
+    return work
+
+
+def batch_isend_irecv(p2p_ops: list[dist.P2POp]) -> list[dist.Work]:
+    """Issue ``dist.P2POp(dist.isend | dist.irecv, ...)`` ops together; each op is
+    counted as one "isend" (bytes = S) or "irecv" (bytes = 0) under its group."""
+    works = dist.batch_isend_irecv(p2p_ops)
+    if _log is not None:
+        for p2p in p2p_ops:
+            s = _nbytes(p2p.tensor)
+            if p2p.op is dist.isend:
+                _record(p2p.group, "isend", s, s)
+            else:
+                _record(p2p.group, "irecv", s, 0)
+    return works
+
+
+# ---------------------------------------------------------------------------
+# Replication marks (read by gradient clipping)
+# ---------------------------------------------------------------------------
+
+_replicated: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def mark_replicated(param: torch.Tensor, group: Group) -> None:
+    """Declare that ``param`` holds the same values on every rank of ``group``
+    (a TP-replicated LayerNorm, a tied embedding on two pipeline stages), so that
+    the global grad norm counts it once there. Repeat for several groups; marking
+    the same group twice is a no-op. The mark lives with this Parameter object
+    (a deepcopy starts unmarked)."""
+    groups = _replicated.get(param, ())
+    if not any(g is group for g in groups):
+        _replicated[param] = (*groups, group)
+
+
+def replicated_groups(param: torch.Tensor) -> tuple[Group, ...]:
+    """The groups ``param`` was marked replicated over, in marking order; () if none."""
+    return _replicated.get(param, ())

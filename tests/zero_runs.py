@@ -1,0 +1,58 @@
+"""Distributed training loops with ZeroOptimizer, run on every rank by the tests."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from optim import ZeroOptimizer
+from tests.models import batches, make_model, micro_slices, no_decay_groups
+
+
+def zero_train(
+    stage: int,
+    steps: int = 10,
+    global_batch: int = 16,
+    micro: int = 2,
+    param_dtype: torch.dtype | None = None,
+    optimizer_class: type = torch.optim.AdamW,
+    clip: float | None = 0.5,
+    make: Callable[[], nn.Module] = make_model,
+    use_no_sync: bool = False,
+    before_step: Callable[[nn.Module, int], None] | None = None,
+    zero_kwargs: dict[str, Any] | None = None,
+    **opt_kwargs: Any,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train with ZeroOptimizer as `tests.models.reference_run` does in one process:
+    same global batches, each rank on its 1/N slice in `micro` micro-batches. Returns the
+    global mean loss per step and the full (gathered) state dict."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make()
+    opt = ZeroOptimizer(
+        model, optimizer_class, stage=stage, param_groups=no_decay_groups(model),
+        param_dtype=param_dtype, **(zero_kwargs or {}), **opt_kwargs,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    losses = []
+    for step, (idx, tgt) in enumerate(batches(steps, global_batch)):
+        if before_step is not None:
+            before_step(model, step)
+        total = torch.zeros(())
+        slices = micro_slices(global_batch, world, rank, micro)
+        for k, sl in enumerate(slices):
+            quiet = use_no_sync and k < len(slices) - 1
+            with opt.no_sync() if quiet else contextlib.nullcontext():
+                loss = model(idx[sl], tgt[sl])
+                opt.backward(loss)
+            total += loss.detach().float() / micro
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return losses, opt.full_state_dict()
