@@ -72,12 +72,12 @@ class FlatBucket:
         """[lo, hi) of the flat buffer this rank's optimizer updates: all of it at stage 0."""
         return (0, self.numel) if self.stage == 0 else self.shard_range
 
-    def ranges_of(self, lo: int, hi: int, rank: int | None = None) -> list[tuple[int, int, int, int]]:
+    def ranges_of(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
         """Per parameter i overlapping flat [lo, hi): (i, start, end, at) where [start, end) is
         the range of the parameter's own flattening and `at` its offset inside [lo, hi)."""
         out = []
-        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
-            start, end = max(lo, off) - off, min(hi, off + p.numel()) - off
+        for i, (shape, off) in enumerate(zip(self.shapes, self.offsets)):
+            start, end = max(lo, off) - off, min(hi, off + shape.numel()) - off
             if start < end:
                 out.append((i, start, end, off + start - lo))
         return out

@@ -170,7 +170,8 @@ def adam_step_(
     _check_shards(masters, grads, exp_avgs, exp_avg_sqs, params_out)
     if not masters:
         return
-    hyper = _Hyper(lr, beta1, beta2, eps, weight_decay, adamw, step, grad_scale)
+    scalars = (float(x) for x in (lr, beta1, beta2, eps, weight_decay))
+    hyper = _Hyper(*scalars, adamw=bool(adamw), step=int(step), grad_scale=float(grad_scale))
     _STEPS[backend](masters, grads, exp_avgs, exp_avg_sqs, params_out, hyper)
 
 

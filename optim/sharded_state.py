@@ -8,6 +8,10 @@ true global shape, and the boxes become the shards of a ``ShardedTensor``. DCP
 stores boxes by (offsets, sizes) and, on load, copies the overlap of each saved
 box with each requested box, so a checkpoint saved under one layout loads under
 any other without conversion.
+
+``ShardedTensor`` warns that it is deprecated in favour of ``DTensor`` (torch 2.13),
+but a DTensor placement (even-chunk ``Shard(dim)`` per mesh dim) cannot describe an
+arbitrary flat range, and DCP still saves and loads ``ShardedTensor`` natively.
 """
 
 from __future__ import annotations
@@ -36,8 +40,11 @@ def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
     ``[ceil(start / inner), end // inner)`` (one box), and a tail (prefix of row
     ``end // inner``); head and tail recurse on ``shape[1:]``. A suffix or prefix
     of a ``k``-dim tensor needs at most ``k`` boxes, so any range needs at most
-    ``2k - 1``. Boxes come in flat order and each is contiguous in memory.
-    A 0-dim ``shape`` is treated as ``[1]``.
+    ``2k - 1``. Boxes come in flat order and each is a contiguous flat run, so
+    it is a reshape of a slice of the flat storage; no split of the range into
+    such runs has fewer boxes. (Boxes that are not flat runs can be fewer, e.g.
+    ``[1, 9)`` of ``(3, 4)`` is 2 of them, but would be strided, non-contiguous
+    views, which ``ShardedTensor`` rejects.) A 0-dim ``shape`` is treated as ``[1]``.
     """
     shape = list(shape) or [1]
     numel = math.prod(shape)
@@ -47,6 +54,7 @@ def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
 
 
 def _boxes(shape: list[int], start: int, end: int) -> list[Box]:
+    """Head, middle and tail boxes of flat ``[start, end)``, as in :func:`flat_range_boxes`."""
     if start >= end:
         return []
     if len(shape) == 1:
@@ -98,8 +106,9 @@ def sharded_tensor_from_flat(
     my_rank = dist.get_rank(group)
     if my_rank < 0:
         raise ValueError("this rank is not a member of `group`")
-    if len(all_ranges) != dist.get_world_size(group):
-        raise ValueError(f"all_ranges has {len(all_ranges)} entries, the group {dist.get_world_size(group)} ranks")
+    n = dist.get_world_size(group)
+    if len(all_ranges) != n:
+        raise ValueError(f"all_ranges has {len(all_ranges)} entries but the group has {n} ranks")
     if any(t.dim() != 1 for _, t in local_pieces):
         raise ValueError("local pieces must be 1-D tensors")
     mine = sorted((s, s + t.numel()) for s, t in local_pieces if t.numel())
@@ -117,7 +126,12 @@ def sharded_tensor_from_flat(
     metas: list[ShardMetadata] = []
     for r, ranges in enumerate(all_ranges):
         boxes = [box for s, e in ranges for box in flat_range_boxes(shape, s, e)]
-        placement = f"rank:{dist.get_global_rank(group, r)}/{device}" if boxes else ""
+        if not boxes and shape and math.prod(shape):
+            # an empty box keeps the key in this rank's DCP plan: a rank without local
+            # shards drops it, and DCP then mistakes the checkpoint for a pre-2.4 one. It
+            # sits past the end of dim 0 so that save-plan dedup never confuses it with data.
+            boxes = [([shape[0]] + [0] * (len(shape) - 1), [0] + shape[1:])]
+        placement = f"rank:{dist.get_global_rank(group, r)}/{device}"
         for offsets, sizes in boxes:
             if not shape:
                 offsets, sizes = [], []
@@ -125,7 +139,9 @@ def sharded_tensor_from_flat(
             metas.append(meta)
             if r == my_rank:
                 lo = sum(o * st for o, st in zip(offsets, strides))
-                local_shards.append(Shard(_piece_view(local_pieces, lo, sizes), meta))
+                empty = math.prod(sizes) == 0
+                view = torch.empty(sizes, dtype=dtype, device=device) if empty else _piece_view(local_pieces, lo, sizes)
+                local_shards.append(Shard(view, meta))
     if math.prod(shape) == 0:
         meta = ShardMetadata([0] * len(shape), shape, f"rank:{dist.get_global_rank(group, 0)}/{device}")
         metas.append(meta)

@@ -318,8 +318,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """Sharded state for `torch.distributed.checkpoint`, canonical per parameter:
-        {"params": {name: fp32 master}, "state": {name: {key: tensor}}, "param_groups",
-        "loss_scaler"}, each sharded tensor in the parameter's true shape. It loads under
+        {"params": {name: fp32 master}, "state": {name: {key: tensor}}, "param_groups":
+        (hyperparameters per group), "loss_scaler"}, each sharded tensor in the parameter's true shape. It loads under
         any other data-parallel size and stage: `sd = opt.state_dict(); dcp.load(sd, ...);
         opt.load_state_dict(sd)`. Entries are views of the optimizer's own storage."""
         self._materialize_state()
@@ -335,11 +335,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 else:
                     for p in b.params:
                         state.setdefault(self.names[p], {})[key] = value
-        groups = [
-            {**{k: v for k, v in g.items() if k != "params"},
-             "params": [self.names[p] for b in self.buckets if b.group_index == i for p in b.params]}
-            for i, g in enumerate(self.param_groups)
-        ]
+        # a tuple is one opaque (pickled) entry for DCP, whose save and load traversals
+        # disagree on how to flatten lists of plain dicts
+        groups = tuple({k: v for k, v in g.items() if k != "params"} for g in self.param_groups)
         sd: dict[str, Any] = {"params": params, "state": state, "param_groups": groups}
         if self.scaler is not None:
             sd["loss_scaler"] = self.scaler.state_dict()
@@ -392,8 +390,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         _copy_into(mine["params"], state_dict["params"])
         for name, entries in mine["state"].items():
             _copy_into(entries, state_dict["state"][name])
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"the checkpoint has {len(saved_groups)} param groups and this optimizer {len(self.param_groups)}; build the optimizer with the same param_groups"
+            )
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update(saved)
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
         if self.stage == 0:

@@ -7,7 +7,7 @@ so code under test sees torchrun's environment and a plain
 
 Ranks are started through a "forkserver" that has imported torch once: each rank
 is a fork of that clean, single-threaded server (no OpenMP pool to deadlock on, as
-forking pytest would risk), and does not pay the imports of torch and pytest again. A forkserver
+forking pytest would risk) and does not pay the heavy imports again. A forkserver
 child inherits the server's environment, not the caller's current one.
 """
 
@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 _CTX = mp.get_context("forkserver")
-# pytest too: every rank re-imports the parent's __main__, which under pytest is pytest.
+# Imported once by the server rather than by every rank: torch._dynamo (~4 s; pulled in
+# by torch.distributed.tensor, CommDebugMode, torch.compile) and pytest (each rank
+# re-imports the parent's __main__, which under pytest is pytest).
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pytest"])
 
 
@@ -75,7 +77,9 @@ def _receive(conn: Connection, proc: BaseProcess) -> tuple[bool, Any]:
         return False, f"process exited with code {proc.exitcode} before sending a result"
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any
+) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return their results in rank order.
 
     ``fn`` must be picklable (module level). Each rank first calls
@@ -83,8 +87,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     dies), the others are killed and an AssertionError carries its rank and
     traceback; past ``timeout`` seconds every rank is killed.
     """
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+    )
     procs: list[BaseProcess] = []
     conns: list[Connection] = []
     try:

@@ -88,6 +88,7 @@ def reference_run(
     optimizer_class: type = torch.optim.AdamW,
     clip: float | None = 0.5,
     make: Callable[[], nn.Module] = make_model,
+    before_step: Callable[[nn.Module, int], None] | None = None,
     **opt_kwargs,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process torch.optim run on the same global batches: for each step the gradient
@@ -96,7 +97,9 @@ def reference_run(
     opt = optimizer_class(no_decay_groups(model), **opt_kwargs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     losses = []
-    for idx, tgt in batches(steps, global_batch):
+    for step, (idx, tgt) in enumerate(batches(steps, global_batch)):
+        if before_step is not None:
+            before_step(model, step)
         total = 0.0
         for r in range(world):
             for sl in micro_slices(global_batch, world, r, micro):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import tempfile
@@ -68,6 +69,26 @@ def test_flat_range_boxes_worst_case_and_edges() -> None:
         flat_range_boxes([2, 3], 2, 7)
 
 
+def _is_box(shape: list[int], start: int, end: int) -> bool:
+    """Whether non-empty flat ``[start, end)`` of a row-major ``shape`` is one box (corner-to-corner volume)."""
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    lo = [start // st % d for st, d in zip(strides, shape)]
+    hi = [(end - 1) // st % d for st, d in zip(strides, shape)]
+    return all(h >= l for l, h in zip(lo, hi)) and math.prod(h - l + 1 for l, h in zip(lo, hi)) == end - start
+
+
+def test_flat_range_boxes_is_fewest_in_flat_order() -> None:
+    # Exhaustive: for every range, the fewest consecutive flat segments that are boxes (DP from each start).
+    for shape in [[2, 3, 4], [3, 1, 3], [2, 2, 2, 2], [3, 2, 1, 2], [4, 5]]:
+        n = math.prod(shape)
+        for start in range(n + 1):
+            fewest = {start: 0}
+            for end in range(start + 1, n + 1):
+                fewest[end] = 1 + min(fewest[i] for i in range(start, end) if _is_box(shape, i, end))
+            for end in range(start, n + 1):
+                assert len(flat_range_boxes(shape, start, end)) == fewest[end], (shape, start, end)
+
+
 # ---------------------------------------------------------------- simulated ZeRO layout
 
 SHAPES: dict[str, list[int]] = {
@@ -130,19 +151,29 @@ def _expected_flat(params: dict[str, list[int]], key: str, length: int, pieces: 
 
 
 def _rank_state(
-    params: dict[str, list[int]], bucket_cap: int, group: dist.ProcessGroup | None, filled: bool
+    params: dict[str, list[int]],
+    bucket_cap: int,
+    group: dist.ProcessGroup | None,
+    filled: bool,
+    replicated: bool = False,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(state dict, flat shards it views, expected flat shards) of this rank in ``group``.
 
-    The state dict is Adam-like: ``{key: {fqn: ShardedTensor}}`` plus a plain tensor ``step``
-    and a python float ``lr`` (3.0 and 0.1 when ``filled``, else zeros).
+    The state dict is Adam-like: ``{key: {fqn: state}}`` plus a plain tensor ``step`` and a
+    python float ``lr`` (3.0 and 0.1 when ``filled``, else zeros). Sharded (ZeRO >= 1): each
+    state is a ``ShardedTensor`` over this rank's pieces. ``replicated`` (ZeRO-0): every rank
+    holds the whole unpadded flat buffer and each state is a plain full-shape view of it.
     """
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    n, rank = (1, 0) if replicated else (dist.get_world_size(group), dist.get_rank(group))
     length, pieces = _layout(params, n, bucket_cap)
     expected = {k: _expected_flat(params, k, length, pieces, rank) for k in KEYS}
     flats = {k: v.clone() if filled else torch.zeros(length) for k, v in expected.items()}
     state: dict[str, Any] = {"step": torch.tensor(3.0 if filled else 0.0), "lr": 0.1 if filled else 0.0}
+    starts = dict(zip(params, itertools.accumulate((math.prod(s) for s in params.values()), initial=0)))
     for k, flat in flats.items():
+        if replicated:
+            state[k] = {p: flat[starts[p] : starts[p] + math.prod(sh)].view(sh) for p, sh in params.items()}
+            continue
         state[k] = {
             p: sharded_tensor_from_flat(
                 shape,
@@ -155,24 +186,24 @@ def _rank_state(
     return state, flats, expected
 
 
-def _save(path: str, params: dict[str, list[int]], bucket_cap: int) -> int:
-    """Save under this world's layout; returns how many pieces this rank held."""
-    state, _, _ = _rank_state(params, bucket_cap, None, filled=True)
+def _save(path: str, params: dict[str, list[int]], bucket_cap: int, replicated: bool = False) -> int:
+    """Save under this world's layout; returns how many tensors or shards this rank offered."""
+    state, _, _ = _rank_state(params, bucket_cap, None, True, replicated)
     dcp.save(state, checkpoint_id=path)
-    return sum(len(st.local_shards()) for st in state["exp_avg"].values())
+    return sum(1 if replicated else len(st.local_shards()) for st in state["exp_avg"].values())
 
 
 def _save_tp_dp(path: str, bucket_cap: int) -> None:
-    """World 4 as tp=2 x dp=2 (tp inner): DP group {t, t+2} shards ``tp{t}.*`` and the TP-replicated ``shared.*``."""
+    """World 4 as tp=2 x dp=2 (tp inner): DP group {t, t+2} shards ``tp{t}.*`` and TP-replicated ``shared.*``."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     tp = dist.get_rank() % 2
     state, _, _ = _rank_state(_params(f"tp{tp}.", "shared."), bucket_cap, groups[tp], filled=True)
     dcp.save(state, checkpoint_id=path)
 
 
-def _load(path: str, params: dict[str, list[int]], bucket_cap: int) -> bool:
+def _load(path: str, params: dict[str, list[int]], bucket_cap: int, replicated: bool = False) -> bool:
     """Load into zeroed flat shards of this world's layout; check every element and the scalars."""
-    state, flats, expected = _rank_state(params, bucket_cap, None, filled=False)
+    state, flats, expected = _rank_state(params, bucket_cap, None, False, replicated)
     dcp.load(state, checkpoint_id=path)
     for k in KEYS:
         torch.testing.assert_close(flats[k], expected[k], rtol=0, atol=0)
@@ -194,6 +225,13 @@ def test_dcp_reshard_across_layouts() -> None:
         assert run_distributed(_load, 2, path, params, 1000) == [True] * 2
         assert run_distributed(_load, 1, path, reordered, 64) == [True]
         assert run_distributed(_load, 3, path, reordered, 50) == [True] * 3
+        assert run_distributed(_load, 2, path, reordered, 64, replicated=True) == [True] * 2
+
+
+def test_dcp_replicated_stage0_loads_sharded() -> None:
+    with tempfile.TemporaryDirectory() as path:
+        assert run_distributed(_save, 2, path, _params(""), 64, replicated=True) == [len(SHAPES)] * 2
+        assert run_distributed(_load, 3, path, _params(""), 20) == [True] * 3
 
 
 def test_dcp_subgroup_placements_load_without_subgroups() -> None:

@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from optim import ZeroOptimizer
@@ -24,11 +25,16 @@ def zero_train(
     use_no_sync: bool = False,
     before_step: Callable[[nn.Module, int], None] | None = None,
     zero_kwargs: dict[str, Any] | None = None,
+    save: tuple[int, str] | None = None,
+    load: str | None = None,
     **opt_kwargs: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train with ZeroOptimizer as `tests.models.reference_run` does in one process:
     same global batches, each rank on its 1/N slice in `micro` micro-batches. Returns the
-    global mean loss per step and the full (gathered) state dict."""
+    global mean loss per step and the full (gathered) state dict.
+
+    `save=(k, dir)` writes a torch.distributed.checkpoint after k steps and stops there;
+    `load=dir` resumes from one (optimizer + LR scheduler) at the step it was saved."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make()
     opt = ZeroOptimizer(
@@ -36,8 +42,18 @@ def zero_train(
         param_dtype=param_dtype, **(zero_kwargs or {}), **opt_kwargs,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    if load is not None:
+        state = {"optim": opt.state_dict(), "sched": sched.state_dict()}
+        dcp.load(state, checkpoint_id=load)
+        opt.load_state_dict(state["optim"])
+        sched.load_state_dict(state["sched"])
     losses = []
     for step, (idx, tgt) in enumerate(batches(steps, global_batch)):
+        if step < sched.last_epoch:
+            continue
+        if save is not None and step == save[0]:
+            dcp.save({"optim": opt.state_dict(), "sched": sched.state_dict()}, checkpoint_id=save[1])
+            break
         if before_step is not None:
             before_step(model, step)
         total = torch.zeros(())
