@@ -70,8 +70,9 @@ _names: weakref.WeakKeyDictionary[dist.ProcessGroup, str] = weakref.WeakKeyDicti
 def set_group_name(group: Group, name: str) -> None:
     """Label ``group`` (None: the world group) as ``name`` in the stats.
 
-    The label lives as long as the group object. A mesh dimension that spans all
-    ranks *is* the world group, so labelling it also labels ``group=None`` calls.
+    The label lives as long as the group object. DeviceMesh returns the world group
+    itself for a dimension that spans all ranks: labelling it also labels
+    ``group=None`` calls, and at world size 1 every dimension shares one label.
     """
     _names[dist.group.WORLD if group is None else group] = name
 
@@ -174,8 +175,9 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _ring(group: Group, s: int) -> int:
-    """S·(N−1)/N: what each rank sends in a ring reduce-scatter or all-gather of S bytes.
-    0 for N = 1 (and for a rank outside the group, where torch does nothing)."""
+    """S·(N−1)//N: what each rank sends in a ring reduce-scatter or all-gather of S bytes
+    (all-reduce: one of each, S → 2S). 0 for N = 1, and for a rank outside the group,
+    where torch does nothing."""
     n = dist.get_world_size(group)
     return s * (n - 1) // n if n > 1 else 0
 
@@ -195,7 +197,7 @@ def all_reduce(
     work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     if _log is not None:
         s = _nbytes(tensor)
-        _record(group, "all_reduce", s, 2 * _ring(group, s))
+        _record(group, "all_reduce", s, _ring(group, 2 * s))
     return work
 
 

@@ -113,7 +113,9 @@ def run_distributed(
             handles = [conns[r] for r in waiting] + [procs[r].sentinel for r in waiting]
             ready = wait(handles, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise AssertionError(f"distributed test timed out after {timeout:g}s on ranks {waiting}")
+                raise AssertionError(
+                    f"distributed test timed out after {timeout:g}s on ranks {waiting}"
+                )
             for r in waiting:
                 if conns[r] in ready or procs[r].sentinel in ready:
                     ok, value = _receive(conns[r], procs[r])

@@ -57,7 +57,8 @@ def _exercise(dp: int, tp: int) -> dict:
 
         gathered = torch.empty(24)
         comm.all_gather_into_tensor(gathered, torch.full((24 // tp,), float(rank)), group=tp_group)
-        assert torch.equal(gathered, torch.arange(tp).repeat_interleave(24 // tp) + (rank // tp) * tp)
+        tp_ranks = torch.arange(tp) + (rank // tp) * tp
+        assert torch.equal(gathered, tp_ranks.repeat_interleave(24 // tp).float())
 
         y = x.clone()
         comm.broadcast(y, src=dp_ranks[0], group=dp_group)
@@ -86,7 +87,10 @@ def _exercise(dp: int, tp: int) -> dict:
         if dp > 1:
             nxt, prv = dp_ranks[(i + 1) % dp], dp_ranks[(i - 1) % dp]
             y = torch.empty(24)
-            ops = [dist.P2POp(dist.isend, x, nxt, dp_group), dist.P2POp(dist.irecv, y, prv, dp_group)]
+            ops = [
+                dist.P2POp(dist.isend, x, nxt, dp_group),
+                dist.P2POp(dist.irecv, y, prv, dp_group),
+            ]
             for w in comm.batch_isend_irecv(ops):
                 w.wait()
             assert torch.equal(y, torch.full((24,), float(prv)))
@@ -128,12 +132,15 @@ def _expected(rank: int, dp: int, tp: int) -> dict:
         "barrier": _entry(1, 0, 0),
     }
     if world > 1:
-        world_stats["send" if rank % 2 == 0 else "recv"] = _entry(1, F32, F32 if rank % 2 == 0 else 0)
+        sender = rank % 2 == 0
+        world_stats["send" if sender else "recv"] = _entry(1, F32, F32 if sender else 0)
         world_stats |= {"isend": _entry(1, F32, F32), "irecv": _entry(1, F32, 0)}
     return {"dp": dp_stats, "tp": tp_stats, "world": world_stats}
 
 
-@pytest.mark.parametrize("dp,tp", [(1, 1), (2, 1), (2, 2)], ids=["world1", "world2-dp2-tp1", "world4-dp2-tp2"])
+@pytest.mark.parametrize(
+    "dp,tp", [(1, 1), (2, 1), (2, 2)], ids=["world1", "world2-dp2-tp1", "world4-dp2-tp2"]
+)
 def test_accounting_matches_ring_formulas(dp: int, tp: int) -> None:
     for rank, stats in enumerate(run_distributed(_exercise, dp * tp, dp, tp)):
         assert stats == _expected(rank, dp, tp), f"rank {rank}"
@@ -242,7 +249,8 @@ def _against_comm_debug_mode() -> None:
             comm.send(t, dst=1)
         else:
             comm.recv(t, src=0)
-        ops = [dist.P2POp(dist.isend, t, 1 - rank), dist.P2POp(dist.irecv, torch.empty(8), 1 - rank)]
+        peer = 1 - rank
+        ops = [dist.P2POp(dist.isend, t, peer), dist.P2POp(dist.irecv, torch.empty(8), peer)]
         for w in comm.batch_isend_irecv(ops):
             w.wait()
         comm.all_gather_object(rank)

@@ -1,0 +1,236 @@
+"""Shared pieces of the benchmarks under ``experiments/bench``.
+
+- ``launch(fn, world_size, *args)``: run ``fn`` on ``world_size`` local gloo ranks and
+  return the per-rank results (a small torchrun: the parent hosts the rendezvous
+  TCPStore, each rank joins it with torchrun's environment variables).
+- ``TinyGPT``: a small causal LM (token + position embedding, pre-norm blocks of causal
+  self-attention and a GELU MLP, final LayerNorm, head tied to the token embedding).
+- ``batch(...)``: deterministic synthetic batches that are learnable (each sequence
+  follows a fixed random bigram permutation), so losses visibly go down.
+- ``model_state_bytes(...)``: bytes of params / grads / optimizer state that exist on a
+  rank, each storage counted once (DTensors count their local shard).
+- ``median`` / ``percentile`` and ``format_table`` for plain-text result tables.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------------------
+# Launching local gloo ranks
+# ---------------------------------------------------------------------------------------
+
+_CTX = mp.get_context("spawn")
+
+
+def _worker(fn: Callable[..., Any], args: tuple, rank: int, world: int, port: int, timeout: float,
+            threads: int, conn: Connection) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    try:
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+        result = fn(*args)
+        dist.destroy_process_group()
+        message = pickle.dumps((True, result))
+    except BaseException:  # noqa: BLE001 - every failure is sent back to the parent
+        message = pickle.dumps((False, traceback.format_exc()))
+    conn.send_bytes(message)
+    conn.close()
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 900.0, threads: int = 1) -> list[Any]:
+    """``fn(*args)`` on ``world_size`` fresh gloo processes (``torch.set_num_threads(threads)``
+    each); their return values in rank order. A failing rank raises RuntimeError with its
+    traceback and the others are killed; so are all of them after ``timeout`` seconds."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    procs, conns = [], []
+    try:
+        for rank in range(world_size):
+            reader, writer = _CTX.Pipe(duplex=False)
+            proc = _CTX.Process(target=_worker, name=f"rank{rank}",
+                                args=(fn, args, rank, world_size, store.port, timeout, threads, writer))
+            proc.start()
+            writer.close()
+            procs.append(proc)
+            conns.append(reader)
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        while len(results) < world_size:
+            waiting = [r for r in range(world_size) if r not in results]
+            ready = wait([conns[r] for r in waiting] + [procs[r].sentinel for r in waiting],
+                         timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise RuntimeError(f"ranks {waiting} of {world_size} timed out after {timeout:g}s")
+            for r in waiting:
+                if conns[r] in ready or procs[r].sentinel in ready:
+                    try:
+                        ok, value = pickle.loads(conns[r].recv_bytes())
+                    except EOFError:
+                        procs[r].join()
+                        ok, value = False, f"process exited with code {procs[r].exitcode} before sending a result"
+                    if not ok:
+                        raise RuntimeError(f"rank {r} of {world_size} failed:\n{value}")
+                    results[r] = value
+        return [results[r] for r in range(world_size)]
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in conns:
+            conn.close()
+
+
+# ---------------------------------------------------------------------------------------
+# Model and data
+# ---------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln1(x)); x + mlp(ln2(x)). Bias-free linears."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim, bias=False)
+        self.fc2 = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        b, s, h = x_bsh.shape
+        q, k, v = self.qkv(self.ln1(x_bsh)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        a_bnsd = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x_bsh = x_bsh + self.proj(a_bnsd.transpose(1, 2).reshape(b, s, h))
+        return x_bsh + self.fc2(F.gelu(self.fc1(self.ln2(x_bsh))))
+
+
+class TinyGPT(nn.Module):
+    """Causal LM: tok + pos embedding, ``layers`` blocks, final LayerNorm, tied head.
+    ``forward(idx_bs, targets_bs)`` returns the mean cross-entropy loss."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+        for name, p in self.named_parameters():
+            if p.ndim == 2:
+                nn.init.normal_(p, std=0.02 / (2 * layers) ** 0.5 if name.endswith(("proj.weight", "fc2.weight")) else 0.02)
+
+    def forward(self, idx_bs: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
+        x_bsh = self.tok(idx_bs) + self.pos.weight[: idx_bs.shape[1]]
+        for block in self.blocks:
+            x_bsh = block(x_bsh)
+        logits_bsv = self.head(self.ln_f(x_bsh))
+        return F.cross_entropy(logits_bsv.flatten(0, 1), targets_bs.flatten())
+
+
+def make_model(seed: int, vocab: int, dim: int, layers: int, heads: int, seq: int) -> TinyGPT:
+    """The same weights on every rank and for every method (seeded construction)."""
+    torch.manual_seed(seed)
+    return TinyGPT(vocab, dim, layers, heads, seq)
+
+
+def batch(step: int, global_batch: int, seq: int, vocab: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global batch ``step``: (idx, targets), each [global_batch, seq]. Token t is followed
+    by perm[t] for a fixed random permutation, so a model can learn it."""
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+    start = torch.randint(0, vocab, (global_batch,), generator=torch.Generator().manual_seed(seed + 1 + step))
+    tokens = torch.empty(global_batch, seq + 1, dtype=torch.long)
+    tokens[:, 0] = start
+    for i in range(seq):
+        tokens[:, i + 1] = perm[tokens[:, i]]
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+# ---------------------------------------------------------------------------------------
+# Memory of model states
+# ---------------------------------------------------------------------------------------
+
+
+def _local(t: Any) -> torch.Tensor | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    if hasattr(t, "to_local"):  # DTensor (FSDP2): this rank's shard
+        t = t.to_local()
+    return t
+
+
+def model_state_bytes(categories: dict[str, Iterable[Any]]) -> dict[str, int]:
+    """Bytes per category of the tensors given (DTensors: their local shard), each
+    underlying storage counted once, in the first category that names it (so a gradient
+    that is a view of a DDP bucket counts the whole bucket once)."""
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+    for name, tensors in categories.items():
+        total = 0
+        for t in tensors:
+            t = _local(t)
+            if t is None or t.numel() == 0:
+                continue
+            storage = t.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        out[name] = total
+    return out
+
+
+def optimizer_state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor of a torch optimizer's state (step counters included)."""
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+# ---------------------------------------------------------------------------------------
+# Statistics and tables
+# ---------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolation percentile, q in [0, 100]."""
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def median(values: list[float]) -> float:
+    return percentile(values, 50)
+
+
+def format_table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A plain-text table (also valid Markdown)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f}"

@@ -1,0 +1,395 @@
+"""ZeroOptimizer stages 0-3 against PyTorch's own data-parallel training, side by side.
+
+Run (CPU, gloo; it starts its own rank processes, no torchrun needed):
+
+    python -m experiments.bench.zero_vs_torch                      # 2 and 4 ranks, full table
+    python -m experiments.bench.zero_vs_torch --quick --world-sizes 2   # tiny smoke run
+    python -m experiments.bench.zero_vs_torch --json results.json  # also write the numbers
+
+Methods, all training the same seeded TinyGPT (experiments/bench/common.py) on the same
+global batches with AdamW, fp32:
+
+    zero0..zero3        optim.ZeroOptimizer(model, torch.optim.AdamW, stage=s, ...)
+    ddp                 DistributedDataParallel + torch.optim.AdamW
+    ddp_zero            DistributedDataParallel + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
+    fsdp2_reshard       fully_shard per block and on the root, reshard_after_forward=True
+    fsdp2_noreshard     the same with reshard_after_forward=False
+
+Each world size is one launch of `world` gloo processes (torch.set_num_threads(1) each).
+Inside it, methods are interleaved: for every round, every method (in an order rotated
+per round) builds a fresh model from the same seed, runs `--warmup` untimed and `--steps`
+timed steps. A step is forward + backward + optimizer step + zero_grad, started after a
+barrier; its time is the slowest rank's. The table shows the median over all timed steps
+of all rounds; "loss" is the global mean training loss of the last step (the methods
+should agree to ~1e-5 in fp32). Model-state memory per rank is measured after the last
+optimizer step (before zero_grad) from the tensors that exist, each storage once:
+ZeroOptimizer.memory_breakdown() for ours (master + optimizer reported as "optim"), and
+params / .grad / optimizer.state (local shards for FSDP2's DTensors) for the baselines.
+
+Ratios are ours / theirs of the median step times (< 1: ours is faster). Goals:
+zero0 / ddp <= 1.0, zero1 / ddp_zero < 1.0, zero3 / fsdp2_* < 1.0 (zero2 / ddp_zero is
+reported without a goal).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from experiments.bench.common import (
+    format_table, launch, make_model, median, mib, model_state_bytes, optimizer_state_tensors, percentile,
+)
+from experiments.bench.common import batch as make_batch
+
+METHODS = ["zero0", "zero1", "zero2", "zero3", "ddp", "ddp_zero", "fsdp2_reshard", "fsdp2_noreshard"]
+# (ours, theirs, goal): goal "<=" means ratio <= 1.0, "<" means ratio < 1.0, None: reported only
+PAIRINGS = [
+    ("zero0", "ddp", "<="),
+    ("zero1", "ddp_zero", "<"),
+    ("zero2", "ddp_zero", None),
+    ("zero3", "fsdp2_reshard", "<"),
+    ("zero3", "fsdp2_noreshard", "<"),
+]
+
+
+@dataclass
+class Config:
+    world_sizes: list[int] = field(default_factory=lambda: [2, 4])
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    steps: int = 10
+    warmup: int = 3
+    rounds: int = 3
+    dim: int = 256
+    layers: int = 4
+    heads: int = 4
+    seq: int = 64
+    vocab: int = 1024
+    micro_batch: int = 4  # sequences per rank per step (the global batch grows with the world size)
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    seed: int = 0
+    bucket_numel: int | None = None  # None: one transformer block's numel (see zero_options)
+    unit_numel: int | None = None  # None: one transformer block's numel
+    resident_numel: int = 2**16  # ZeroOptimizer's default; --quick lowers it so stage 3 really shards
+    step_backend: str | None = None  # ZeroOptimizer's fused step backend (None: its auto pick)
+    torch_adam: str = "default"  # torch.optim.AdamW implementation for the baselines: default, foreach, fused
+
+    def model_kwargs(self) -> dict[str, int]:
+        return dict(seed=self.seed, vocab=self.vocab, dim=self.dim, layers=self.layers, heads=self.heads, seq=self.seq)
+
+
+def block_numel(cfg: Config) -> int:
+    return 12 * cfg.dim * cfg.dim + 4 * cfg.dim  # qkv + proj + fc1 + fc2 weights, two LayerNorms
+
+
+def zero_options(cfg: Config) -> dict[str, Any]:
+    """ZeroOptimizer keyword options used. Buckets of about one transformer block, so that
+    the reduction of the last blocks' gradients overlaps the backward of the earlier ones
+    (the role of DDP's 25 MB buckets in a model of this size); stage-3 units of one block
+    each (the FSDP2 wrapping: one unit per block, the root holding the embeddings)."""
+    n = block_numel(cfg)
+    return {
+        "bucket_numel": cfg.bucket_numel if cfg.bucket_numel is not None else n,
+        "unit_numel": cfg.unit_numel if cfg.unit_numel is not None else n,
+        "resident_numel": cfg.resident_numel,
+        "step_backend": cfg.step_backend,
+    }
+
+
+def torch_adam_kwargs(cfg: Config) -> dict[str, Any]:
+    return {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[cfg.torch_adam]
+
+
+# ---------------------------------------------------------------------------------------
+# One trainer per method: forward_backward / step / zero_grad / memory
+# ---------------------------------------------------------------------------------------
+
+
+class Ours:
+    def __init__(self, model: torch.nn.Module, stage: int, cfg: Config) -> None:
+        from optim import ZeroOptimizer
+
+        self.model = model
+        self.opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                 **zero_options(cfg))
+
+    def forward_backward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        loss = self.model(idx, tgt)
+        self.opt.backward(loss)
+        return loss.detach()
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def memory(self) -> dict[str, int]:
+        b = self.opt.memory_breakdown()
+        return {"params": b["params"], "grads": b["grads"], "optim": b["master"] + b["optimizer"]}
+
+
+class TorchBaseline:
+    """A wrapped module (DDP / FSDP2) and a torch optimizer over the model's parameters."""
+
+    def __init__(self, model: torch.nn.Module, wrapped: torch.nn.Module, opt: torch.optim.Optimizer,
+                 state_of: torch.optim.Optimizer) -> None:
+        self.model, self.wrapped, self.opt, self.state_of = model, wrapped, opt, state_of
+
+    def forward_backward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        loss = self.wrapped(idx, tgt)
+        loss.backward()
+        return loss.detach()
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def memory(self) -> dict[str, int]:
+        params = list(dict.fromkeys(self.model.parameters()))
+        return model_state_bytes({
+            "params": params,
+            "grads": [p.grad for p in params],
+            "optim": optimizer_state_tensors(self.state_of),
+        })
+
+
+def build(method: str, cfg: Config, mesh: Any) -> Ours | TorchBaseline:
+    model = make_model(**cfg.model_kwargs())
+    adam = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, **torch_adam_kwargs(cfg))
+    if method.startswith("zero"):
+        return Ours(model, int(method[4:]), cfg)
+    if method == "ddp":
+        # gradient_as_bucket_view: .grad are views of DDP's buckets (no second copy of the
+        # gradients; also the faster setting), so the measured grads are the buckets.
+        ddp = DDP(model, gradient_as_bucket_view=True)
+        opt = torch.optim.AdamW(model.parameters(), **adam)
+        return TorchBaseline(model, ddp, opt, opt)
+    if method == "ddp_zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = DDP(model, gradient_as_bucket_view=True)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adam)
+        return TorchBaseline(model, ddp, opt, opt.optim)
+    if method.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+
+        reshard = method == "fsdp2_reshard"
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        opt = torch.optim.AdamW(model.parameters(), **adam)
+        return TorchBaseline(model, model, opt, opt)
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+# ---------------------------------------------------------------------------------------
+# What every rank runs
+# ---------------------------------------------------------------------------------------
+
+
+def run_method(method: str, cfg: Config, mesh: Any, batches: list) -> dict[str, Any]:
+    """Fresh model + optimizer, warm-up, timed steps. Returns (on every rank) the per-step
+    times of the slowest rank (ms), the global mean losses, and per-rank memory."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = build(method, cfg, mesh)
+    mine = slice(rank * cfg.micro_batch, (rank + 1) * cfg.micro_batch)
+    times, losses, memory = [], [], {}
+    total = cfg.warmup + cfg.steps
+    for i in range(total):
+        idx, tgt = batches[i][0][mine], batches[i][1][mine]
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = trainer.forward_backward(idx, tgt)
+        trainer.step()
+        t1 = time.perf_counter()
+        if i == total - 1:
+            memory = trainer.memory()
+        t2 = time.perf_counter()
+        trainer.zero_grad()
+        t3 = time.perf_counter()
+        if i >= cfg.warmup:
+            times.append((t1 - t0) + (t3 - t2))
+        losses.append(loss)
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    loss_t = torch.stack(losses).double()
+    dist.all_reduce(loss_t)
+    memories = [None] * world
+    dist.all_gather_object(memories, memory)
+    del trainer
+    gc.collect()
+    return {"times_ms": (t * 1e3).tolist(), "losses": (loss_t / world).tolist(), "memory": memories}
+
+
+def run_rank(cfg: Config) -> dict[str, Any] | None:
+    world = dist.get_world_size()
+    torch.manual_seed(cfg.seed)
+    mesh = None
+    if any(m.startswith("fsdp2") for m in cfg.methods):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    batches = [make_batch(i, cfg.micro_batch * world, cfg.seq, cfg.vocab) for i in range(cfg.warmup + cfg.steps)]
+    per_method: dict[str, dict[str, Any]] = {m: {"times_ms": [], "round_medians_ms": []} for m in cfg.methods}
+    for r in range(cfg.rounds):
+        k = r % len(cfg.methods)
+        for method in cfg.methods[k:] + cfg.methods[:k]:
+            out = run_method(method, cfg, mesh, batches)
+            entry = per_method[method]
+            entry["times_ms"] += out["times_ms"]
+            entry["round_medians_ms"].append(median(out["times_ms"]))
+            entry["losses"] = out["losses"]
+            entry["memory"] = out["memory"]
+    if dist.get_rank() != 0:
+        return None
+    for entry in per_method.values():
+        entry["median_ms"] = median(entry["times_ms"])
+        entry["p25_ms"] = percentile(entry["times_ms"], 25)
+        entry["p75_ms"] = percentile(entry["times_ms"], 75)
+        entry["final_loss"] = entry["losses"][-1]
+        entry["memory_rank0"] = entry["memory"][0]
+        entry["memory_max_total"] = max(sum(m.values()) for m in entry["memory"])
+    return per_method
+
+
+# ---------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------
+
+
+def ratios(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for ours, theirs, goal in PAIRINGS:
+        if ours in per_method and theirs in per_method:
+            ratio = per_method[ours]["median_ms"] / per_method[theirs]["median_ms"]
+            met = None if goal is None else (ratio <= 1.0 if goal == "<=" else ratio < 1.0)
+            round_ratios = [a / b for a, b in zip(per_method[ours]["round_medians_ms"], per_method[theirs]["round_medians_ms"])]
+            out.append({"ours": ours, "theirs": theirs, "ratio": ratio, "goal": goal, "met": met,
+                        "round_ratios": round_ratios})
+    return out
+
+
+def method_table(per_method: dict[str, dict[str, Any]]) -> str:
+    rows = []
+    for m, e in per_method.items():
+        mem = e["memory_rank0"]
+        rows.append([m, f"{e['median_ms']:.1f}", f"{e['p25_ms']:.1f}-{e['p75_ms']:.1f}", f"{e['final_loss']:.6f}",
+                     mib(mem["params"]), mib(mem["grads"]), mib(mem["optim"]), mib(sum(mem.values())),
+                     mib(e["memory_max_total"])])
+    headers = ["method", "median ms", "p25-p75 ms", "final loss", "params MiB", "grads MiB", "optim MiB",
+               "total MiB (rank 0)", "max total MiB (any rank)"]
+    return format_table(headers, rows)
+
+
+def ratio_table(rs: list[dict[str, Any]]) -> str:
+    rows = []
+    for r in rs:
+        goal = "-" if r["goal"] is None else f"{r['goal']} 1.0"
+        met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
+        rounds = " ".join(f"{x:.2f}" for x in r["round_ratios"])
+        rows.append([f"{r['ours']} / {r['theirs']}", f"{r['ratio']:.3f}", goal, met, rounds])
+    return format_table(["ours / theirs", "ratio of medians", "goal", "met", "per-round ratios"], rows)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    d = Config()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-sizes", type=int, nargs="+", default=d.world_sizes)
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=d.methods)
+    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per method per round")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps before them")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="round-robin passes over the methods")
+    p.add_argument("--dim", type=int, default=d.dim)
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--seq", type=int, default=d.seq)
+    p.add_argument("--vocab", type=int, default=d.vocab)
+    p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per rank per step")
+    p.add_argument("--bucket-numel", type=int, default=None, help="ZeroOptimizer bucket_numel (default: one block)")
+    p.add_argument("--unit-numel", type=int, default=None, help="ZeroOptimizer unit_numel (default: one block)")
+    p.add_argument("--resident-numel", type=int, default=d.resident_numel,
+                   help="ZeroOptimizer resident_numel: stage-3 units smaller than this stay gathered")
+    p.add_argument("--step-backend", default=None, help="ZeroOptimizer step_backend (default: its auto pick)")
+    p.add_argument("--torch-adam", choices=["default", "foreach", "fused"], default=d.torch_adam,
+                   help="torch.optim.AdamW implementation of the baselines (default: torch's own default)")
+    p.add_argument("--quick", action="store_true", help="tiny model, 1 round, few steps (smoke test)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    a = p.parse_args(argv)
+    cfg = Config(world_sizes=a.world_sizes, methods=a.methods, steps=a.steps, warmup=a.warmup, rounds=a.rounds,
+                 dim=a.dim, layers=a.layers, heads=a.heads, seq=a.seq, vocab=a.vocab, micro_batch=a.micro_batch,
+                 bucket_numel=a.bucket_numel, unit_numel=a.unit_numel, resident_numel=a.resident_numel, step_backend=a.step_backend,
+                 torch_adam=a.torch_adam)
+    if a.quick:
+        cfg.steps, cfg.warmup, cfg.rounds = 3, 1, 1
+        cfg.dim, cfg.layers, cfg.heads, cfg.seq, cfg.vocab, cfg.micro_batch = 64, 2, 2, 32, 256, 2
+        cfg.resident_numel = min(cfg.resident_numel, 1024)
+    if cfg.dim % cfg.heads:
+        p.error(f"--dim={cfg.dim} is not divisible by --heads={cfg.heads}")
+    if min(cfg.world_sizes) < 1 or cfg.steps < 1 or cfg.rounds < 1 or cfg.warmup < 0:
+        p.error("world sizes, --steps and --rounds must be >= 1 and --warmup >= 0")
+    return cfg, a
+
+
+def _auto_backend() -> str:
+    from optim import fused
+
+    return fused.pick_backend("cpu")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    cfg, args = parse_args(argv)
+    model = make_model(**cfg.model_kwargs())
+    numel = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    opts = zero_options(cfg)
+    print(f"zero_vs_torch: TinyGPT dim={cfg.dim} layers={cfg.layers} heads={cfg.heads} seq={cfg.seq} "
+          f"vocab={cfg.vocab} ({numel:,} params, fp32), micro-batch {cfg.micro_batch}/rank, AdamW lr={cfg.lr} "
+          f"wd={cfg.weight_decay}")
+    print(f"  {cfg.rounds} rounds x {cfg.warmup} warm-up + {cfg.steps} timed steps per method, interleaved; "
+          f"gloo on CPU, 1 thread/rank; torch {torch.__version__}, {platform.machine()}")
+    backend = opts["step_backend"] or f"None (auto: {_auto_backend()})"
+    print(f"  ZeroOptimizer options: bucket_numel={opts['bucket_numel']:,} unit_numel={opts['unit_numel']:,} "
+          f"resident_numel={opts['resident_numel']:,} step_backend={backend}")
+    print(f"  baselines: torch.optim.AdamW {torch_adam_kwargs(cfg) or '(torch defaults)'}; "
+          f"DDP(gradient_as_bucket_view=True), bucket_cap_mb default", flush=True)
+    results: dict[str, Any] = {"config": asdict(cfg), "numel": numel, "zero_options": opts,
+                               "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv, "worlds": {}}
+    for world in cfg.world_sizes:
+        t0 = time.perf_counter()
+        per_method = launch(run_rank, world, cfg)[0]
+        elapsed = time.perf_counter() - t0
+        rs = ratios(per_method)
+        losses = [e["final_loss"] for e in per_method.values()]
+        spread = max(losses) - min(losses)
+        print(f"\n## world size {world}  ({elapsed:.0f} s)\n")
+        print(method_table(per_method))
+        print()
+        print(ratio_table(rs))
+        print(f"\nfinal losses agree to {spread:.2e} (max - min over methods; "
+              f"initial loss {next(iter(per_method.values()))['losses'][0]:.6f})", flush=True)
+        results["worlds"][str(world)] = {"methods": per_method, "ratios": rs, "seconds": elapsed, "loss_spread": spread}
+    bad = [e for w in results["worlds"].values() for e in w["methods"].values()
+           if not all(math.isfinite(x) for x in [e["median_ms"], e["final_loss"]])]
+    if bad:
+        print("WARNING: non-finite results", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"\nwrote {args.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
