@@ -11,8 +11,8 @@ nor an ancestor (a tied output head using the embedding's weight) gathers that u
 around its own forward and backward as well.
 
 Prefetch. The order in which units were first gathered in the previous forward and the
-previous backward is recorded; gathering unit u also starts the asynchronous gather of
-the unit that followed u last time. If the order changed, the prefetched unit is freed
+previous backward is recorded; the first gather of unit u in a pass also starts the
+asynchronous gather of the unit that followed u last time. If the order changed, the prefetched unit is freed
 unused at the end of the pass: ranks still agree, since they share the same history.
 """
 from __future__ import annotations
@@ -118,7 +118,8 @@ class ParamGatherer:
     def _ensure(self, unit: Unit, phase: str) -> None:
         """Gather `unit` now (waiting for a prefetch in flight) and prefetch its successor."""
         order = self._order[phase]
-        if unit not in order:
+        first_use = unit not in order
+        if first_use:
             order.append(unit)
         self._start_gather(unit)
         if unit.work:
@@ -128,7 +129,7 @@ class ParamGatherer:
             for b, full in zip(unit.buckets, unit.full):
                 b.bind_params(full)
             unit.work = []
-        following = self._next[phase].get(unit)
+        following = self._next[phase].get(unit) if first_use else None
         if following is not None:
             self._start_gather(following)
 

@@ -48,7 +48,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reduce_dtype: dtype in which gradients are accumulated and reduced.
         bucket_numel: target elements per bucket at stages 0-2.
         unit_numel: stage 3 gathers a module's parameters together once they reach this.
-        resident_numel: stage-3 units smaller than this stay gathered (treated as stage 2).
+        resident_numel: stage-3 units smaller than this stay gathered, like stage 2
+            (None: unit_numel // 16).
         step_backend: fused Adam backend ("triton", "torch_fused", "apex", "torch"; None = auto).
         model_parallel_group: the group over which the model itself is split (tp × pp);
             grad norms and fp16 overflow flags are summed over it after the DP group.
@@ -68,7 +69,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reduce_dtype: torch.dtype = torch.float32,
         bucket_numel: int = 2**24,
         unit_numel: int = 2**22,
-        resident_numel: int = 2**16,
+        resident_numel: int | None = None,
         step_backend: str | None = None,
         model_parallel_group: dist.ProcessGroup | None = None,
         loss_scaler: DynamicLossScaler | None = None,
@@ -89,7 +90,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._orig_dtypes = {id(t): t.dtype for t in [*model.parameters(), *model.buffers()]}
         self._cast_untrained(model)
 
-        self.buckets = self._build_buckets(group_of, reduce_dtype, bucket_numel, unit_numel, resident_numel)
+        resident = unit_numel // 16 if resident_numel is None else resident_numel
+        self.buckets = self._build_buckets(group_of, reduce_dtype, bucket_numel, unit_numel, resident)
         self.inner = optimizer_class(
             [{**g, "params": [b.master for b in self.buckets if b.group_index == i]} for i, g in enumerate(groups)],
             **optimizer_kwargs,

@@ -17,6 +17,7 @@ import torch.nn as nn
 from optim import ZeroOptimizer
 from parallel import comm
 from tests.dist_utils import run_distributed
+from tests.models import make_model
 
 
 def mlp(seed: int = 0) -> nn.Module:
@@ -75,3 +76,25 @@ def test_comm_bytes_match_theory(stage: int, world: int) -> None:
         assert m["bytes"] == factor * B * (N - 1) // N, m["log"]
         ops = set(m["log"]["world"])
         assert ops == ({"all_reduce"} if stage == 0 else {"reduce_scatter_tensor", "all_gather_into_tensor"}), ops
+
+
+def measure_tied_stage3_comm() -> dict:
+    model = make_model()
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=3, unit_numel=500, resident_numel=0)
+    idx = torch.randint(0, 37, (4, 8))
+    for _ in range(2):  # the second step runs with the prefetch order recorded by the first
+        with comm.tracking() as log:
+            opt.backward(model(idx, idx))
+            opt.step()
+            opt.zero_grad()
+    tied = next(b.numel for b in opt.buckets if any(p is model.emb.weight for p in b.params))
+    return {"padded": sum(b.numel for b in opt.buckets), "tied": tied, "bytes": log.total_bytes(op="all_gather_into_tensor")
+            + log.total_bytes(op="reduce_scatter_tensor"), "log": log.as_dict()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stage3_prefetch_wastes_nothing_with_tied_weights(world: int) -> None:
+    """A tied embedding is gathered once more (for the output head's forward); nothing else
+    is gathered twice, even though the head is a second user of the embedding's unit."""
+    for m in run_distributed(measure_tied_stage3_comm, world):
+        assert m["bytes"] == (3 * m["padded"] + m["tied"]) * 4 * (world - 1) // world, m["log"]
