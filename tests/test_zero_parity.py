@@ -51,3 +51,11 @@ def test_bf16_tracks_fp32(stage: int, world: int) -> None:
     out = run_distributed(zero_train, world, stage, STEPS, BATCH, MICRO, torch.bfloat16, lr=LR,
                           zero_kwargs={"bucket_numel": 1500, "unit_numel": 500})
     assert_matches(out[0], reference(world), rtol=0, atol=BF16_PARAM_ATOL, loss_rtol=BF16_LOSS_RTOL)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bf16_gradient_reduction_tracks_fp32(stage: int) -> None:
+    """reduce_dtype=bf16 halves the gradient bytes; the run stays within the bf16 tolerance."""
+    out = run_distributed(zero_train, 4, stage, STEPS, BATCH, MICRO, torch.bfloat16, lr=LR,
+                          zero_kwargs={"bucket_numel": 1500, "unit_numel": 500, "reduce_dtype": torch.bfloat16})
+    assert_matches(out[0], reference(4), rtol=0, atol=BF16_PARAM_ATOL, loss_rtol=BF16_LOSS_RTOL)

@@ -206,24 +206,28 @@ def run_method(method: str, cfg: Config, mesh: Any, batches: list) -> dict[str, 
     rank, world = dist.get_rank(), dist.get_world_size()
     trainer = build(method, cfg, mesh)
     mine = slice(rank * cfg.micro_batch, (rank + 1) * cfg.micro_batch)
-    times, losses, memory = [], [], {}
+    times, fb_times, cpu_times, losses, memory = [], [], [], [], {}
     total = cfg.warmup + cfg.steps
     for i in range(total):
         idx, tgt = batches[i][0][mine], batches[i][1][mine]
         dist.barrier()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         loss = trainer.forward_backward(idx, tgt)
+        t_fb = time.perf_counter()
         trainer.step()
-        t1 = time.perf_counter()
+        c1, t1 = time.process_time(), time.perf_counter()
         if i == total - 1:
             memory = trainer.memory()
-        t2 = time.perf_counter()
+        c2, t2 = time.process_time(), time.perf_counter()
         trainer.zero_grad()
-        t3 = time.perf_counter()
+        c3, t3 = time.process_time(), time.perf_counter()
         if i >= cfg.warmup:
             times.append((t1 - t0) + (t3 - t2))
+            fb_times.append(t_fb - t0)
+            cpu_times.append((c1 - c0) + (c3 - c2))
         losses.append(loss)
-    t = torch.tensor(times, dtype=torch.float64)
+    # per step, the slowest rank
+    t = torch.tensor([times, fb_times, cpu_times], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     loss_t = torch.stack(losses).double()
     dist.all_reduce(loss_t)
@@ -231,7 +235,9 @@ def run_method(method: str, cfg: Config, mesh: Any, batches: list) -> dict[str, 
     dist.all_gather_object(memories, memory)
     del trainer
     gc.collect()
-    return {"times_ms": (t * 1e3).tolist(), "losses": (loss_t / world).tolist(), "memory": memories}
+    t_ms = (t * 1e3).tolist()
+    return {"times_ms": t_ms[0], "fwd_bwd_ms": t_ms[1], "cpu_ms": t_ms[2], "losses": (loss_t / world).tolist(),
+            "memory": memories}
 
 
 def run_rank(cfg: Config) -> dict[str, Any] | None:
@@ -243,13 +249,16 @@ def run_rank(cfg: Config) -> dict[str, Any] | None:
 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     batches = [make_batch(i, cfg.micro_batch * world, cfg.seq, cfg.vocab) for i in range(cfg.warmup + cfg.steps)]
-    per_method: dict[str, dict[str, Any]] = {m: {"times_ms": [], "round_medians_ms": []} for m in cfg.methods}
+    per_method: dict[str, dict[str, Any]] = {
+        m: {"times_ms": [], "fwd_bwd_ms": [], "cpu_ms": [], "round_medians_ms": []} for m in cfg.methods
+    }
     for r in range(cfg.rounds):
         k = r % len(cfg.methods)
         for method in cfg.methods[k:] + cfg.methods[:k]:
             out = run_method(method, cfg, mesh, batches)
             entry = per_method[method]
-            entry["times_ms"] += out["times_ms"]
+            for key in ("times_ms", "fwd_bwd_ms", "cpu_ms"):
+                entry[key] += out[key]
             entry["round_medians_ms"].append(median(out["times_ms"]))
             entry["losses"] = out["losses"]
             entry["memory"] = out["memory"]
@@ -259,6 +268,8 @@ def run_rank(cfg: Config) -> dict[str, Any] | None:
         entry["median_ms"] = median(entry["times_ms"])
         entry["p25_ms"] = percentile(entry["times_ms"], 25)
         entry["p75_ms"] = percentile(entry["times_ms"], 75)
+        entry["fwd_bwd_median_ms"] = median(entry["fwd_bwd_ms"])
+        entry["cpu_median_ms"] = median(entry["cpu_ms"])
         entry["final_loss"] = entry["losses"][-1]
         entry["memory_rank0"] = entry["memory"][0]
         entry["memory_max_total"] = max(sum(m.values()) for m in entry["memory"])
@@ -286,10 +297,11 @@ def method_table(per_method: dict[str, dict[str, Any]]) -> str:
     rows = []
     for m, e in per_method.items():
         mem = e["memory_rank0"]
-        rows.append([m, f"{e['median_ms']:.1f}", f"{e['p25_ms']:.1f}-{e['p75_ms']:.1f}", f"{e['final_loss']:.6f}",
+        rows.append([m, f"{e['median_ms']:.1f}", f"{e['p25_ms']:.1f}-{e['p75_ms']:.1f}", f"{e['fwd_bwd_median_ms']:.1f}",
+                     f"{e['cpu_median_ms']:.1f}", f"{e['final_loss']:.6f}",
                      mib(mem["params"]), mib(mem["grads"]), mib(mem["optim"]), mib(sum(mem.values())),
                      mib(e["memory_max_total"])])
-    headers = ["method", "median ms", "p25-p75 ms", "final loss", "params MiB", "grads MiB", "optim MiB",
+    headers = ["method", "median ms", "p25-p75 ms", "fwd+bwd ms", "cpu ms", "final loss", "params MiB", "grads MiB", "optim MiB",
                "total MiB (rank 0)", "max total MiB (any rank)"]
     return format_table(headers, rows)
 
