@@ -2,7 +2,6 @@
 order, other inner optimizers and step backends, fp16 loss scaling, and bad input."""
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch

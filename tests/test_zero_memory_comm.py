@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from optim import ZeroOptimizer
