@@ -17,10 +17,11 @@ from tests.zero_runs import zero_train
 STEPS, BATCH, MICRO = 10, 16, 2
 LR = 1e-2
 
-# bf16 compute against the fp32 reference: parameters drift by a few bf16 ulps per step
-# of lr-sized Adam updates; losses agree to ~1%.
-BF16_PARAM_ATOL = 3e-2
-BF16_LOSS_RTOL = 2e-2
+# bf16 compute against the fp32 reference. Measured (2026-11-21, N = 1 and 4, stages 0 and
+# 3, fp32 or bf16 reduction): losses within 1.4e-3 relative, parameters within 1.13e-2
+# absolute, about one lr-sized Adam step (lr = 1e-2) after 10 steps that move them ~0.1.
+BF16_PARAM_ATOL = 2e-2
+BF16_LOSS_RTOL = 5e-3
 
 
 @functools.lru_cache(maxsize=None)
