@@ -171,10 +171,10 @@ def test_cuda_triton_matches_torch_fused():
 
 
 # ---- backend selection -----------------------------------------------------------------------
-def test_cpu_default_is_torch():
-    assert pick_backend(CPU) == "torch"
-    assert pick_backend("cpu", "torch_fused") == "torch_fused"
-    assert available_backends(CPU)[:2] == ["torch", "torch_fused"]
+def test_cpu_default_is_torch_fused():
+    assert pick_backend(CPU) == "torch_fused"
+    assert pick_backend("cpu", "torch") == "torch"
+    assert available_backends(CPU)[:2] == ["torch_fused", "torch"]
 
 
 @pytest.mark.parametrize(
@@ -190,7 +190,7 @@ def test_cuda_auto_preference(monkeypatch, triton_ok: bool, apex_ok: bool, expec
 
 def test_unavailable_request_names_available_ones(monkeypatch):
     monkeypatch.setattr(fused, "_triton_runs_on", lambda device: False)
-    with pytest.raises(ValueError, match=r"'triton' is not available on cpu; available: torch, torch_fused\.$"):
+    with pytest.raises(ValueError, match=r"'triton' is not available on cpu; available: torch_fused, torch\.$"):
         pick_backend(CPU, "triton")
     with pytest.raises(ValueError, match="'apex' is not available on cpu"):
         pick_backend(CPU, "apex")

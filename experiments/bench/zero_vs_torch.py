@@ -200,49 +200,66 @@ def build(method: str, cfg: Config, mesh: Any) -> Ours | TorchBaseline:
 # ---------------------------------------------------------------------------------------
 
 
-def run_method(method: str, cfg: Config, mesh: Any, batches: list) -> dict[str, Any]:
-    """Fresh model + optimizer, warm-up, timed steps. Returns (on every rank) the per-step
-    times of the slowest rank (ms), the global mean losses, and per-rank memory."""
+def timed_step(trainer: Ours | TorchBaseline, idx: torch.Tensor, tgt: torch.Tensor, measure: bool) -> tuple:
+    """One training step after a barrier: (loss, wall s, forward+backward wall s, CPU s, memory
+    or None). The memory of model states is taken after the optimizer step, before zero_grad,
+    outside the timed region."""
+    dist.barrier()
+    c0, t0 = time.process_time(), time.perf_counter()
+    loss = trainer.forward_backward(idx, tgt)
+    t_fb = time.perf_counter()
+    trainer.step()
+    c1, t1 = time.process_time(), time.perf_counter()
+    memory = trainer.memory() if measure else None
+    c2, t2 = time.process_time(), time.perf_counter()
+    trainer.zero_grad()
+    c3, t3 = time.process_time(), time.perf_counter()
+    return loss, (t1 - t0) + (t3 - t2), t_fb - t0, (c1 - c0) + (c3 - c2), memory
+
+
+def run_round(cfg: Config, mesh: Any, batches: list, first: int) -> dict[str, dict[str, Any]]:
+    """Fresh models (same seed) for every method, then `warmup + steps` steps in which the
+    methods take turns step by step (the order rotates every step), so that every method
+    sees the same machine load. Returns, on every rank, per method: the slowest rank's
+    wall / forward+backward / CPU ms per timed step, the global mean loss per step and the
+    per-rank memory of model states after the last step."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    trainer = build(method, cfg, mesh)
+    methods = cfg.methods
+    trainers = {m: build(m, cfg, mesh) for m in methods}
     mine = slice(rank * cfg.micro_batch, (rank + 1) * cfg.micro_batch)
-    times, fb_times, cpu_times, losses, memory = [], [], [], [], {}
+    rec: dict[str, dict[str, list]] = {m: {"wall": [], "fb": [], "cpu": [], "loss": []} for m in methods}
+    memory: dict[str, Any] = {}
     total = cfg.warmup + cfg.steps
     for i in range(total):
         idx, tgt = batches[i][0][mine], batches[i][1][mine]
-        dist.barrier()
-        c0, t0 = time.process_time(), time.perf_counter()
-        loss = trainer.forward_backward(idx, tgt)
-        t_fb = time.perf_counter()
-        trainer.step()
-        c1, t1 = time.process_time(), time.perf_counter()
-        if i == total - 1:
-            memory = trainer.memory()
-        c2, t2 = time.process_time(), time.perf_counter()
-        trainer.zero_grad()
-        c3, t3 = time.process_time(), time.perf_counter()
-        if i >= cfg.warmup:
-            times.append((t1 - t0) + (t3 - t2))
-            fb_times.append(t_fb - t0)
-            cpu_times.append((c1 - c0) + (c3 - c2))
-        losses.append(loss)
-    # per step, the slowest rank
-    t = torch.tensor([times, fb_times, cpu_times], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    loss_t = torch.stack(losses).double()
-    dist.all_reduce(loss_t)
-    memories = [None] * world
-    dist.all_gather_object(memories, memory)
-    del trainer
+        k = (first + i) % len(methods)
+        for m in methods[k:] + methods[:k]:
+            loss, wall, fb, cpu, mem = timed_step(trainers[m], idx, tgt, measure=i == total - 1)
+            rec[m]["loss"].append(loss)
+            if mem is not None:
+                memory[m] = mem
+            if i >= cfg.warmup:
+                rec[m]["wall"].append(wall)
+                rec[m]["fb"].append(fb)
+                rec[m]["cpu"].append(cpu)
+    del trainers
     gc.collect()
-    t_ms = (t * 1e3).tolist()
-    return {"times_ms": t_ms[0], "fwd_bwd_ms": t_ms[1], "cpu_ms": t_ms[2], "losses": (loss_t / world).tolist(),
-            "memory": memories}
+    times = torch.tensor([[rec[m][key] for key in ("wall", "fb", "cpu")] for m in methods], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # per step, the slowest rank
+    losses = torch.stack([torch.stack(rec[m]["loss"]) for m in methods]).double()
+    dist.all_reduce(losses)
+    memories: list[Any] = [None] * world
+    dist.all_gather_object(memories, memory)
+    out = {}
+    for j, m in enumerate(methods):
+        t_ms = (times[j] * 1e3).tolist()
+        out[m] = {"times_ms": t_ms[0], "fwd_bwd_ms": t_ms[1], "cpu_ms": t_ms[2],
+                  "losses": (losses[j] / world).tolist(), "memory": [mm[m] for mm in memories]}
+    return out
 
 
 def run_rank(cfg: Config) -> dict[str, Any] | None:
     world = dist.get_world_size()
-    torch.manual_seed(cfg.seed)
     mesh = None
     if any(m.startswith("fsdp2") for m in cfg.methods):
         from torch.distributed.device_mesh import init_device_mesh
@@ -253,9 +270,7 @@ def run_rank(cfg: Config) -> dict[str, Any] | None:
         m: {"times_ms": [], "fwd_bwd_ms": [], "cpu_ms": [], "round_medians_ms": []} for m in cfg.methods
     }
     for r in range(cfg.rounds):
-        k = r % len(cfg.methods)
-        for method in cfg.methods[k:] + cfg.methods[:k]:
-            out = run_method(method, cfg, mesh, batches)
+        for method, out in run_round(cfg, mesh, batches, first=r).items():
             entry = per_method[method]
             for key in ("times_ms", "fwd_bwd_ms", "cpu_ms"):
                 entry[key] += out[key]
@@ -282,14 +297,21 @@ def run_rank(cfg: Config) -> dict[str, Any] | None:
 
 
 def ratios(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per pairing: the ratio of the median step times, and the paired ratios (ours / theirs
+    of the same step of the same round, run back to back) with their median and quartiles;
+    the goal is judged on the ratio of medians."""
     out = []
     for ours, theirs, goal in PAIRINGS:
         if ours in per_method and theirs in per_method:
-            ratio = per_method[ours]["median_ms"] / per_method[theirs]["median_ms"]
+            a, b = per_method[ours], per_method[theirs]
+            ratio = a["median_ms"] / b["median_ms"]
+            paired = [x / y for x, y in zip(a["times_ms"], b["times_ms"])]
             met = None if goal is None else (ratio <= 1.0 if goal == "<=" else ratio < 1.0)
-            round_ratios = [a / b for a, b in zip(per_method[ours]["round_medians_ms"], per_method[theirs]["round_medians_ms"])]
             out.append({"ours": ours, "theirs": theirs, "ratio": ratio, "goal": goal, "met": met,
-                        "round_ratios": round_ratios})
+                        "paired_median": median(paired), "paired_p25": percentile(paired, 25),
+                        "paired_p75": percentile(paired, 75),
+                        "cpu_ratio": a["cpu_median_ms"] / b["cpu_median_ms"],
+                        "round_ratios": [x / y for x, y in zip(a["round_medians_ms"], b["round_medians_ms"])]})
     return out
 
 
@@ -312,8 +334,11 @@ def ratio_table(rs: list[dict[str, Any]]) -> str:
         goal = "-" if r["goal"] is None else f"{r['goal']} 1.0"
         met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
         rounds = " ".join(f"{x:.2f}" for x in r["round_ratios"])
-        rows.append([f"{r['ours']} / {r['theirs']}", f"{r['ratio']:.3f}", goal, met, rounds])
-    return format_table(["ours / theirs", "ratio of medians", "goal", "met", "per-round ratios"], rows)
+        rows.append([f"{r['ours']} / {r['theirs']}", f"{r['ratio']:.3f}", goal, met,
+                     f"{r['paired_median']:.3f} ({r['paired_p25']:.2f}-{r['paired_p75']:.2f})",
+                     f"{r['cpu_ratio']:.3f}", rounds])
+    return format_table(["ours / theirs", "ratio of medians", "goal", "met", "paired median (p25-p75)",
+                         "cpu ratio", "per-round ratios"], rows)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:

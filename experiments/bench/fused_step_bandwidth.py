@@ -1,0 +1,107 @@
+"""Effective memory bandwidth of the fused mixed-precision Adam step (optim/fused.py).
+
+    python -m experiments.bench.fused_step_bandwidth                 # GPU: a 1B-parameter shard
+    python -m experiments.bench.fused_step_bandwidth --numel 4e6     # CPU smoke run
+
+One step over an n-element shard reads grad, master, m, v and writes master, m, v and the
+low-precision parameter copy: n·(g + 4·2·3 + p) bytes (28 per element with bf16 grad and
+bf16 params). Effective bandwidth = bytes / median step time, next to
+`torch.optim.AdamW(fused=True)` on an fp32 parameter of the same size (28 bytes per element:
+p, g, m, v read, p, m, v written) in the same run, and to the card's HBM peak where known.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from optim import fused
+
+# HBM peak bandwidth in GB/s by device-name fragment (vendor data sheets).
+HBM_PEAK_GBS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100": 3350.0,
+                "A100-SXM4-80GB": 2039.0, "A100 80GB PCIe": 1935.0, "A100": 1555.0}
+
+
+def hbm_peak(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((gbs for key, gbs in HBM_PEAK_GBS.items() if key in name), None)
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` runs after two warm-up runs."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def ours(backend: str, n: int, grad_dtype: torch.dtype, param_dtype: torch.dtype, device: torch.device,
+         repeats: int) -> tuple[float, int]:
+    master = torch.randn(n, device=device)
+    grad = torch.randn(n, device=device).to(grad_dtype)
+    m, v = torch.zeros_like(master), torch.zeros_like(master)
+    out = torch.empty(n, dtype=param_dtype, device=device)
+    step = [0]
+
+    def run() -> None:
+        step[0] += 1
+        fused.adam_step_(backend, [master], [grad], [m], [v], [out], lr=1e-4, beta1=0.9, beta2=0.95,
+                         eps=1e-8, weight_decay=0.1, adamw=True, step=step[0])
+
+    seconds = timed(run, device, repeats)
+    return seconds, n * (grad.element_size() + 24 + out.element_size())
+
+
+def torch_fused_adamw(n: int, device: torch.device, repeats: int) -> tuple[float, int]:
+    p = torch.nn.Parameter(torch.randn(n, device=device))
+    p.grad = torch.randn(n, device=device)
+    opt = torch.optim.AdamW([p], lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    return timed(opt.step, device, repeats), n * 28
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--numel", type=float, default=None, help="shard elements (default: 1e9 on GPU, 4e6 on CPU)")
+    ap.add_argument("--grad-dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    n = int(args.numel or (1e9 if device.type == "cuda" else 4e6))
+    grad_dtype = torch.bfloat16 if args.grad_dtype == "bf16" else torch.float32
+    peak = hbm_peak(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"device: {name}; shard: {n:,} elements; grad {args.grad_dtype}, params out bf16; "
+          f"HBM peak {peak or 'unknown'} GB/s; median of {args.repeats}")
+    base_s, base_bytes = torch_fused_adamw(n, device, args.repeats)
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    rows = [("torch.optim.AdamW(fused=True), fp32", base_s, base_bytes)]
+    for backend in fused.available_backends(device):
+        s, nbytes = ours(backend, n, grad_dtype, torch.bfloat16, device, args.repeats)
+        rows.append((f"zero3d {backend}", s, nbytes))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"{'step':40s} {'ms':>9s} {'B/elem':>7s} {'GB/s':>9s} {'% peak':>7s} {'time vs AdamW(fused)':>21s}")
+    for label, s, nbytes in rows:
+        gbs = nbytes / s / 1e9
+        pct = f"{100 * gbs / peak:6.1f}%" if peak else "    n/a"
+        print(f"{label:40s} {1e3 * s:9.2f} {nbytes // n:7d} {gbs:9.1f} {pct:>7s} {s / base_s:21.3f}")
+
+
+if __name__ == "__main__":
+    main()
