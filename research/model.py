@@ -1,0 +1,332 @@
+"""GPT decoder built from tensor-parallel layers; tp = 1 gives the plain single-device model.
+
+Legend: b = batch, s = sequence, h = d_model, H = heads (this rank's H/tp under TP),
+d = head dim, f = d_ff, v = padded vocabulary. Activations run sequence-first, x_sbh;
+under sequence parallelism (SP) the residual stream is split along s: x_(s/tp)bh.
+
+Per block (Shoeybi et al. 2019): attention QKV is column-parallel (heads split across TP
+ranks) and its output projection row-parallel; the MLP is column then row. Without SP,
+each column layer's input passes f (identity / all-reduce in backward) and each row
+layer's output g (all-reduce / identity): 2 all-reduces forward, 2 backward per block.
+With SP (Korthikanti et al. 2022) these become all-gather / reduce-scatter pairs and the
+norms, dropout and residual adds run on sequence shards.
+
+Fused weights are laid out so that any contiguous chunk of rows is a whole unit:
+QKV rows as (head, {q,k,v}, d) and the SwiGLU input rows as (f, {gate, up}). So every
+TP rank's row slice of the tp=1 weight holds whole heads / matched gate-up pairs.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+from torch.utils.checkpoint import checkpoint
+
+from parallel import comm
+from parallel.random import get_rng_tracker
+from parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    gather_from_sp,
+    sequence_parallel_grad_sync,
+    shard_of,
+    vocab_parallel_cross_entropy,
+)
+from parallel.tensor.mappings import tp_size
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class GPTConfig:
+    """Model shape and options; `d_ff` None means 4·d_model (GELU) or 8/3·d_model rounded
+    up to a multiple of 64 (SwiGLU, same parameter count)."""
+
+    vocab_size: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    d_model: int = 128
+    d_ff: int | None = None
+    max_seq_len: int = 256
+    position: Literal["learned", "rope"] = "learned"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    sliding_window: int | None = None
+    bias: bool = True
+    qkv_bias: bool = False
+    vocab_multiple: int = 128
+    recompute: Literal["none", "selective", "full"] = "none"
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        choices = {"position": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
+                   "activation": ("gelu", "swiglu"), "recompute": ("none", "selective", "full")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head dim, got d_model/n_heads={self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.activation == "swiglu":
+            return math.ceil(8 * self.d_model / 3 / 64) * 64
+        return 4 * self.d_model
+
+    @property
+    def padded_vocab(self) -> int:
+        """Vocabulary rounded up to `vocab_multiple` (independent of tp, so the same seed
+        gives the same embedding at every tp; tp must divide it)."""
+        return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
+
+    def validate_tp(self, tp: int) -> None:
+        """One sentence per layout this model cannot be split into."""
+        for name, value in (("n_heads", self.n_heads), ("ffn_dim", self.ffn_dim), ("padded vocab", self.padded_vocab)):
+            if value % tp:
+                raise ValueError(f"{name}={value} is not divisible by tp={tp}")
+
+    def num_params(self) -> int:
+        """Trainable parameters of the tp = 1 model (padded vocabulary, tied head counted once)."""
+        h, f, L, v = self.d_model, self.ffn_dim, self.n_layers, self.padded_vocab
+        norm = 2 * h if self.norm == "layernorm" else h
+        attn = 3 * h * h + (3 * h if self.qkv_bias else 0) + h * h + (h if self.bias else 0)
+        mlp_in = (2 if self.activation == "swiglu" else 1) * f
+        mlp = mlp_in * h + f * h + ((mlp_in + h) if self.bias else 0)
+        per_layer = attn + mlp + 2 * norm
+        pos = self.max_seq_len * h if self.position == "learned" else 0
+        head = 0 if self.tie_embeddings else v * h
+        return v * h + pos + L * per_layer + norm + head
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 3 × the forward matmuls (forward + 2 for backward),
+        plus one more forward of the blocks under full recompute (attention core only for
+        selective). Forward per layer: QKV 6h², scores and weighted sum 4·s·h (full
+        causal square, as in Narayanan et al. 2021), projection 2h², MLP 2·h·f per matrix;
+        head 2·h·v."""
+        h, f, v, L = self.d_model, self.ffn_dim, self.padded_vocab, self.n_layers
+        mlp_mats = 3 if self.activation == "swiglu" else 2
+        attn_core = 4 * seq_len * h
+        layer = 6 * h * h + attn_core + 2 * h * h + mlp_mats * 2 * h * f
+        extra = {"none": 0, "selective": attn_core, "full": layer}[self.recompute]
+        return 3 * (L * layer + 2 * h * v) + L * extra
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm, replicated across TP ranks (marked so clipping counts it once;
+    under SP its gradient is summed over the TP group)."""
+
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.eps, self.rms = config.norm_eps, config.norm == "rmsnorm"
+        h = config.d_model
+        self.weight = nn.Parameter(torch.ones(h))
+        self.bias = None if self.rms else nn.Parameter(torch.zeros(h))
+        for p in self.parameters():
+            _mark_replicated(p, group, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+def _mark_replicated(p: torch.Tensor, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
+    if sequence_parallel:
+        sequence_parallel_grad_sync(p, group)
+    else:
+        comm.mark_replicated(p, group)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [s, d/2] of the rotary angles pos · θ^(−2i/d)."""
+    inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x_bHsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (x₁, x₂) = (even, odd) by the position's angle."""
+    x1, x2 = x_bHsd[..., 0::2], x_bHsd[..., 1::2]
+    cos, sin = cos_sd.to(x_bHsd.dtype), sin_sd.to(x_bHsd.dtype)
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2)
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool, per_tp_rank: bool) -> torch.Tensor:
+    """Dropout; masks drawn from the per-TP-rank RNG where activations differ across ranks."""
+    if p == 0.0 or not training:
+        return x
+    if per_tp_rank:
+        with get_rng_tracker().fork():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
+
+
+class Attention(nn.Module):
+    """Causal self-attention, heads split across TP ranks."""
+
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
+        super().__init__()
+        h, self.config = config.d_model, config
+        self.heads = config.n_heads // tp_size(group)
+        self.qkv = ColumnParallelLinear(h, 3 * h, group=group, bias=config.qkv_bias, sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(h, h, group=group, bias=config.bias, sequence_parallel=sequence_parallel)
+
+    def core(self, qkv_sbX: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q kᵀ/√d + causal mask) v for this rank's heads: [s, b, H·3·d] -> [s, b, H·d]."""
+        c = self.config
+        q, k, v = rearrange(qkv_sbX, "s b (H three d) -> three b H s d", H=self.heads, three=3)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        drop = c.dropout if self.training else 0.0
+        if c.sliding_window is None:
+            with get_rng_tracker().fork() if drop else contextlib.nullcontext():
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        else:
+            s = q.shape[-2]
+            i = torch.arange(s, device=q.device)
+            allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < c.sliding_window)
+            with get_rng_tracker().fork() if drop else contextlib.nullcontext():
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=drop)
+        return rearrange(out, "b H s d -> s b (H d)")
+
+    def forward(self, x_sbh: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        qkv = self.qkv(x_sbh)
+        if self.config.recompute == "selective":
+            out = checkpoint(self.core, qkv, cos, sin, use_reentrant=False)
+        else:
+            out = self.core(qkv, cos, sin)
+        return self.proj(out)
+
+
+class MLP(nn.Module):
+    """Column-parallel up projection (GELU, or SwiGLU with (f, {gate, up}) rows), then
+    row-parallel down projection."""
+
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
+        super().__init__()
+        h, f = config.d_model, config.ffn_dim
+        self.swiglu = config.activation == "swiglu"
+        width = 2 * f if self.swiglu else f
+        self.up = ColumnParallelLinear(h, width, group=group, bias=config.bias, sequence_parallel=sequence_parallel)
+        self.down = RowParallelLinear(f, h, group=group, bias=config.bias, sequence_parallel=sequence_parallel)
+
+    def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
+        u = self.up(x_sbh)
+        if self.swiglu:
+            gate, up = rearrange(u, "s b (f two) -> two s b f", two=2)
+            return self.down(F.silu(gate) * up)
+        return self.down(F.gelu(u))
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)), dropout on each branch."""
+
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.config, self.sp = config, sequence_parallel
+        self.norm1 = Norm(config, group, sequence_parallel)
+        self.attn = Attention(config, group, sequence_parallel)
+        self.norm2 = Norm(config, group, sequence_parallel)
+        self.mlp = MLP(config, group, sequence_parallel)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        p, train = self.config.dropout, self.training
+        x = x + _dropout(self.attn(self.norm1(x), cos, sin), p, train, self.sp)
+        return x + _dropout(self.mlp(self.norm2(x)), p, train, self.sp)
+
+    def forward(self, x_sbh: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+        if self.config.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x_sbh, cos, sin, use_reentrant=False)
+        return self._forward(x_sbh, cos, sin)
+
+
+class GPT(nn.Module):
+    """GPT decoder. `model(input_ids_bs, labels_bs)` returns the mean token cross-entropy
+    (a scalar, the same on every TP rank; labels equal to -100 are ignored);
+    `model(input_ids_bs)` returns logits [b, s, v/tp] (this rank's vocabulary shard).
+
+    With the same torch.manual_seed before construction, every TP rank holds exactly its
+    slice of the tp = 1 model's weights (all weights are drawn at full size, in the same
+    order, and sliced). Under SP the sequence length must be divisible by tp.
+    """
+
+    def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        config.validate_tp(tp_size(tp_group))
+        self.config, self.group = config, tp_group
+        self.sp = sequence_parallel and tp_size(tp_group) > 1
+        h = config.d_model
+        self.embed = VocabParallelEmbedding(config.padded_vocab, h, group=tp_group, sequence_parallel=self.sp)
+        self.pos = None
+        if config.position == "learned":
+            self.pos = nn.Parameter(torch.empty(config.max_seq_len, h))
+            nn.init.normal_(self.pos, std=0.02)
+            _mark_replicated(self.pos, tp_group, self.sp)
+        else:
+            cos, sin = rope_cos_sin(config.max_seq_len, config.head_dim, config.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.blocks = nn.ModuleList(Block(config, tp_group, self.sp) for _ in range(config.n_layers))
+        self.norm = Norm(config, tp_group, self.sp)
+        self.head = None
+        if not config.tie_embeddings:
+            self.head = ColumnParallelLinear(h, config.padded_vocab, group=tp_group, bias=False,
+                                             sequence_parallel=self.sp)
+
+    def forward(self, input_ids_bs: torch.Tensor, labels_bs: torch.Tensor | None = None) -> torch.Tensor:
+        s = input_ids_bs.shape[1]
+        if s > self.config.max_seq_len:
+            raise ValueError(f"sequence length {s} exceeds max_seq_len={self.config.max_seq_len}")
+        x = self.embed(input_ids_bs.t())
+        if self.pos is not None:
+            pos = self.pos[:s, None, :]
+            x = x + (shard_of(pos, 0, self.group) if self.sp else pos).to(x.dtype)
+        x = _dropout(x, self.config.dropout, self.training, self.sp)
+        cos = sin = None
+        if self.config.position == "rope":
+            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits_sbv = self.logits(self.norm(x))
+        if labels_bs is None:
+            return logits_sbv.transpose(0, 1)
+        return self.loss(logits_sbv, labels_bs.t())
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary shard of the logits, [s, b, v/tp], from the (SP-sharded)
+        final hidden states."""
+        if self.head is not None:
+            return self.head(x)
+        x = gather_from_sp(x, self.group) if self.sp else copy_to_tp(x, self.group)
+        return F.linear(x, self.embed.weight)
+
+    def loss(self, logits_sbv: torch.Tensor, labels_sb: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over tokens whose label is not -100 (padding of the
+        vocabulary excluded)."""
+        valid = labels_sb != IGNORE_INDEX
+        ce = vocab_parallel_cross_entropy(logits_sbv, labels_sb.where(valid, 0), self.group,
+                                          vocab_size=self.config.vocab_size)
+        return (ce * valid).sum() / valid.sum()
+

@@ -1,0 +1,130 @@
+"""GPT under tensor (+ sequence) parallelism equals the tp = 1 model, and its collectives
+per transformer layer are what Megatron's analysis says."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel import comm
+from parallel.random import seed_everything
+from parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from research.model import GPT, GPTConfig
+from tests.dist_utils import run_distributed
+
+BASE = GPTConfig(vocab_size=61, n_layers=2, n_heads=4, d_model=32, max_seq_len=16, vocab_multiple=64)
+VARIANTS = {
+    "learned-gelu-layernorm-tied": {},
+    "rope-swiglu-rmsnorm-untied-window": dict(position="rope", activation="swiglu", norm="rmsnorm",
+                                              tie_embeddings=False, sliding_window=5),
+}
+RECOMPUTE = ["none", "selective", "full"]
+
+
+def tp_dims(model: torch.nn.Module) -> dict[str, int | None]:
+    """name -> the dim along which TP splits the parameter (None: replicated)."""
+    dims: dict[str, int | None] = {}
+    for mname, module in model.named_modules():
+        for pname, _ in module.named_parameters(recurse=False):
+            dim = None
+            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+                dim = 0
+            elif isinstance(module, RowParallelLinear) and pname == "weight":
+                dim = 1
+            dims[f"{mname}.{pname}" if mname else pname] = dim
+    return dims
+
+
+def gather_tp(tensors: dict[str, torch.Tensor], dims: dict[str, int | None], group) -> dict[str, torch.Tensor]:
+    """Full tensors from this rank's TP shards."""
+    out = {}
+    for name, t in tensors.items():
+        dim = dims[name]
+        if dim is None:
+            out[name] = t.clone()
+            continue
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        out[name] = torch.cat(parts, dim)
+    return out
+
+
+def batch(seed: int = 0, b: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, BASE.vocab_size, (b, BASE.max_seq_len + 1), generator=g)
+    labels = ids[:, 1:].clone()
+    labels[0, :3] = -100
+    return ids[:, :-1], labels
+
+
+def loss_and_grads(config: GPTConfig, sequence_parallel: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+    seed_everything(0)
+    model = GPT(config, tp_group=None if not dist.is_initialized() else dist.group.WORLD,
+                sequence_parallel=sequence_parallel)
+    loss = model(*batch())
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    if dist.is_initialized():
+        grads = gather_tp(grads, tp_dims(model), None)
+    return loss.item(), grads
+
+
+def tp_variants() -> list[tuple[str, bool, str, float, dict]]:
+    results = []
+    for name, overrides in VARIANTS.items():
+        for sp in (False, True):
+            for recompute in RECOMPUTE:
+                config = dataclasses.replace(BASE, recompute=recompute, **overrides)
+                loss, grads = loss_and_grads(config, sp)
+                results.append((name, sp, recompute, loss, grads))
+    return results
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_equals_tp1(tp: int) -> None:
+    results = run_distributed(tp_variants, tp, timeout=300)
+    for i, (name, sp, recompute, loss, grads) in enumerate(results[0]):
+        ref_loss, ref_grads = loss_and_grads(dataclasses.replace(BASE, recompute=recompute, **VARIANTS[name]))
+        where = f"{name} sp={sp} recompute={recompute}"
+        assert loss == pytest.approx(ref_loss, rel=1e-5), where
+        assert all(rank[i][3] == loss for rank in results), f"{where}: the loss differs across TP ranks"
+        for k, g in ref_grads.items():
+            torch.testing.assert_close(grads[k], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} {k}: {m}")
+
+
+def collectives_per_layer(sequence_parallel: bool, recompute: str) -> dict:
+    """Collective calls of one forward + backward of a 1-layer and a 2-layer GPT; their
+    difference is one transformer layer's."""
+    counts = []
+    for n_layers in (1, 2):
+        config = dataclasses.replace(BASE, n_layers=n_layers, recompute=recompute)
+        seed_everything(0)
+        model = GPT(config, tp_group=dist.group.WORLD, sequence_parallel=sequence_parallel)
+        with comm.tracking() as log:
+            model(*batch()).backward()
+        counts.append({op: log.calls(op=op) for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")})
+    return {op: counts[1][op] - counts[0][op] for op in counts[0]}
+
+
+# Under SP each TP-replicated parameter of a layer (2 norms × weight and bias, 2 row-parallel
+# biases) also gets its gradient summed over TP: 6 small all-reduces per layer, on top of
+# the 4 all-gathers + 4 reduce-scatters of activations.
+SP_GRAD_SYNC = 6
+
+
+@pytest.mark.parametrize("sequence_parallel,recompute,expected", [
+    (False, "none", {"all_reduce": 4, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}),
+    (True, "none", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}),
+    (False, "selective", {"all_reduce": 4, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}),
+    (True, "selective", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}),
+    # full recompute re-runs the block's forward in backward, but torch's non-reentrant
+    # checkpoint stops once the last tensor backward needs is rebuilt: the attention output's
+    # collective runs again, the MLP output's (not saved by anything) does not: +1 per layer
+    (False, "full", {"all_reduce": 5, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}),
+    (True, "full", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 5, "reduce_scatter_tensor": 5}),
+])
+def test_collectives_per_layer(sequence_parallel: bool, recompute: str, expected: dict) -> None:
+    for counts in run_distributed(collectives_per_layer, 2, sequence_parallel, recompute):
+        assert counts == expected
