@@ -120,10 +120,11 @@ SP_GRAD_SYNC = 6
     (False, "selective", {"all_reduce": 4, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}),
     (True, "selective", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}),
     # full recompute re-runs the block's forward in backward, but torch's non-reentrant
-    # checkpoint stops once the last tensor backward needs is rebuilt: the attention output's
-    # collective runs again, the MLP output's (not saved by anything) does not: +1 per layer
+    # checkpoint stops once the last tensor backward needs is rebuilt (the MLP's input):
+    # without SP the attention output's all-reduce runs again (+1); with SP both
+    # all-gathers (+2) and the attention output's reduce-scatter (+1), not the MLP's
     (False, "full", {"all_reduce": 5, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}),
-    (True, "full", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 5, "reduce_scatter_tensor": 5}),
+    (True, "full", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 6, "reduce_scatter_tensor": 5}),
 ])
 def test_collectives_per_layer(sequence_parallel: bool, recompute: str, expected: dict) -> None:
     for counts in run_distributed(collectives_per_layer, 2, sequence_parallel, recompute):
