@@ -1,0 +1,273 @@
+"""ParallelDims: how tp × pp × dp ranks are laid out, and their process groups.
+
+The world is a 3-D grid of shape (pp, dp, tp), row-major, tp innermost (so a TP
+group is a run of consecutive ranks and stays inside one node):
+
+    rank = (pp_rank · dp + dp_rank) · tp + tp_rank
+
+Example, tp=2 pp=2 dp=2 (world 8)::
+
+                 dp_rank 0     dp_rank 1
+    pp_rank 0    [0, 1]        [2, 3]        <- [..] is one TP group
+    pp_rank 1    [4, 5]        [6, 7]
+
+    tp groups  {0,1} {2,3} {4,5} {6,7}      same (pp, dp): one layer split over these
+    dp groups  {0,2} {1,3} {4,6} {5,7}      same (pp, tp): replicas of one model shard
+    pp groups  {0,4} {1,5} {2,6} {3,7}      same (dp, tp): the stages of one pipeline
+    mp groups  {0,1,4,5} {2,3,6,7}          same dp: the whole model (tp × pp), the
+                                            ``model_parallel_group`` of a ZeroOptimizer
+    embedding  {0,4} {1,5} {2,6} {3,7}      first + last stage, same (dp, tp): the two
+                                            copies of a tied embedding (None if pp == 1)
+
+``ParallelDims(...)`` only validates (no process group is touched), so a bad layout
+fails with one sentence before anything could hang. ``build()`` then creates the
+``DeviceMesh`` (dims "pp", "dp", "tp") and the mp / embedding groups, and labels
+every group for ``parallel.comm``'s per-group byte accounting.
+
+Every group is its own ProcessGroup object, even when it spans all ranks or has
+one rank. Left alone, ``init_device_mesh`` hands back the default (WORLD) group
+for a dimension whose size is the world size (e.g. tp at tp=8 on 8 ranks; every
+dimension at world size 1); labelling that as "tp" would also relabel every
+``group=None`` call and, at world size 1, merge all dimensions into one label.
+``build()`` therefore asks the mesh for a fresh group on such dimensions (a
+``backend_override`` with the default backend), and creates mp / embedding with
+``new_group`` in an order every rank shares.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from parallel import comm
+
+__all__ = ["ParallelDims"]
+
+MESH_DIMS = ("pp", "dp", "tp")  # outermost first; tp innermost
+
+
+def _default_world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of the three parallel dimensions; ``build()`` makes their groups.
+
+    Args:
+        tp: tensor-parallel size (ranks that split one layer's matmuls).
+        pp: pipeline-parallel size (stages).
+        dp: data-parallel size; None infers ``world_size // (tp·pp)``.
+        world_size: default ``dist.get_world_size()`` if a process group exists,
+            else ``$WORLD_SIZE`` (set by torchrun), else 1.
+
+    Raises ``ValueError`` with one sentence for an invalid layout, before any
+    process group exists.
+
+    After ``build()``: ``mesh``; the groups ``tp_group``, ``pp_group``, ``dp_group``,
+    ``mp_group`` (tp × pp: the ranks sharing this rank's dp coordinate) and
+    ``embedding_group``; this rank's coordinates ``tp_rank``, ``pp_rank``,
+    ``dp_rank``; ``is_first_stage`` / ``is_last_stage``; ``prev_stage_rank`` /
+    ``next_stage_rank`` (global ranks, None at the pipeline's ends).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    world_size: int | None = None
+
+    # Set by build(); not part of the layout's identity.
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _groups: dict[str, dist.ProcessGroup | None] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _coord: tuple[int, int, int] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.world_size is None:
+            self.world_size = _default_world_size()
+        _check_positive("tp", self.tp)
+        _check_positive("pp", self.pp)
+        if self.dp is not None:
+            _check_positive("dp", self.dp)
+        _check_positive("world_size", self.world_size)
+        tp, pp, world = self.tp, self.pp, self.world_size
+        if self.dp is None:
+            if world % (tp * pp):
+                raise ValueError(
+                    f"tp={tp} × pp={pp} = {tp * pp} does not divide the world size {world}"
+                )
+            self.dp = world // (tp * pp)
+        elif tp * pp * self.dp != world:
+            raise ValueError(
+                f"tp={tp} × pp={pp} × dp={self.dp} = {tp * pp * self.dp} "
+                f"does not equal the world size {world}"
+            )
+
+    def __str__(self) -> str:
+        return f"tp={self.tp} pp={self.pp} dp={self.dp} (world {self.world_size})"
+
+    # ------------------------------------------------------------------
+    # Pure layout arithmetic (no process group needed)
+    # ------------------------------------------------------------------
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        """Global rank at grid coordinate (pp_rank, dp_rank, tp_rank)."""
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+
+    def coords_of(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a global rank; inverse of ``rank_of``."""
+        rest, tp_rank = divmod(rank, self.tp)
+        pp_rank, dp_rank = divmod(rest, self.dp)
+        return pp_rank, dp_rank, tp_rank
+
+    # ------------------------------------------------------------------
+    # Process groups
+    # ------------------------------------------------------------------
+
+    def build(self, device_type: str | None = None) -> ParallelDims:
+        """Create the DeviceMesh and all groups on every rank (collective); returns self.
+
+        Initializes the default process group from the torchrun environment if none
+        exists yet. Calling it again on a built instance does nothing.
+        """
+        if self._mesh is not None:
+            return self
+        if device_type is None:
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        if not dist.is_initialized():
+            dist.init_process_group()
+        actual = dist.get_world_size()
+        if actual != self.world_size:
+            raise ValueError(
+                f"tp={self.tp} × pp={self.pp} × dp={self.dp} = {self.world_size} does not "
+                f"equal the world size {actual} of the default process group"
+            )
+
+        shape = (self.pp, self.dp, self.tp)
+        # A dim spanning all ranks would get the WORLD group itself: ask for a fresh one.
+        backend = dist.get_backend()
+        override = {n: backend for n, size in zip(MESH_DIMS, shape) if size == actual}
+        mesh = init_device_mesh(
+            device_type, shape, mesh_dim_names=MESH_DIMS, backend_override=override or None
+        )
+
+        # mp: the tp × pp ranks sharing a dp coordinate; embedding: first + last stage
+        # sharing (dp, tp). Created in the same order on every rank.
+        mp_group, _ = dist.new_subgroups_by_enumeration(
+            [
+                [self.rank_of(p, d, t) for p in range(self.pp) for t in range(self.tp)]
+                for d in range(self.dp)
+            ],
+            group_desc="mp",
+        )
+        embedding_group = None
+        if self.pp > 1:
+            embedding_group, _ = dist.new_subgroups_by_enumeration(
+                [
+                    [self.rank_of(0, d, t), self.rank_of(self.pp - 1, d, t)]
+                    for d in range(self.dp)
+                    for t in range(self.tp)
+                ],
+                group_desc="embedding",
+            )
+
+        groups = {name: mesh.get_group(name) for name in MESH_DIMS}
+        groups["mp"] = mp_group
+        groups["embedding"] = embedding_group
+        for name, group in groups.items():
+            if group is not None:
+                comm.set_group_name(group, name)
+
+        coord = self.coords_of(dist.get_rank())
+        assert tuple(mesh.get_coordinate()) == coord, (mesh.get_coordinate(), coord)
+        self._mesh, self._groups, self._coord = mesh, groups, coord
+        return self
+
+    def _built(self) -> tuple[int, int, int]:
+        if self._coord is None:
+            raise RuntimeError(f"ParallelDims({self}) has no process groups yet: call build() first")
+        return self._coord
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The DeviceMesh of shape (pp, dp, tp), dims ("pp", "dp", "tp")."""
+        self._built()
+        assert self._mesh is not None
+        return self._mesh
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        """Ranks with this rank's (pp, dp) coordinates; labelled "tp"."""
+        self._built()
+        return self._groups["tp"]
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """Ranks with this rank's (dp, tp) coordinates; labelled "pp"."""
+        self._built()
+        return self._groups["pp"]
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """Ranks with this rank's (pp, tp) coordinates; labelled "dp"."""
+        self._built()
+        return self._groups["dp"]
+
+    @property
+    def mp_group(self) -> dist.ProcessGroup:
+        """The tp × pp ranks with this rank's dp coordinate (one whole model);
+        group rank = pp_rank·tp + tp_rank; labelled "mp"."""
+        self._built()
+        return self._groups["mp"]
+
+    @property
+    def embedding_group(self) -> dist.ProcessGroup | None:
+        """{first stage, last stage} with this rank's (dp, tp) coordinates, for tied
+        embeddings; labelled "embedding". None when pp == 1 and on middle stages
+        (which are not members)."""
+        self._built()
+        return self._groups["embedding"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self._built()[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self._built()[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self._built()[2]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def prev_stage_rank(self) -> int | None:
+        """Global rank of the previous pipeline stage (same dp, tp); None on the first."""
+        pp_rank, dp_rank, tp_rank = self._built()
+        return None if pp_rank == 0 else self.rank_of(pp_rank - 1, dp_rank, tp_rank)
+
+    @property
+    def next_stage_rank(self) -> int | None:
+        """Global rank of the next pipeline stage (same dp, tp); None on the last."""
+        pp_rank, dp_rank, tp_rank = self._built()
+        return None if pp_rank == self.pp - 1 else self.rank_of(pp_rank + 1, dp_rank, tp_rank)
