@@ -129,3 +129,27 @@ SP_GRAD_SYNC = 6
 def test_collectives_per_layer(sequence_parallel: bool, recompute: str, expected: dict) -> None:
     for counts in run_distributed(collectives_per_layer, 2, sequence_parallel, recompute):
         assert counts == expected
+
+
+def logits_and_dropout() -> tuple[torch.Tensor, list[float]]:
+    """Gathered logits of the tp model; losses of a dropout model on each TP rank."""
+    seed_everything(0)
+    model = GPT(BASE, tp_group=dist.group.WORLD)
+    logits = model(batch()[0]).detach()
+    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, logits.contiguous())
+    seed_everything(0, tp_rank=dist.get_rank())
+    noisy = GPT(dataclasses.replace(BASE, dropout=0.3), tp_group=dist.group.WORLD, sequence_parallel=True)
+    loss = noisy(*batch())
+    loss.backward()
+    losses = [torch.zeros(()) for _ in range(dist.get_world_size())]
+    dist.all_gather(losses, loss.detach())
+    return torch.cat(parts, -1), [x.item() for x in losses]
+
+
+def test_logits_and_dropout_under_tp() -> None:
+    seed_everything(0)
+    ref = GPT(BASE)(batch()[0]).detach()
+    logits, losses = run_distributed(logits_and_dropout, 2)[0]
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-6)
+    assert losses[0] == losses[1] and losses[0] == losses[0], "TP ranks must agree on the loss"
