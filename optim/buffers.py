@@ -48,6 +48,7 @@ class FlatBucket:
     grad_buffer: torch.Tensor | None = field(init=False, default=None)
     grad_shard: torch.Tensor = field(init=False)
     needs_carry: bool = field(init=False, default=False)
+    reduced: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.shapes = [p.shape for p in self.params]
@@ -56,6 +57,7 @@ class FlatBucket:
             self.offsets.append(end)
             end = _round_up(end + p.numel(), ALIGN)
         self.numel = _round_up(max(end, 1), self.world * ALIGN)
+        self._written = [False] * len(self.params)
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -133,30 +135,47 @@ class FlatBucket:
         return flat
 
     # ---- gradients ----------------------------------------------------------------------
-    def grad_view(self, i: int) -> torch.Tensor:
-        """The slot of parameter i in the full gradient buffer, allocating it if needed.
+    # Slots are written, not zeroed-then-added: the first gradient of a slot since the last
+    # zero_grad / reduction is stored as scale·g, later ones are added, and slots no
+    # gradient reached are zeroed only when the bucket is reduced. So zero_grad needs no
+    # memset of the full buffer. Padding is zero from allocation and stays zero (reductions
+    # of zeros). Carry rule: after a reduction this rank's own region already holds the
+    # reduced sum A of earlier backwards; the other regions restart at zero, so the next
+    # reduction yields A + Σ_ranks g exactly (each region is owned by one rank).
+    def accumulate(self, i: int, grad: torch.Tensor, scale: float) -> None:
+        """slot_i ← slot_i + scale·grad (or scale·grad for the slot's first gradient)."""
+        self._prepare_grad_buffer()
+        off = self.offsets[i]
+        slot = self.grad_buffer[off : off + self.shapes[i].numel()]
+        if self._written[i]:
+            slot.add_(grad.reshape(-1), alpha=scale)
+        else:
+            torch.mul(grad.reshape(-1), scale, out=slot)
+            self._written[i] = True
 
-        Carry rule: after a reduction, this rank's own region already holds the reduced
-        sum A of earlier backwards; the other regions restart at zero, so the next
-        reduction yields A + Σ_ranks g exactly (each region is owned by one rank).
-        """
+    def _prepare_grad_buffer(self) -> None:
         if self.grad_buffer is None:
             self.grad_buffer = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.grad_shard.device)
+            self._written = [False] * len(self.params)
             if self.needs_carry:
                 lo, hi = self.shard_range
                 self.grad_buffer[lo:hi].copy_(self.grad_shard)
+                self._written = [True] * len(self.params)
         elif self.needs_carry:
             lo, hi = self.shard_range
             self.grad_buffer[:lo].zero_()
             self.grad_buffer[hi:].zero_()
+            self._written = [True] * len(self.params)
         self.needs_carry = False
-        off = self.offsets[i]
-        return self.grad_buffer[off : off + self.shapes[i].numel()]
 
-    def ensure_grad_buffer(self) -> torch.Tensor:
-        """The full gradient buffer (carry rule applied), for a reduction with no local grads."""
-        if self.grad_buffer is None or self.needs_carry:
-            self.grad_view(0)
+    def grads_for_reduction(self) -> torch.Tensor:
+        """The full gradient buffer with every slot valid (unwritten slots zeroed)."""
+        self._prepare_grad_buffer()
+        for i, written in enumerate(self._written):
+            if not written:
+                off = self.offsets[i]
+                self.grad_buffer[off : off + self.shapes[i].numel()].zero_()
+        self._written = [True] * len(self.params)
         return self.grad_buffer
 
     def after_reduction(self) -> None:
@@ -164,14 +183,21 @@ class FlatBucket:
         if self.stage >= 2:
             self.grad_buffer = None
         self.needs_carry = True
+        self.reduced = True
 
     def zero_grad(self) -> None:
-        self.grad_shard.zero_()
+        """Forget the gradients: stages 0-1 only mark their slots unwritten (see above)."""
         if self.stage >= 2:
+            self.grad_shard.zero_()
             self.grad_buffer = None
-        elif self.grad_buffer is not None:
-            self.grad_buffer.zero_()
+        self._written = [False] * len(self.params)
         self.needs_carry = False
+        self.reduced = False
+
+    def zero_if_never_reduced(self) -> None:
+        """With no backward since zero_grad the gradient is zero (stages 0-1 zero lazily)."""
+        if not self.reduced and self.stage < 2:
+            self.grad_shard.zero_()
 
     # ---- parameters after the step --------------------------------------------------------
     @property

@@ -64,7 +64,7 @@ class GradReducer:
 
     def _on_grad(self, b: int, i: int, param: torch.Tensor) -> None:
         bucket = self.buckets[b]
-        bucket.grad_view(i).add_(param.grad.reshape(-1), alpha=self._scale)
+        bucket.accumulate(i, param.grad, self._scale)
         param.grad = None
         if not self._callback_queued:
             self._callback_queued = True
@@ -85,7 +85,7 @@ class GradReducer:
             self._next += 1
 
     def _launch(self, bucket: FlatBucket) -> None:
-        full = bucket.ensure_grad_buffer()
+        full = bucket.grads_for_reduction()
         if bucket.stage == 0:
             work = comm.all_reduce(full, group=self.group, async_op=True)
         else:

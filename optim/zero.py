@@ -200,17 +200,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 "gradients accumulated under no_sync() were never reduced: run the last backward before step() outside no_sync()"
             )
+        for b in self.buckets:
+            b.zero_if_never_reduced()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One optimizer step on this rank's shards, then the updated parameters are
         published (all-gathered at stages 1-2). With fp16, a non-finite gradient on any
-        rank skips the step on every rank and lowers the loss scale."""
+        rank skips the step on every rank and lowers the loss scale. With no backward since
+        `zero_grad()` there are no gradients and, as in torch, nothing changes."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._check_reduced()
+        if not any(b.reduced for b in self.buckets):
+            self._end_step()
+            return loss
         if self.scaler is not None:
             found_inf = not bool(torch.isfinite(self._grad_norm()))
             self.scaler.update(found_inf)

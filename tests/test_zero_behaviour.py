@@ -128,3 +128,23 @@ def construct(**kwargs) -> str:
 def test_bad_input_is_a_clear_error_on_every_rank(kwargs: dict, expected: str) -> None:
     for msg in run_distributed(construct, 2, timeout=60, **kwargs):
         assert expected in msg, msg
+
+
+def step_without_backward(stage: int) -> bool:
+    model = make_model()
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=LR, **SMALL)
+    idx = torch.randint(0, 37, (4, 8))
+    opt.backward(model(idx, idx))
+    opt.step()
+    opt.zero_grad()
+    before = opt.full_state_dict()
+    norm = opt.clip_grad_norm_(1.0)
+    opt.step()
+    after = opt.full_state_dict()
+    return float(norm) == 0.0 and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_step_without_backward_changes_nothing(stage: int) -> None:
+    """No stale gradient survives zero_grad (stages 0-1 zero their buffers lazily)."""
+    assert all(run_distributed(step_without_backward, 2, stage))

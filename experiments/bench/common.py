@@ -25,14 +25,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 # ---------------------------------------------------------------------------------------
 # Launching local gloo ranks
 # ---------------------------------------------------------------------------------------
 
-_CTX = mp.get_context("spawn")
+# Ranks are forks of a "forkserver" that has imported torch (and the FSDP / dynamo stack)
+# once: a clean, single-threaded parent (no OpenMP pool to deadlock on), and each rank
+# skips ~5 s of imports. If a forkserver is already running in this process (under
+# pytest, started by tests/dist_utils.py), it is reused with the preload it has.
+_CTX = mp.get_context("forkserver")
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.optim",
+            "torch.nn.parallel", "experiments.bench.common"]
 
 
 def _worker(fn: Callable[..., Any], args: tuple, rank: int, world: int, port: int, timeout: float,
@@ -57,6 +63,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     """``fn(*args)`` on ``world_size`` fresh gloo processes (``torch.set_num_threads(threads)``
     each); their return values in rank order. A failing rank raises RuntimeError with its
     traceback and the others are killed; so are all of them after ``timeout`` seconds."""
+    _CTX.set_forkserver_preload(_PRELOAD)
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
     procs, conns = [], []
@@ -227,7 +234,10 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     """A plain-text table (also valid Markdown)."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+
+    def line(r: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
 

@@ -1,0 +1,62 @@
+"""Smoke test of `python -m experiments.bench.zero_vs_torch --quick` on 2 gloo ranks.
+
+Runs the real command in a subprocess (it launches its own rank processes) and checks
+that every method and every ratio is in the printed table and the JSON, with finite
+numbers, and that all methods trained the same thing (fp32 losses agree). It takes
+~15-35 s on a 2-core machine, so it is part of the default suite; its timeout keeps a
+slow or stuck run from holding the suite. Set ZERO3D_SKIP_BENCH=1 to skip it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from experiments.bench.zero_vs_torch import METHODS, PAIRINGS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(os.environ.get("ZERO3D_SKIP_BENCH") == "1", reason="ZERO3D_SKIP_BENCH=1")
+@pytest.mark.timeout(150)
+def test_zero_vs_torch_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench.zero_vs_torch", "--quick", "--world-sizes", "2", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=140, check=False,
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+
+    text = proc.stdout
+    for method in METHODS:
+        assert f"| {method} " in text, f"{method} missing from the table:\n{text}"
+    for ours, theirs, _ in PAIRINGS:
+        assert f"| {ours} / {theirs} " in text, f"{ours} / {theirs} missing from the ratios:\n{text}"
+    assert "bucket_numel=" in text and "unit_numel=" in text  # the options used are stated
+
+    results = json.loads(out.read_text())
+    world = results["worlds"]["2"]
+    assert set(world["methods"]) == set(METHODS)
+    for method, entry in world["methods"].items():
+        numbers = [entry["median_ms"], entry["p25_ms"], entry["p75_ms"], entry["fwd_bwd_median_ms"],
+                   entry["cpu_median_ms"], entry["final_loss"], *entry["memory_rank0"].values()]
+        assert all(math.isfinite(x) for x in numbers), (method, entry)
+        assert entry["median_ms"] > 0 and entry["memory_rank0"]["params"] > 0, (method, entry)
+    assert len(world["ratios"]) == len(PAIRINGS)
+    for r in world["ratios"]:
+        assert math.isfinite(r["ratio"]) and r["ratio"] > 0, r
+    # the same model on the same batches: fp32 losses agree across all eight methods
+    assert world["loss_spread"] < 1e-4, world["loss_spread"]
+    # sharding shows in the measured memory: stage 3 holds less than stage 0
+    mem = {m: sum(e["memory_rank0"].values()) for m, e in world["methods"].items()}
+    assert mem["zero3"] < mem["zero2"] < mem["zero1"] < mem["zero0"]
+    assert abs(mem["zero0"] - mem["ddp"]) < 0.01 * mem["ddp"]  # both replicate everything (step counters differ)
+    assert elapsed < 120, f"the smoke run took {elapsed:.0f} s"
