@@ -86,7 +86,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.rank = dist.get_rank(process_group)
         self.names = _param_names(model)
         groups, group_of = _user_groups(model, param_groups, optimizer_kwargs)
-        _check_same_model_on_all_ranks(model, stage, group_of, self.names, process_group)
+        _check_same_model_on_all_ranks(model, stage, group_of, process_group)
         self._orig_dtypes = {id(t): t.dtype for t in [*model.parameters(), *model.buffers()]}
         self._cast_untrained(model)
 
@@ -118,10 +118,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._constructed = True
 
     # ---- construction -------------------------------------------------------------------
+    def _group_rank0(self) -> int:
+        """Global rank of the data-parallel group's rank 0 (the source of replicated state)."""
+        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
+
     def _cast_untrained(self, model: torch.nn.Module) -> None:
         """Frozen parameters and floating buffers join the model's compute dtype, replicated
         from group rank 0 as DDP does."""
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        src = self._group_rank0()
         for p in model.parameters():
             if not p.requires_grad:
                 if p.is_floating_point():
@@ -154,7 +158,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 buckets += unit
                 if stage == 3:
                     self._units.append((module, unit))
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        src = self._group_rank0()
         for bucket in buckets:
             flat = bucket.flat_values([p.detach() for p in bucket.params], torch.float32)
             comm.broadcast(flat, src, group=self.group)
@@ -508,7 +512,7 @@ def _user_groups(
 
 
 def _check_same_model_on_all_ranks(
-    model: torch.nn.Module, stage: int, group_of: dict, names: dict, group: dist.ProcessGroup | None
+    model: torch.nn.Module, stage: int, group_of: dict, group: dist.ProcessGroup | None
 ) -> None:
     """One all_gather_object of each rank's parameter signature; every rank raises the same
     error when they differ, so a mismatch can never turn into a hang."""
