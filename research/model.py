@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import zlib
 from dataclasses import dataclass
-from typing import Literal
+from typing import Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,8 @@ IGNORE_INDEX = -100
 @dataclass
 class GPTConfig:
     """Model shape and options; `d_ff` None means 4·d_model (GELU) or 8/3·d_model rounded
-    up to a multiple of 64 (SwiGLU, same parameter count)."""
+    up to a multiple of 64 (SwiGLU, same parameter count). The weights depend on
+    `init_seed` alone (see `GPT`)."""
 
     vocab_size: int = 256
     n_layers: int = 4
@@ -69,6 +71,7 @@ class GPTConfig:
     recompute: Literal["none", "selective", "full"] = "none"
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    init_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -148,6 +151,14 @@ class Norm(nn.Module):
         if self.rms:
             return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+@contextlib.contextmanager
+def _part_rng(config: GPTConfig, part: str) -> Iterator[None]:
+    """The global CPU RNG seeded by (init_seed, part) inside, restored after."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.init_seed * 1_000_003 + zlib.crc32(part.encode()))
+        yield
 
 
 def _mark_replicated(p: torch.Tensor, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
@@ -266,9 +277,11 @@ class GPT(nn.Module):
     (a scalar, the same on every TP rank; labels equal to -100 are ignored);
     `model(input_ids_bs)` returns logits [b, s, v/tp] (this rank's vocabulary shard).
 
-    With the same torch.manual_seed before construction, every TP rank holds exactly its
-    slice of the tp = 1 model's weights (all weights are drawn at full size, in the same
-    order, and sliced). Under SP the sequence length must be divisible by tp.
+    Each part (embedding, positions, block i, final norm, head) draws its weights at full
+    size from its own RNG stream, seeded by (config.init_seed, part), and keeps its TP
+    slice: the weights depend neither on the global RNG nor on which other parts exist, so
+    every TP rank, and later every pipeline stage, holds exactly its slice of the tp = 1
+    model's weights. Under SP the sequence length must be divisible by tp.
     """
 
     def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None,
@@ -278,22 +291,28 @@ class GPT(nn.Module):
         self.config, self.group = config, tp_group
         self.sp = sequence_parallel and tp_size(tp_group) > 1
         h = config.d_model
-        self.embed = VocabParallelEmbedding(config.padded_vocab, h, group=tp_group, sequence_parallel=self.sp)
+        with _part_rng(config, "embed"):
+            self.embed = VocabParallelEmbedding(config.padded_vocab, h, group=tp_group, sequence_parallel=self.sp)
         self.pos = None
         if config.position == "learned":
-            self.pos = nn.Parameter(torch.empty(config.max_seq_len, h))
-            nn.init.normal_(self.pos, std=0.02)
+            with _part_rng(config, "pos"):
+                self.pos = nn.Parameter(torch.empty(config.max_seq_len, h))
+                nn.init.normal_(self.pos, std=0.02)
             _mark_replicated(self.pos, tp_group, self.sp)
         else:
             cos, sin = rope_cos_sin(config.max_seq_len, config.head_dim, config.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-        self.blocks = nn.ModuleList(Block(config, tp_group, self.sp) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList()
+        for i in range(config.n_layers):
+            with _part_rng(config, f"block{i}"):
+                self.blocks.append(Block(config, tp_group, self.sp))
         self.norm = Norm(config, tp_group, self.sp)
         self.head = None
         if not config.tie_embeddings:
-            self.head = ColumnParallelLinear(h, config.padded_vocab, group=tp_group, bias=False,
-                                             sequence_parallel=self.sp)
+            with _part_rng(config, "head"):
+                self.head = ColumnParallelLinear(h, config.padded_vocab, group=tp_group, bias=False,
+                                                 sequence_parallel=self.sp)
 
     def forward(self, input_ids_bs: torch.Tensor, labels_bs: torch.Tensor | None = None) -> torch.Tensor:
         s = input_ids_bs.shape[1]

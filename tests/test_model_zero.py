@@ -103,3 +103,15 @@ def test_config_counts() -> None:
     assert CONFIG.flops_per_token(s) == pytest.approx(72 * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)))
     full = dataclasses.replace(CONFIG, recompute="full")
     assert full.flops_per_token(s) == pytest.approx(96 * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)))
+
+
+def test_weights_depend_on_init_seed_and_part_only() -> None:
+    """Block i is the same whatever the global RNG and however many blocks the model has
+    (what building one pipeline stage needs); another init_seed gives other weights."""
+    torch.manual_seed(123)
+    small = GPT(dataclasses.replace(CONFIG, n_layers=2)).state_dict()
+    torch.manual_seed(456)
+    big = GPT(dataclasses.replace(CONFIG, n_layers=3)).state_dict()
+    assert all(torch.equal(v, big[k]) for k, v in small.items())
+    other = GPT(dataclasses.replace(CONFIG, init_seed=1)).state_dict()
+    assert not torch.equal(other["blocks.0.attn.qkv.weight"], small["blocks.0.attn.qkv.weight"])
