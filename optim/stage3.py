@@ -3,7 +3,9 @@
 Units. Walking the module tree in post-order, a module claims the trainable parameters
 of its subtree that no descendant claimed once they add up to `unit_numel` elements
 (the root claims the rest): for a GPT this gives one unit per transformer block when
-`unit_numel` is below a block's size. A unit's buckets are all-gathered just before the
+`unit_numel` is below a block's size. Containers without a forward (ModuleList,
+ModuleDict) never claim, since nothing would gather for them; when the model itself is
+one (a pipeline rank's chunks), each called child is a root. A unit's buckets are all-gathered just before the
 forward of its module and again before its backward, and freed after each.
 
 Foreign users. A module that holds a parameter claimed by a unit that is neither itself
@@ -28,12 +30,25 @@ from optim.buffers import FlatBucket
 from parallel import comm
 
 
+def is_called(module: torch.nn.Module) -> bool:
+    """Whether the module has a forward of its own (containers such as ModuleList do not,
+    so hooks on them never fire and they cannot gather anything)."""
+    return type(module).forward is not torch.nn.Module.forward
+
+
+def roots(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The outermost modules that are called: the model, or the children of a container
+    (e.g. the chunks of a pipeline rank held in a ModuleList)."""
+    return [model] if is_called(model) else [r for child in model.children() for r in roots(child)]
+
+
 def stage3_units(
     model: torch.nn.Module, trainable: set[torch.nn.Parameter], unit_numel: int
 ) -> list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
     """(module, claimed params) per unit, in post-order (see module docstring)."""
     units: list[tuple[torch.nn.Module, list[torch.nn.Parameter]]] = []
     seen: set[torch.nn.Parameter] = set()
+    top = {id(r) for r in roots(model)}
 
     def visit(module: torch.nn.Module) -> list[torch.nn.Parameter]:
         pending = [q for child in module.children() for q in visit(child)]
@@ -41,12 +56,16 @@ def stage3_units(
             if p in trainable and p not in seen:
                 seen.add(p)
                 pending.append(p)
-        if pending and (module is model or sum(p.numel() for p in pending) >= unit_numel):
+        enough = id(module) in top or sum(p.numel() for p in pending) >= unit_numel
+        if pending and is_called(module) and enough:
             units.append((module, pending))
             return []
         return pending
 
-    visit(model)
+    leftover = visit(model)
+    if leftover:
+        raise ValueError("stage 3 found trainable parameters held only by modules that are never called; "
+                         "put them in a module with a forward")
     return units
 
 
@@ -79,13 +98,13 @@ class ParamGatherer:
         self._bucket_unit = {id(b): u for u, (_, bs) in zip(self.units, units) for b in bs}
         self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
         self._next: dict[str, dict[Unit, Unit]] = {"forward": {}, "backward": {}}
-        self._handles = [model.register_forward_pre_hook(self._on_root_forward)]
+        self._handles = [r.register_forward_pre_hook(self._on_root_forward) for r in roots(model)]
         for module, needed in self._users(model, units).items():
             self._handles += [
                 module.register_forward_pre_hook(lambda m, a, needed=needed: self._pre_forward(needed)),
                 module.register_forward_hook(lambda m, a, out, needed=needed: self._post_forward(needed, out)),
             ]
-        self._handles.append(model.register_forward_hook(lambda m, a, out: self._release_idle()))
+        self._handles += [r.register_forward_hook(lambda m, a, out: self._release_idle()) for r in roots(model)]
 
     def _users(self, model: torch.nn.Module, units: list[tuple[torch.nn.Module, list[FlatBucket]]]) -> dict:
         """module -> units it must have gathered around its forward and backward: its own

@@ -113,8 +113,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             on_bucket_done=(lambda i: self._gatherer.bucket_done(self.buckets[i])) if self._gatherer else None,
             on_backward_end=self._gatherer.backward_end if self._gatherer else None,
         )
-        self._norm: torch.Tensor | None = None
-        self._clip_coef = 1.0
+        self._end_step()
         self._constructed = True
 
     # ---- construction -------------------------------------------------------------------
@@ -142,7 +141,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Buckets in the order gradients are expected in backward: reverse registration
         order at stages 0-2, units in reverse post-order at stage 3."""
         def key(p: torch.nn.Parameter) -> tuple:
-            return (group_of[p], tuple(id(g) for g in comm.replicated_groups(p)))
+            marks = (*comm.replicated_groups(p), *comm.tied_groups(p))
+            return (group_of[p], tuple(id(g) for g in marks))
 
         def make(params: list, stage: int) -> FlatBucket:
             return FlatBucket(params, group_of[params[0]], stage, self.rank, self.world, self.param_dtype, reduce_dtype)
@@ -190,7 +190,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _grad_norm(self) -> torch.Tensor:
         if self._norm is None:
-            self._check_reduced()
+            self._finish_grads()
             groups = [self.group] + ([self.model_parallel_group] if self.model_parallel_group is not None else [])
             self._norm = clip.global_grad_norm(self.buckets, groups, self._unscale)
         return self._norm
@@ -199,13 +199,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _unscale(self) -> float:
         return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
 
-    def _check_reduced(self) -> None:
+    def _finish_grads(self) -> None:
+        """Once per step, before the norm or the update: check every gradient was reduced,
+        zero the never-reduced ones, and sum tied parameters' gradients over their groups
+        (a bucket holds only parameters tied over the same groups, so the shards align)."""
+        if self._grads_finished:
+            return
         if self._reducer.pending_unsynced:
             raise RuntimeError(
                 "gradients accumulated under no_sync() were never reduced: run the last backward before step() outside no_sync()"
             )
         for b in self.buckets:
             b.zero_if_never_reduced()
+            for group in comm.tied_groups(b.params[0]):
+                comm.all_reduce(b.grad_shard, group=group)
+        self._grads_finished = True
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -217,7 +225,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_reduced()
+        self._finish_grads()
         if not any(b.reduced for b in self.buckets):
             self._end_step()
             return loss
@@ -292,6 +300,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _end_step(self) -> None:
         self._norm = None
         self._clip_coef = 1.0
+        self._grads_finished = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffers (this optimizer never leaves grads in `param.grad`)."""

@@ -319,6 +319,7 @@ def batch_isend_irecv(p2p_ops: list[dist.P2POp]) -> list[dist.Work]:
 # ---------------------------------------------------------------------------
 
 _replicated: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_tied: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def mark_replicated(param: torch.Tensor, group: Group) -> None:
@@ -335,3 +336,18 @@ def mark_replicated(param: torch.Tensor, group: Group) -> None:
 def replicated_groups(param: torch.Tensor) -> tuple[Group, ...]:
     """The groups ``param`` was marked replicated over, in marking order; () if none."""
     return _replicated.get(param, ())
+
+
+def mark_tied(param: torch.Tensor, group: Group) -> None:
+    """Declare that ``param`` is one weight held by every rank of ``group`` (the input and
+    output embedding on the first and last pipeline stage): its gradient is the SUM of
+    the ranks' gradients, and the grad norm counts it once (it is also marked replicated)."""
+    mark_replicated(param, group)
+    groups = _tied.get(param, ())
+    if not any(g is group for g in groups):
+        _tied[param] = (*groups, group)
+
+
+def tied_groups(param: torch.Tensor) -> tuple[Group, ...]:
+    """The groups ``param`` was marked tied over, in marking order; () if none."""
+    return _tied.get(param, ())

@@ -31,6 +31,8 @@ from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
 from parallel import comm
+from parallel.pipeline.partition import layer_ranges
+from parallel.pipeline.schedules import stage_of
 from parallel.random import get_rng_tracker
 from parallel.tensor import (
     ColumnParallelLinear,
@@ -272,10 +274,29 @@ class Block(nn.Module):
         return self._forward(x_sbh, cos, sin)
 
 
+class TiedHead(nn.Module):
+    """The output projection by the embedding's own weight E (held here too, as in
+    nanoGPT, so that the module using it is the one that holds it): logits = x Eᵀ, this
+    rank's vocabulary shard; x enters through f, or is gathered along s under SP."""
+
+    def __init__(self, weight: nn.Parameter, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.weight, self.group, self.sp = weight, group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_from_sp(x, self.group) if self.sp else copy_to_tp(x, self.group)
+        return F.linear(x, self.weight)
+
+
 class GPT(nn.Module):
     """GPT decoder. `model(input_ids_bs, labels_bs)` returns the mean token cross-entropy
     (a scalar, the same on every TP rank; labels equal to -100 are ignored);
     `model(input_ids_bs)` returns logits [b, s, v/tp] (this rank's vocabulary shard).
+
+    A pipeline stage builds only `layers` (global block indices; parameter names keep
+    them: `blocks.5.attn.qkv.weight`), plus the embedding when `pre` and the final norm and
+    head when `post`. With tied embeddings a `post` stage without `pre` holds its own copy
+    of the embedding weight, initialized identically; the pipeline keeps the two in sync.
 
     Each part (embedding, positions, block i, final norm, head) draws its weights at full
     size from its own RNG stream, seeded by (config.init_seed, part), and keeps its TP
@@ -285,49 +306,65 @@ class GPT(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, layers: range | None = None,
+                 pre: bool = True, post: bool = True) -> None:
         super().__init__()
         config.validate_tp(tp_size(tp_group))
         self.config, self.group = config, tp_group
         self.sp = sequence_parallel and tp_size(tp_group) > 1
+        self.pre, self.post = pre, post
         h = config.d_model
-        with _part_rng(config, "embed"):
-            self.embed = VocabParallelEmbedding(config.padded_vocab, h, group=tp_group, sequence_parallel=self.sp)
+        self.embed = None
+        if pre or (post and config.tie_embeddings):
+            with _part_rng(config, "embed"):
+                self.embed = VocabParallelEmbedding(config.padded_vocab, h, group=tp_group, sequence_parallel=self.sp)
         self.pos = None
-        if config.position == "learned":
+        if pre and config.position == "learned":
             with _part_rng(config, "pos"):
                 self.pos = nn.Parameter(torch.empty(config.max_seq_len, h))
                 nn.init.normal_(self.pos, std=0.02)
             _mark_replicated(self.pos, tp_group, self.sp)
-        else:
+        if config.position == "rope":
             cos, sin = rope_cos_sin(config.max_seq_len, config.head_dim, config.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-        self.blocks = nn.ModuleList()
-        for i in range(config.n_layers):
+        self.blocks = nn.ModuleDict()
+        for i in layers if layers is not None else range(config.n_layers):
             with _part_rng(config, f"block{i}"):
-                self.blocks.append(Block(config, tp_group, self.sp))
-        self.norm = Norm(config, tp_group, self.sp)
-        self.head = None
-        if not config.tie_embeddings:
-            with _part_rng(config, "head"):
-                self.head = ColumnParallelLinear(h, config.padded_vocab, group=tp_group, bias=False,
-                                                 sequence_parallel=self.sp)
+                self.blocks[str(i)] = Block(config, tp_group, self.sp)
+        self.norm = self.head = None
+        if post:
+            self.norm = Norm(config, tp_group, self.sp)
+            if config.tie_embeddings:
+                self.head = TiedHead(self.embed.weight, tp_group, self.sp)
+            else:
+                with _part_rng(config, "head"):
+                    self.head = ColumnParallelLinear(h, config.padded_vocab, group=tp_group, bias=False,
+                                                     sequence_parallel=self.sp)
 
-    def forward(self, input_ids_bs: torch.Tensor, labels_bs: torch.Tensor | None = None) -> torch.Tensor:
-        s = input_ids_bs.shape[1]
-        if s > self.config.max_seq_len:
-            raise ValueError(f"sequence length {s} exceeds max_seq_len={self.config.max_seq_len}")
-        x = self.embed(input_ids_bs.t())
-        if self.pos is not None:
-            pos = self.pos[:s, None, :]
-            x = x + (shard_of(pos, 0, self.group) if self.sp else pos).to(x.dtype)
-        x = _dropout(x, self.config.dropout, self.training, self.sp)
+    def forward(self, inputs: torch.Tensor, labels_bs: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs`: token ids [b, s] when this module holds the embedding (pre), else the
+        hidden states x_sbh of the previous pipeline stage. Returns the loss (post, with
+        labels), logits [b, s, v/tp] (post), or the hidden states for the next stage."""
+        if self.pre:
+            s = inputs.shape[1]
+            if s > self.config.max_seq_len:
+                raise ValueError(f"sequence length {s} exceeds max_seq_len={self.config.max_seq_len}")
+            x = self.embed(inputs.t())
+            if self.pos is not None:
+                pos = self.pos[:s, None, :]
+                x = x + (shard_of(pos, 0, self.group) if self.sp else pos).to(x.dtype)
+            x = _dropout(x, self.config.dropout, self.training, self.sp)
+        else:
+            x = inputs
+            s = x.shape[0] * (tp_size(self.group) if self.sp else 1)
         cos = sin = None
         if self.config.position == "rope":
             cos, sin = self.rope_cos[:s], self.rope_sin[:s]
-        for block in self.blocks:
+        for block in self.blocks.values():
             x = block(x, cos, sin)
+        if not self.post:
+            return x
         logits_sbv = self.logits(self.norm(x))
         if labels_bs is None:
             return logits_sbv.transpose(0, 1)
@@ -336,10 +373,7 @@ class GPT(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits, [s, b, v/tp], from the (SP-sharded)
         final hidden states."""
-        if self.head is not None:
-            return self.head(x)
-        x = gather_from_sp(x, self.group) if self.sp else copy_to_tp(x, self.group)
-        return F.linear(x, self.embed.weight)
+        return self.head(x)
 
     def loss(self, logits_sbv: torch.Tensor, labels_sb: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over tokens whose label is not -100 (padding of the
@@ -349,3 +383,27 @@ class GPT(nn.Module):
                                           vocab_size=self.config.vocab_size)
         return (ce * valid).sum() / valid.sum()
 
+
+
+def pipeline_chunks(config: GPTConfig, pp_rank: int, pp: int, virtual_stages: int = 1,
+                    tp_group: dist.ProcessGroup | None = None, embedding_group: dist.ProcessGroup | None = None,
+                    sequence_parallel: bool = False, allow_uneven: bool = False) -> list[GPT]:
+    """This pipeline rank's model chunks: chunk c is virtual stage c·pp + pp_rank of the
+    layers split by `layer_ranges`; the first stage holds the embedding, the last the final
+    norm, head and loss. A tied embedding on two ranks is marked tied over
+    `embedding_group` (its gradient is summed there); on one rank the chunks share it."""
+    stages = pp * virtual_stages
+    ranges = layer_ranges(config.n_layers, stages, allow_uneven)
+    chunks = []
+    for c in range(virtual_stages):
+        stage = stage_of(pp_rank, c, pp)
+        chunks.append(GPT(config, tp_group, sequence_parallel, layers=ranges[stage],
+                          pre=stage == 0, post=stage == stages - 1))
+    if config.tie_embeddings and stages > 1:
+        holders = [chunk for chunk in chunks if chunk.embed is not None]
+        if len(holders) == 2:
+            holders[1].embed = holders[0].embed
+            holders[1].head.weight = holders[0].embed.weight
+        elif holders:
+            comm.mark_tied(holders[0].embed.weight, embedding_group)
+    return chunks

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from parallel import comm
 from parallel.random import seed_everything
 from parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from research.model import GPT, GPTConfig
+from research.model import GPT, GPTConfig, TiedHead
 from tests.dist_utils import run_distributed
 
 BASE = GPTConfig(vocab_size=61, n_layers=2, n_heads=4, d_model=32, max_seq_len=16, vocab_multiple=64)
@@ -29,7 +29,7 @@ def tp_dims(model: torch.nn.Module) -> dict[str, int | None]:
     for mname, module in model.named_modules():
         for pname, _ in module.named_parameters(recurse=False):
             dim = None
-            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding, TiedHead)):
                 dim = 0
             elif isinstance(module, RowParallelLinear) and pname == "weight":
                 dim = 1

@@ -1,0 +1,154 @@
+"""Runs one rank's schedule actions over its model chunks.
+
+One `run` is one optimizer step's worth of pipeline work: m micro-batches through all
+virtual stages. Forward of (micro-batch i, chunk c) feeds the chunk the token ids (first
+virtual stage) or the activations received from the previous stage (as a leaf that
+requires grad); the last virtual stage returns the micro-batch loss, and its backward
+starts from loss_i / m, so the gradients are those of the mean loss over micro-batches.
+Every other backward starts from its output with the gradient received from the next
+stage, and sends its input's gradient back.
+
+Communication: each run of consecutive SEND / RECV actions becomes one
+`batch_isend_irecv`; sends are never waited for before the end of the step and a receive
+only right before the compute that consumes it, so no legal schedule can deadlock.
+Activations and gradients use different tags, so two message kinds on one rank pair
+never mix. A peer equal to this rank (pp = 1 with v > 1) is a local hand-off.
+Every backward but the rank's last runs under `no_sync()` (an optimizer's context that
+defers gradient reduction), so reduction starts when the rank's last backward runs.
+Per compute action the executor records (rank, kind, micro-batch, chunk, start, end) in
+`events`, the format `parallel.pipeline.timeline` draws.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, ContextManager
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parallel import comm
+from parallel.pipeline.schedules import COMM, Action, rank_chunk_of, schedule, stage_of, validate
+
+TAGS = {"F": 0, "B": 1}
+
+
+class PipelineExecutor:
+    """Executes `schedule(name, pp, rank, microbatches, len(chunks))` on `chunks` (this
+    rank's model chunks, chunk c holding virtual stage c·pp + rank)."""
+
+    def __init__(self, chunks: list[nn.Module], schedule_name: str, microbatches: int,
+                 pp_group: dist.ProcessGroup | None = None,
+                 no_sync: Callable[[], ContextManager] | None = None) -> None:
+        self.chunks, self.m = chunks, microbatches
+        self.group = pp_group
+        self.pp, self.rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+        validate(schedule_name, self.pp, microbatches, len(chunks))
+        self.actions = schedule(schedule_name, self.pp, self.rank, microbatches, len(chunks))
+        if any(a.kind == "W" for a in self.actions):
+            raise NotImplementedError(f"the executor does not run split backward (W) actions yet: {schedule_name}")
+        self.no_sync = no_sync or contextlib.nullcontext
+        backwards = [i for i, a in enumerate(self.actions) if a.kind == "B"]
+        self._last_backward = backwards[-1] if backwards else -1
+        self.n_stages = self.pp * len(chunks)
+        self.events: list[tuple[int, str, int, int, float, float]] = []
+
+    def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor],
+            activation_shape: tuple[int, ...], activation_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """One step over the m micro-batches (`inputs[i]`, `targets[i]`; only the ranks
+        holding the first / last virtual stage read them). Returns the mean loss over
+        micro-batches on the rank holding the last stage, None elsewhere."""
+        self._shape, self._dtype = activation_shape, activation_dtype
+        self._inputs, self._targets = inputs, targets
+        self._x: dict[tuple[int, int], torch.Tensor] = {}
+        self._out: dict[tuple[int, int], torch.Tensor] = {}
+        self._grad: dict[tuple[int, int], torch.Tensor] = {}
+        self._pending: dict[tuple[str, int, int], tuple[torch.Tensor, list[dist.Work]]] = {}
+        self._local: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._sends: list = []
+        self._losses: list[torch.Tensor] = []
+        self.events = []
+        self._t0 = time.perf_counter()
+        i = 0
+        while i < len(self.actions):
+            j = i
+            while j < len(self.actions) and self.actions[j].kind in COMM:
+                j += 1
+            if j > i:
+                self._communicate(self.actions[i:j])
+                i = j
+                continue
+            self._compute(i, self.actions[i])
+            i += 1
+        for work in self._sends:
+            work.wait()
+        return torch.stack(self._losses).mean() if self._losses else None
+
+    # ---- communication ------------------------------------------------------------------
+    def _receiver_chunk(self, a: Action) -> int:
+        """The chunk on the peer that a SEND from our chunk `a.chunk` feeds."""
+        step = 1 if a.kind == "SEND_F" else -1
+        return rank_chunk_of(stage_of(self.rank, a.chunk, self.pp) + step, self.pp)[1]
+
+    def _communicate(self, actions: list[Action]) -> None:
+        ops, recv_keys = [], []
+        for a in actions:
+            kind = a.kind[-1]
+            if a.kind.startswith("SEND"):
+                key = (a.microbatch, a.chunk)
+                tensor = (self._out[key] if kind == "F" else self._x.pop(key).grad).detach().contiguous()
+                if a.peer == self.rank:
+                    self._local[(kind, a.microbatch, self._receiver_chunk(a))] = tensor
+                else:
+                    ops.append(dist.P2POp(dist.isend, tensor, self._global(a.peer), self.group, TAGS[kind]))
+                    recv_keys.append(None)
+            elif a.peer != self.rank:
+                buffer = torch.empty(self._shape, dtype=self._dtype)
+                ops.append(dist.P2POp(dist.irecv, buffer, self._global(a.peer), self.group, TAGS[kind]))
+                recv_keys.append((kind, a.microbatch, a.chunk))
+        if not ops:
+            return
+        works = comm.batch_isend_irecv(ops)
+        # NCCL coalesces a batch into fewer works than ops: then each op waits for all
+        per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
+        for key, op, op_works in zip(recv_keys, ops, per_op):
+            if key is None:
+                self._sends.extend(op_works)
+            else:
+                self._pending[key] = (op.tensor, op_works)
+
+    def _received(self, kind: str, microbatch: int, chunk: int) -> torch.Tensor:
+        key = (kind, microbatch, chunk)
+        if key in self._local:
+            return self._local.pop(key)
+        buffer, works = self._pending.pop(key)
+        for work in works:
+            work.wait()
+        return buffer
+
+    def _global(self, peer: int) -> int:
+        return dist.get_global_rank(self.group, peer) if self.group is not None else peer
+
+    # ---- compute ------------------------------------------------------------------------
+    def _compute(self, index: int, a: Action) -> None:
+        start = time.perf_counter() - self._t0
+        key = (a.microbatch, a.chunk)
+        stage = stage_of(self.rank, a.chunk, self.pp)
+        last = stage == self.n_stages - 1
+        if a.kind == "F":
+            x = self._inputs[a.microbatch] if stage == 0 else self._received("F", *key).requires_grad_()
+            chunk = self.chunks[a.chunk]
+            out = chunk(x, self._targets[a.microbatch]) if last else chunk(x)
+            if stage > 0:
+                self._x[key] = x
+            if last:
+                self._losses.append(out.detach())
+                out = out / self.m
+            self._out[key] = out
+        else:
+            out = self._out.pop(key)
+            grad = None if last else self._received("B", *key)
+            with self.no_sync() if index != self._last_backward else contextlib.nullcontext():
+                torch.autograd.backward(out, grad)
+        self.events.append((self.rank, a.kind, a.microbatch, a.chunk, start, time.perf_counter() - self._t0))

@@ -1,0 +1,98 @@
+"""Pipeline-parallel GPT training equals the single-process model: layer partitioning,
+the executor for each schedule, tied embeddings across the first and last stage, and
+ZeroOptimizer on the stages."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from optim import ZeroOptimizer
+from parallel import ParallelDims
+from parallel.pipeline.executor import PipelineExecutor
+from parallel.pipeline.partition import layer_ranges
+from research.model import GPT, GPTConfig, pipeline_chunks
+from tests.dist_utils import run_distributed
+
+CONFIG = GPTConfig(vocab_size=61, n_layers=8, n_heads=4, d_model=32, max_seq_len=16, vocab_multiple=64)
+STEPS, M, MB, LR, CLIP, EPS = 3, 4, 2, 3e-3, 0.5, 1e-6
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, CONFIG.vocab_size, (M * MB, CONFIG.max_seq_len + 1), generator=g)
+        out.append((ids[:, :-1], ids[:, 1:]))
+    return out
+
+
+def reference() -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """One process, no pipeline: the mean micro-batch loss per step, AdamW."""
+    model = GPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses, norms = [], []
+    for ids, labels in batches():
+        total = 0.0
+        for i in range(M):
+            loss = model(ids[i * MB:(i + 1) * MB], labels[i * MB:(i + 1) * MB])
+            (loss / M).backward()
+            total += loss.item() / M
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_pipeline(schedule: str, virtual_stages: int, stage: int) -> tuple[list[float], list[float], dict]:
+    dims = ParallelDims(pp=dist.get_world_size()).build()
+    chunks = pipeline_chunks(CONFIG, dims.pp_rank, dims.pp, virtual_stages, dims.tp_group, dims.embedding_group)
+    model = nn.ModuleList(chunks)
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, process_group=dims.dp_group,
+                        model_parallel_group=dims.mp_group, lr=LR, eps=EPS, bucket_numel=3000, unit_numel=2000)
+    executor = PipelineExecutor(chunks, schedule, M, dims.pp_group, no_sync=opt.no_sync)
+    losses, norms = [], []
+    for ids, labels in batches():
+        inputs = [ids[i * MB:(i + 1) * MB] for i in range(M)]
+        targets = [labels[i * MB:(i + 1) * MB] for i in range(M)]
+        loss = executor.run(inputs, targets, (CONFIG.max_seq_len, MB, CONFIG.d_model))
+        norms.append(float(opt.clip_grad_norm_(CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else loss.item())
+    state = {k.split(".", 1)[1]: v for k, v in opt.full_state_dict().items()}
+    return losses, norms, state
+
+
+@pytest.mark.parametrize("pp,schedule,v", [
+    (2, "gpipe", 1), (2, "1f1b", 1), (2, "interleaved-1f1b", 2),
+    (4, "1f1b", 1), (4, "interleaved-1f1b", 2), (1, "interleaved-1f1b", 2),
+])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pipeline_matches_single_process(pp: int, schedule: str, v: int, stage: int) -> None:
+    ref_losses, ref_norms, ref_state = reference()
+    results = run_distributed(train_pipeline, pp, schedule, v, stage, timeout=300)
+    losses = results[-1][0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    state = {}
+    for rank_losses, norms, rank_state in results:
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        for k, value in rank_state.items():
+            if k in state:  # the tied embedding, on the first and the last stage
+                torch.testing.assert_close(value, state[k], rtol=0, atol=0)
+            state[k] = value
+    assert state.keys() == ref_state.keys()
+    for k, value in ref_state.items():
+        torch.testing.assert_close(state[k], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_layer_ranges() -> None:
+    assert layer_ranges(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    with pytest.raises(ValueError, match="7 layers do not split evenly into 4 pipeline stages"):
+        layer_ranges(7, 4)
+    uneven = layer_ranges(10, 4, allow_uneven=True)
+    assert [len(r) for r in uneven] == [2, 3, 3, 2] and sum(len(r) for r in uneven) == 10
+    with pytest.raises(ValueError, match="3 layers cannot fill 4 pipeline stages"):
+        layer_ranges(3, 4)
