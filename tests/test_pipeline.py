@@ -77,8 +77,9 @@ def train_pipeline(schedule: str, virtual_stages: int, stage: int) -> tuple[list
 
 
 @pytest.mark.parametrize("pp,schedule,v", [
-    (2, "gpipe", 1), (2, "1f1b", 1), (2, "interleaved-1f1b", 2),
-    (4, "1f1b", 1), (4, "interleaved-1f1b", 2), (1, "interleaved-1f1b", 2),
+    (2, "gpipe", 1), (2, "1f1b", 1), (2, "interleaved-1f1b", 2), (2, "zb-h1", 1),
+    (4, "gpipe", 1), (4, "1f1b", 1), (4, "interleaved-1f1b", 2), (4, "zb-h1", 1),
+    (1, "interleaved-1f1b", 2),
 ])
 @pytest.mark.parametrize("stage", [1, 3])
 def test_pipeline_matches_single_process(pp: int, schedule: str, v: int, stage: int) -> None:

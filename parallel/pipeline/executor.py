@@ -15,6 +15,8 @@ Activations and gradients use different tags, so two message kinds on one rank p
 never mix. A peer equal to this rank (pp = 1 with v > 1) is a local hand-off.
 Every backward but the rank's last runs under `no_sync()` (an optimizer's context that
 defers gradient reduction), so reduction starts when the rank's last backward runs.
+Zero-bubble schedules split backward into B (input gradient only, sent upstream at once)
+and W (weight gradients); see `_backward_input` for what W costs here.
 Per compute action the executor records (rank, kind, micro-batch, chunk, start, end) in
 `events`, the format `parallel.pipeline.timeline` draws.
 """
@@ -29,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallel import comm
-from parallel.pipeline.schedules import COMM, Action, rank_chunk_of, schedule, stage_of, validate
+from parallel.pipeline.schedules import COMM, Action, rank_chunk_of, schedule, splits_backward, stage_of, validate
 
 TAGS = {"F": 0, "B": 1}
 
@@ -46,11 +48,10 @@ class PipelineExecutor:
         self.pp, self.rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
         validate(schedule_name, self.pp, microbatches, len(chunks))
         self.actions = schedule(schedule_name, self.pp, self.rank, microbatches, len(chunks))
-        if any(a.kind == "W" for a in self.actions):
-            raise NotImplementedError(f"the executor does not run split backward (W) actions yet: {schedule_name}")
+        self.split = splits_backward(schedule_name)
         self.no_sync = no_sync or contextlib.nullcontext
-        backwards = [i for i, a in enumerate(self.actions) if a.kind == "B"]
-        self._last_backward = backwards[-1] if backwards else -1
+        weight_grads = [i for i, a in enumerate(self.actions) if a.kind == ("W" if self.split else "B")]
+        self._last_weight_grad = weight_grads[-1] if weight_grads else -1
         self.n_stages = self.pp * len(chunks)
         self.events: list[tuple[int, str, int, int, float, float]] = []
 
@@ -68,6 +69,7 @@ class PipelineExecutor:
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}
         self._sends: list = []
         self._losses: list[torch.Tensor] = []
+        self._weight_work: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.events = []
         self._t0 = time.perf_counter()
         i = 0
@@ -131,6 +133,19 @@ class PipelineExecutor:
         return dist.get_global_rank(self.group, peer) if self.group is not None else peer
 
     # ---- compute ------------------------------------------------------------------------
+    def _deferred(self, index: int) -> ContextManager:
+        """no_sync() for every weight-gradient pass but the rank's last."""
+        return self.no_sync() if index != self._last_weight_grad else contextlib.nullcontext()
+
+    def _backward_input(self, key: tuple[int, int], out: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Zero-bubble B: only the input gradient, so it can be sent upstream at once; the
+        graph is kept for W, which then runs the backward again restricted to the weights
+        (correct, but it recomputes the intermediate gradients B already had)."""
+        x = self._x.get(key)
+        if x is not None:
+            (x.grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+        self._weight_work[key] = (out, grad)
+
     def _compute(self, index: int, a: Action) -> None:
         start = time.perf_counter() - self._t0
         key = (a.microbatch, a.chunk)
@@ -146,9 +161,17 @@ class PipelineExecutor:
                 self._losses.append(out.detach())
                 out = out / self.m
             self._out[key] = out
-        else:
+        elif a.kind == "B":
             out = self._out.pop(key)
             grad = None if last else self._received("B", *key)
-            with self.no_sync() if index != self._last_backward else contextlib.nullcontext():
-                torch.autograd.backward(out, grad)
+            if self.split:
+                self._backward_input(key, out, grad)
+            else:
+                with self._deferred(index):
+                    torch.autograd.backward(out, grad)
+        else:
+            out, grad = self._weight_work.pop(key)
+            params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
+            with self._deferred(index):
+                torch.autograd.backward(out, grad, inputs=params)
         self.events.append((self.rank, a.kind, a.microbatch, a.chunk, start, time.perf_counter() - self._t0))

@@ -13,9 +13,9 @@ Backward, on the local shard only:  ∂ℓ/∂z_j = softmax_j − [j == t]  =  e
 
 Vocabulary padding: columns whose global index is ≥ ``vocab_size`` (the embedding table
 padded to a multiple of tp, say) are treated as −∞: they take no probability and get a
-zero gradient. Memory: one fp32 copy of the local logits is made; it becomes the softmax
-kept for backward, which turns it into the gradient in place (so backward runs once;
-a second backward through the same graph raises).
+zero gradient. Memory: one fp32 copy of the local logits is made and becomes the softmax
+kept for backward; backward writes the gradient into a new tensor, so the graph can be
+run backward twice (a zero-bubble pipeline's separate input- and weight-gradient passes).
 
 Targets outside [0, vocab_size) (an ignore index such as −100) give ℓ = log S and are
 not masked here: weight the per-token loss with a loss mask.
@@ -69,21 +69,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         ctx.save_for_backward(softmax_sbv, local_t, outside_sb)
         ctx.logits_dtype = logits_sbv.dtype
-        ctx.used = False
         return torch.log(sum_exp_sb) - target_logit_sb
 
     @staticmethod
     def backward(ctx, dloss_sb):
-        if ctx.used:
-            raise RuntimeError(
-                "vocab_parallel_cross_entropy: backward reuses its saved softmax in place "
-                "and cannot run twice through the same graph"
-            )
-        ctx.used = True
-        grad_sbv, local_t, outside_sb = ctx.saved_tensors
-        one_hot_sb = (~outside_sb).to(grad_sbv.dtype)  # 1 where this shard owns the target
-        grad_sbv.scatter_add_(-1, local_t.unsqueeze(-1), -one_hot_sb.unsqueeze(-1))
-        grad_sbv *= dloss_sb.unsqueeze(-1)
+        """∂loss/∂z = (softmax − one_hot) · dloss, into a new tensor so that the graph can
+        be run backward twice (zero-bubble pipelines split input and weight gradients)."""
+        softmax_sbv, local_t, outside_sb = ctx.saved_tensors
+        scale_sb1 = dloss_sb.unsqueeze(-1)
+        grad_sbv = softmax_sbv * scale_sb1
+        owned_sb1 = (~outside_sb).to(grad_sbv.dtype).unsqueeze(-1)  # 1 where this shard owns the target
+        grad_sbv.scatter_add_(-1, local_t.unsqueeze(-1), -owned_sb1 * scale_sb1)
         return grad_sbv.to(ctx.logits_dtype), None, None, None
 
 
