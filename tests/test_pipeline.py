@@ -151,3 +151,51 @@ def test_3d_tp2_pp2_dp2_matches_single_process(stage: int) -> None:
     assert state.keys() == ref_state.keys()
     for k, value in ref_state.items():
         torch.testing.assert_close(state[k], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def measured_order(schedule_name: str, v: int) -> tuple[list, list]:
+    """The compute actions the executor ran, in order, next to the schedule's."""
+    from parallel.pipeline.schedules import COMPUTE, schedule
+
+    dims = ParallelDims(pp=dist.get_world_size()).build()
+    chunks = pipeline_chunks(CONFIG, dims.pp_rank, dims.pp, v, dims.tp_group, dims.embedding_group)
+    executor = PipelineExecutor(chunks, schedule_name, M, dims.pp_group)
+    ids, labels = batches()[0]
+    executor.run([ids[i * MB:(i + 1) * MB] for i in range(M)], [labels[i * MB:(i + 1) * MB] for i in range(M)],
+                 (CONFIG.max_seq_len, MB, CONFIG.d_model))
+    ran = [(kind, mb, chunk) for _, kind, mb, chunk, start, end in executor.events]
+    assert all(e[4] <= e[5] for e in executor.events)
+    planned = [(a.kind, a.microbatch, a.chunk) for a in schedule(schedule_name, dims.pp, dims.pp_rank, M, v)
+               if a.kind in COMPUTE]
+    return ran, planned
+
+
+@pytest.mark.parametrize("schedule_name,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
+def test_measured_action_order_is_the_schedule(schedule_name: str, v: int) -> None:
+    for ran, planned in run_distributed(measured_order, 2, schedule_name, v):
+        assert ran == planned
+
+
+def bad_executor(schedule_name: str, microbatches: int, v: int) -> str:
+    dims = ParallelDims(pp=dist.get_world_size()).build()
+    chunks = pipeline_chunks(CONFIG, dims.pp_rank, dims.pp, v, dims.tp_group, dims.embedding_group)
+    try:
+        PipelineExecutor(chunks, schedule_name, microbatches, dims.pp_group)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("schedule_name,m,v,expected", [
+    ("1f1b", 2, 1, "1f1b with pp=4 needs at least 4 micro-batches, got 2"),
+    ("1f1b", 4, 2, "does not interleave"),
+    ("interleaved-1f1b", 6, 2, "interleaved-1f1b with pp=4 needs micro-batches divisible by 4, got 6"),
+])
+def test_bad_pipeline_input_fails_before_the_first_step(schedule_name: str, m: int, v: int, expected: str) -> None:
+    for message in run_distributed(bad_executor, 4, schedule_name, m, v, timeout=60):
+        assert expected in message, message
+
+
+def test_uneven_layers_are_refused_by_default() -> None:
+    with pytest.raises(ValueError, match="do not split evenly"):
+        pipeline_chunks(GPTConfig(n_layers=6), 0, 4)
