@@ -160,11 +160,17 @@ def measured_order(schedule_name: str, v: int) -> tuple[list, list]:
     dims = ParallelDims(pp=dist.get_world_size()).build()
     chunks = pipeline_chunks(CONFIG, dims.pp_rank, dims.pp, v, dims.tp_group, dims.embedding_group)
     executor = PipelineExecutor(chunks, schedule_name, M, dims.pp_group)
+    outputs = []
+    for chunk in chunks:
+        if not chunk.post:
+            chunk.register_forward_hook(lambda module, args, out: outputs.append(out))
     ids, labels = batches()[0]
     executor.run([ids[i * MB:(i + 1) * MB] for i in range(M)], [labels[i * MB:(i + 1) * MB] for i in range(M)],
                  (CONFIG.max_seq_len, MB, CONFIG.d_model))
     ran = [(kind, mb, chunk) for _, kind, mb, chunk, start, end in executor.events]
     assert all(e[4] <= e[5] for e in executor.events)
+    assert all(out.numel() == 0 for out in outputs), "sent activations must be freed"
+    assert outputs or dims.is_last_stage
     planned = [(a.kind, a.microbatch, a.chunk) for a in schedule(schedule_name, dims.pp, dims.pp_rank, M, v)
                if a.kind in COMPUTE]
     return ran, planned
@@ -172,6 +178,7 @@ def measured_order(schedule_name: str, v: int) -> tuple[list, list]:
 
 @pytest.mark.parametrize("schedule_name,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
 def test_measured_action_order_is_the_schedule(schedule_name: str, v: int) -> None:
+    """... and the storage of every activation sent downstream is freed after its send."""
     for ran, planned in run_distributed(measured_order, 2, schedule_name, v):
         assert ran == planned
 

@@ -13,6 +13,8 @@ Communication: each run of consecutive SEND / RECV actions becomes one
 only right before the compute that consumes it, so no legal schedule can deadlock.
 Activations and gradients use different tags, so two message kinds on one rank pair
 never mix. A peer equal to this rank (pp = 1 with v > 1) is a local hand-off.
+Once an output's send has completed its storage is freed (Megatron's "deallocate output
+tensor"): backward starts from the output's gradient edge and never reads its values.
 Every backward but the rank's last runs under `no_sync()` (an optimizer's context that
 defers gradient reduction), so reduction starts when the rank's last backward runs.
 Zero-bubble schedules split backward into B (input gradient only, sent upstream at once)
@@ -29,6 +31,7 @@ from typing import Callable, ContextManager
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 
 from parallel import comm
 from parallel.pipeline.schedules import COMM, Action, rank_chunk_of, schedule, splits_backward, stage_of, validate
@@ -68,8 +71,9 @@ class PipelineExecutor:
         self._pending: dict[tuple[str, int, int], tuple[torch.Tensor, list[dist.Work]]] = {}
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}
         self._sends: list = []
+        self._to_free: list[tuple[torch.Tensor, list[dist.Work]]] = []
         self._losses: list[torch.Tensor] = []
-        self._weight_work: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._weight_work: dict[tuple[int, int], tuple[object, torch.Tensor | None]] = {}
         self.events = []
         self._t0 = time.perf_counter()
         i = 0
@@ -85,6 +89,7 @@ class PipelineExecutor:
             i += 1
         for work in self._sends:
             work.wait()
+        self._free_sent_outputs()
         return torch.stack(self._losses).mean() if self._losses else None
 
     # ---- communication ------------------------------------------------------------------
@@ -104,7 +109,7 @@ class PipelineExecutor:
                     self._local[(kind, a.microbatch, self._receiver_chunk(a))] = tensor
                 else:
                     ops.append(dist.P2POp(dist.isend, tensor, self._global(a.peer), self.group, TAGS[kind]))
-                    recv_keys.append(None)
+                    recv_keys.append(("free", key) if kind == "F" else None)
             elif a.peer != self.rank:
                 buffer = torch.empty(self._shape, dtype=self._dtype)
                 ops.append(dist.P2POp(dist.irecv, buffer, self._global(a.peer), self.group, TAGS[kind]))
@@ -115,8 +120,10 @@ class PipelineExecutor:
         # NCCL coalesces a batch into fewer works than ops: then each op waits for all
         per_op = [[w] for w in works] if len(works) == len(ops) else [works] * len(ops)
         for key, op, op_works in zip(recv_keys, ops, per_op):
-            if key is None:
+            if key is None or key[0] == "free":
                 self._sends.extend(op_works)
+                if key is not None:
+                    self._to_free.append((self._out[key[1]], op_works))
             else:
                 self._pending[key] = (op.tensor, op_works)
 
@@ -137,7 +144,7 @@ class PipelineExecutor:
         """no_sync() for every weight-gradient pass but the rank's last."""
         return self.no_sync() if index != self._last_weight_grad else contextlib.nullcontext()
 
-    def _backward_input(self, key: tuple[int, int], out: torch.Tensor, grad: torch.Tensor | None) -> None:
+    def _backward_input(self, key: tuple[int, int], out, grad: torch.Tensor | None) -> None:
         """Zero-bubble B: only the input gradient, so it can be sent upstream at once; the
         graph is kept for W, which then runs the backward again restricted to the weights
         (correct, but it recomputes the intermediate gradients B already had)."""
@@ -146,7 +153,19 @@ class PipelineExecutor:
             (x.grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
         self._weight_work[key] = (out, grad)
 
+    def _free_sent_outputs(self) -> None:
+        """Drop the storage of outputs whose send has completed: backward needs only their
+        autograd node (it starts from the output's gradient edge), not their values."""
+        still = []
+        for out, works in self._to_free:
+            if all(w.is_completed() for w in works):
+                out.data = torch.empty(0, dtype=out.dtype, device=out.device)
+            else:
+                still.append((out, works))
+        self._to_free = still
+
     def _compute(self, index: int, a: Action) -> None:
+        self._free_sent_outputs()
         start = time.perf_counter() - self._t0
         key = (a.microbatch, a.chunk)
         stage = stage_of(self.rank, a.chunk, self.pp)
@@ -164,6 +183,8 @@ class PipelineExecutor:
         elif a.kind == "B":
             out = self._out.pop(key)
             grad = None if last else self._received("B", *key)
+            if not last:
+                out = get_gradient_edge(out)
             if self.split:
                 self._backward_input(key, out, grad)
             else:
