@@ -165,13 +165,15 @@ class PipelineExecutor:
         self._to_free = still
 
     def _compute(self, index: int, a: Action) -> None:
+        """Run one F / B / W; its recorded start is after its input has arrived, so waiting
+        counts as idle time in `events`."""
         self._free_sent_outputs()
-        start = time.perf_counter() - self._t0
         key = (a.microbatch, a.chunk)
         stage = stage_of(self.rank, a.chunk, self.pp)
         last = stage == self.n_stages - 1
         if a.kind == "F":
             x = self._inputs[a.microbatch] if stage == 0 else self._received("F", *key).requires_grad_()
+            start = time.perf_counter() - self._t0
             chunk = self.chunks[a.chunk]
             out = chunk(x, self._targets[a.microbatch]) if last else chunk(x)
             if stage > 0:
@@ -183,6 +185,7 @@ class PipelineExecutor:
         elif a.kind == "B":
             out = self._out.pop(key)
             grad = None if last else self._received("B", *key)
+            start = time.perf_counter() - self._t0
             if not last:
                 out = get_gradient_edge(out)
             if self.split:
@@ -191,6 +194,7 @@ class PipelineExecutor:
                 with self._deferred(index):
                     torch.autograd.backward(out, grad)
         else:
+            start = time.perf_counter() - self._t0
             out, grad = self._weight_work.pop(key)
             params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
             with self._deferred(index):
