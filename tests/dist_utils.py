@@ -1,134 +1,25 @@
-"""Run a function on N gloo processes: a tiny torchrun for pytest.
-
-The parent hosts the rendezvous TCPStore on a free port (port 0, so no race for it)
-and each rank joins it the way torchrun workers do (``TORCHELASTIC_USE_AGENT_STORE``),
-so code under test sees torchrun's environment and a plain
-``dist.init_process_group("gloo")`` works.
-
-Ranks are started through a "forkserver" that has imported torch once: each rank
-is a fork of that clean, single-threaded server (no OpenMP pool to deadlock on, as
-forking pytest would risk) and does not pay the heavy imports again. A forkserver
-child inherits the server's environment, not the caller's current one.
-"""
-
+"""`run_distributed`: a test function on N gloo processes (parallel.launch.run_local), with
+failures and time-outs turned into test failures."""
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import pickle
-import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
 from typing import Any
 
-import torch
-import torch.distributed as dist
+from parallel.launch import DEFAULT_PRELOAD, RankFailure, run_local
 
-_CTX = mp.get_context("forkserver")
-# Imported once by the server rather than by every rank: torch._dynamo (~4 s; pulled in
-# by torch.distributed.tensor, CommDebugMode, torch.compile) and pytest (each rank
-# re-imports the parent's __main__, which under pytest is pytest).
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pytest"])
+# pytest too: each rank re-imports the parent's __main__, which under pytest is pytest.
+PRELOAD = (*DEFAULT_PRELOAD, "pytest")
 
 
-def _worker(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    rank: int,
-    world_size: int,
-    port: int,
-    timeout: float,
-    conn: Connection,
-) -> None:
-    """One rank: join the group, run ``fn``, send back (ok, value or traceback)."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+                    **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (1 thread, seed 0 each);
+    their results in rank order. A rank that raises or dies, or a run past ``timeout``
+    seconds, fails the test with that rank's traceback (AssertionError)."""
     try:
-        torch.set_num_threads(1)
-        torch.manual_seed(0)
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
-        result = fn(*args, **kwargs)
-        dist.destroy_process_group()
-        # Plain pickle: tensors go by value, not through torch's shared-memory
-        # reductions, which would need this process alive after it exits.
-        message = pickle.dumps((True, result))
-    except BaseException:
-        message = pickle.dumps((False, traceback.format_exc()))
-    conn.send_bytes(message)
-    conn.close()
-
-
-def _receive(conn: Connection, proc: BaseProcess) -> tuple[bool, Any]:
-    try:
-        return pickle.loads(conn.recv_bytes())
-    except EOFError:
-        proc.join()
-        return False, f"process exited with code {proc.exitcode} before sending a result"
-
-
-def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any
-) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return their results in rank order.
-
-    ``fn`` must be picklable (module level). Each rank first calls
-    ``torch.set_num_threads(1)`` and ``torch.manual_seed(0)``. If a rank raises (or
-    dies), the others are killed and an AssertionError carries its rank and
-    traceback; past ``timeout`` seconds every rank is killed.
-    """
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-        timeout=timedelta(seconds=timeout),
-    )
-    procs: list[BaseProcess] = []
-    conns: list[Connection] = []
-    try:
-        for rank in range(world_size):
-            reader, writer = _CTX.Pipe(duplex=False)
-            proc = _CTX.Process(
-                target=_worker,
-                args=(fn, args, kwargs, rank, world_size, store.port, timeout, writer),
-                name=f"rank{rank}",
-            )
-            proc.start()
-            writer.close()
-            procs.append(proc)
-            conns.append(reader)
-
-        deadline = time.monotonic() + timeout
-        results: dict[int, Any] = {}
-        while len(results) < world_size:
-            waiting = [r for r in range(world_size) if r not in results]
-            handles = [conns[r] for r in waiting] + [procs[r].sentinel for r in waiting]
-            ready = wait(handles, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise AssertionError(
-                    f"distributed test timed out after {timeout:g}s on ranks {waiting}"
-                )
-            for r in waiting:
-                if conns[r] in ready or procs[r].sentinel in ready:
-                    ok, value = _receive(conns[r], procs[r])
-                    if not ok:
-                        raise AssertionError(f"rank {r} of {world_size} failed:\n{value}")
-                    results[r] = value
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        return [results[r] for r in range(world_size)]
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join()
-        for conn in conns:
-            conn.close()
+        return run_local(fn, world_size, *args, timeout=timeout, preload=PRELOAD, **kwargs)
+    except RankFailure as e:
+        message = str(e)
+        if message.startswith("timed out"):
+            message = f"distributed test {message}"
+        raise AssertionError(message) from None

@@ -13,96 +13,28 @@
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import pickle
-import time
-import traceback
 from collections.abc import Callable, Iterable
-from datetime import timedelta
-from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from parallel.launch import DEFAULT_PRELOAD, run_local
 
 # ---------------------------------------------------------------------------------------
 # Launching local gloo ranks
 # ---------------------------------------------------------------------------------------
 
-# Ranks are forks of a "forkserver" that has imported torch (and the FSDP / dynamo stack)
-# once: a clean, single-threaded parent (no OpenMP pool to deadlock on), and each rank
-# skips ~5 s of imports. If a forkserver is already running in this process (under
-# pytest, started by tests/dist_utils.py), it is reused with the preload it has.
-_CTX = mp.get_context("forkserver")
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.optim",
-            "torch.nn.parallel", "experiments.bench.common"]
-
-
-def _worker(fn: Callable[..., Any], args: tuple, rank: int, world: int, port: int, timeout: float,
-            threads: int, conn: Connection) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True",
-    )
-    try:
-        torch.set_num_threads(threads)
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
-        result = fn(*args)
-        dist.destroy_process_group()
-        message = pickle.dumps((True, result))
-    except BaseException:  # noqa: BLE001 - every failure is sent back to the parent
-        message = pickle.dumps((False, traceback.format_exc()))
-    conn.send_bytes(message)
-    conn.close()
+# Imported once by the forkserver the ranks fork from (see parallel.launch).
+_PRELOAD = (*DEFAULT_PRELOAD, "torch.distributed.fsdp", "torch.distributed.optim", "torch.nn.parallel",
+            "experiments.bench.common")
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 900.0, threads: int = 1) -> list[Any]:
     """``fn(*args)`` on ``world_size`` fresh gloo processes (``torch.set_num_threads(threads)``
-    each); their return values in rank order. A failing rank raises RuntimeError with its
-    traceback and the others are killed; so are all of them after ``timeout`` seconds."""
-    _CTX.set_forkserver_preload(_PRELOAD)
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
-    procs, conns = [], []
-    try:
-        for rank in range(world_size):
-            reader, writer = _CTX.Pipe(duplex=False)
-            proc = _CTX.Process(target=_worker, name=f"rank{rank}",
-                                args=(fn, args, rank, world_size, store.port, timeout, threads, writer))
-            proc.start()
-            writer.close()
-            procs.append(proc)
-            conns.append(reader)
-        deadline = time.monotonic() + timeout
-        results: dict[int, Any] = {}
-        while len(results) < world_size:
-            waiting = [r for r in range(world_size) if r not in results]
-            ready = wait([conns[r] for r in waiting] + [procs[r].sentinel for r in waiting],
-                         timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise RuntimeError(f"ranks {waiting} of {world_size} timed out after {timeout:g}s")
-            for r in waiting:
-                if conns[r] in ready or procs[r].sentinel in ready:
-                    try:
-                        ok, value = pickle.loads(conns[r].recv_bytes())
-                    except EOFError:
-                        procs[r].join()
-                        ok, value = False, f"process exited with code {procs[r].exitcode} before sending a result"
-                    if not ok:
-                        raise RuntimeError(f"rank {r} of {world_size} failed:\n{value}")
-                    results[r] = value
-        return [results[r] for r in range(world_size)]
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        for conn in conns:
-            conn.close()
+    each); their return values in rank order (parallel.launch.run_local)."""
+    return run_local(fn, world_size, *args, timeout=timeout, threads=threads, preload=_PRELOAD)
 
 
 # ---------------------------------------------------------------------------------------
