@@ -166,9 +166,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return buckets
 
     # ---- training API -------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss × the fp16 loss scale (the loss itself for fp32 / bf16); for code that runs
+        backward itself, such as a pipeline executor."""
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), multiplied by the loss scale when training in fp16."""
-        (loss * self.scaler.scale if self.scaler is not None else loss).backward()
+        self.scale_loss(loss).backward()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

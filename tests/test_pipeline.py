@@ -206,3 +206,46 @@ def test_bad_pipeline_input_fails_before_the_first_step(schedule_name: str, m: i
 def test_uneven_layers_are_refused_by_default() -> None:
     with pytest.raises(ValueError, match="do not split evenly"):
         pipeline_chunks(GPTConfig(n_layers=6), 0, 4)
+
+
+def train_fp16_pipeline(overflow_at: int | None) -> tuple[list, list[float], list[bool], dict]:
+    """pp = 2, 1F1B, ZeRO stage 1 in fp16. With `overflow_at`, the last stage's loss of that
+    step is inf: every rank must see a non-finite norm, skip the step and back off."""
+    from optim import DynamicLossScaler
+
+    dims = ParallelDims(pp=dist.get_world_size()).build()
+    chunks = pipeline_chunks(CONFIG, dims.pp_rank, dims.pp, 1, dims.tp_group, dims.embedding_group)
+    model = nn.ModuleList(chunks)
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=1, process_group=dims.dp_group,
+                        model_parallel_group=dims.mp_group, param_dtype=torch.float16, lr=LR, eps=EPS,
+                        loss_scaler=DynamicLossScaler(init_scale=2.0**10, hysteresis=1))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    poison = {"on": False}
+    executor = PipelineExecutor(chunks, "1f1b", M, dims.pp_group, no_sync=opt.no_sync,
+                                scale_loss=lambda loss: opt.scale_loss(loss) * (float("inf") if poison["on"] else 1.0))
+    losses, scales, changed = [], [], []
+    for step, (ids, labels) in enumerate(batches()):
+        poison["on"] = step == overflow_at
+        before = {k: v.clone() for k, v in opt.full_state_dict().items()}
+        loss = executor.run([ids[i * MB:(i + 1) * MB] for i in range(M)], [labels[i * MB:(i + 1) * MB] for i in range(M)],
+                            (CONFIG.max_seq_len, MB, CONFIG.d_model), torch.float16)
+        opt.clip_grad_norm_(CLIP)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else loss.item())
+        scales.append(opt.scaler.scale)
+        changed.append(any(not torch.equal(v, before[k]) for k, v in opt.full_state_dict().items()))
+    return losses, scales, changed, {k.split(".", 1)[1]: v for k, v in opt.full_state_dict().items()}
+
+
+def test_fp16_pipeline_tracks_fp32_and_skips_overflow_everywhere() -> None:
+    ref_losses, _, ref_state = reference()
+    clean = run_distributed(train_fp16_pipeline, 2, None)
+    torch.testing.assert_close(torch.tensor(clean[-1][0]), torch.tensor(ref_losses), rtol=5e-3, atol=0)
+    for _, _, _, state in clean:
+        for k, v in state.items():
+            torch.testing.assert_close(v, ref_state[k], rtol=0, atol=2e-2, msg=lambda m: f"{k}: {m}")
+    for _, scales, changed, _ in run_distributed(train_fp16_pipeline, 2, 1):
+        assert changed == [True, False, True], changed
+        assert scales == [2.0**10, 2.0**9, 2.0**9], scales

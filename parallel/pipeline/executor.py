@@ -4,7 +4,8 @@ One `run` is one optimizer step's worth of pipeline work: m micro-batches throug
 virtual stages. Forward of (micro-batch i, chunk c) feeds the chunk the token ids (first
 virtual stage) or the activations received from the previous stage (as a leaf that
 requires grad); the last virtual stage returns the micro-batch loss, and its backward
-starts from loss_i / m, so the gradients are those of the mean loss over micro-batches.
+starts from scale_loss(loss_i / m) (an optimizer's fp16 loss scale), so the gradients are
+those of the mean loss over micro-batches.
 Every other backward starts from its output with the gradient received from the next
 stage, and sends its input's gradient back.
 
@@ -45,7 +46,8 @@ class PipelineExecutor:
 
     def __init__(self, chunks: list[nn.Module], schedule_name: str, microbatches: int,
                  pp_group: dist.ProcessGroup | None = None,
-                 no_sync: Callable[[], ContextManager] | None = None) -> None:
+                 no_sync: Callable[[], ContextManager] | None = None,
+                 scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.chunks, self.m = chunks, microbatches
         self.group = pp_group
         self.pp, self.rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
@@ -53,6 +55,7 @@ class PipelineExecutor:
         self.actions = schedule(schedule_name, self.pp, self.rank, microbatches, len(chunks))
         self.split = splits_backward(schedule_name)
         self.no_sync = no_sync or contextlib.nullcontext
+        self.scale_loss = scale_loss or (lambda loss: loss)
         weight_grads = [i for i, a in enumerate(self.actions) if a.kind == ("W" if self.split else "B")]
         self._last_weight_grad = weight_grads[-1] if weight_grads else -1
         self.n_stages = self.pp * len(chunks)
@@ -180,7 +183,7 @@ class PipelineExecutor:
                 self._x[key] = x
             if last:
                 self._losses.append(out.detach())
-                out = out / self.m
+                out = self.scale_loss(out / self.m)
             self._out[key] = out
         elif a.kind == "B":
             out = self._out.pop(key)
