@@ -34,6 +34,10 @@ class RankFailure(RuntimeError):
     """A rank raised, died or did not finish in time; the message has its traceback."""
 
 
+class _RendezvousFailure(RankFailure):
+    """A rank could not join the process group (a transient socket error on a busy host)."""
+
+
 def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, rank: int, world_size: int, port: int,
             timeout: float, threads: int, conn: Connection) -> None:
     """One rank: join the group, run ``fn``, send back (ok, value or traceback)."""
@@ -45,6 +49,11 @@ def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, rank: int, world_
         torch.set_num_threads(threads)
         torch.manual_seed(0)
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    except BaseException:  # noqa: BLE001
+        conn.send_bytes(pickle.dumps((False, "rendezvous\n" + traceback.format_exc())))
+        conn.close()
+        return
+    try:
         result = fn(*args, **kwargs)
         dist.destroy_process_group()
         # Plain pickle: tensors go by value, not through torch's shared-memory reductions,
@@ -70,8 +79,17 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ``torch.set_num_threads(threads)`` and ``torch.manual_seed(0)``); their results in rank
     order. ``fn`` must be picklable (module level). If a rank raises or dies, the others are
     killed and RankFailure carries its rank and traceback; past ``timeout`` seconds every
-    rank is killed ("timed out after ...")."""
+    rank is killed ("timed out after ..."). A failure to join the process group (before
+    ``fn`` runs) is retried once with a fresh rendezvous."""
     _CTX.set_forkserver_preload(list(preload))
+    try:
+        return _launch(fn, world_size, args, kwargs, timeout, threads)
+    except _RendezvousFailure:
+        return _launch(fn, world_size, args, kwargs, timeout, threads)
+
+
+def _launch(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout: float,
+            threads: int) -> list[Any]:
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
     procs: list[BaseProcess] = []
@@ -96,7 +114,8 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 if conns[r].poll() or not procs[r].is_alive():
                     ok, value = _receive(conns[r], procs[r])
                     if not ok:
-                        raise RankFailure(f"rank {r} of {world_size} failed:\n{value}")
+                        failure = _RendezvousFailure if value.startswith("rendezvous\n") else RankFailure
+                        raise failure(f"rank {r} of {world_size} failed:\n{value}")
                     results[r] = value
         for proc in procs:
             proc.join(max(0.0, deadline - time.monotonic()))
