@@ -249,3 +249,25 @@ def test_fp16_pipeline_tracks_fp32_and_skips_overflow_everywhere() -> None:
     for _, scales, changed, _ in run_distributed(train_fp16_pipeline, 2, 1):
         assert changed == [True, False, True], changed
         assert scales == [2.0**10, 2.0**9, 2.0**9], scales
+
+
+@pytest.mark.parametrize("overrides", [{}, {"activation": "swiglu", "norm": "rmsnorm", "position": "rope"}])
+def test_split_backward_weight_step_computes_only_weight_gradients(overrides: dict) -> None:
+    """B + W of a middle stage give the gradients of one full backward, and W starts at the
+    boundary nodes for every weight (no weight needs the backward from the output again)."""
+    import contextlib
+    import dataclasses
+
+    from parallel.pipeline.split_backward import backward_input
+
+    config = dataclasses.replace(CONFIG, **overrides)
+    chunk = GPT(config, layers=range(2, 4), pre=False, post=False)
+    params = [p for p in chunk.parameters() if p.requires_grad]
+    x = torch.randn(CONFIG.max_seq_len, MB, CONFIG.d_model, requires_grad=True)
+    g = torch.randn(CONFIG.max_seq_len, MB, CONFIG.d_model)
+    expected = torch.autograd.grad(chunk(x), [x, *params], g)
+    dx, work = backward_input(chunk(x), g, x, params)
+    assert work.parts and not work.rest
+    work.run(lambda last: contextlib.nullcontext())
+    for got, want in zip([dx, *(p.grad for p in params)], expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

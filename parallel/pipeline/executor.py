@@ -19,7 +19,7 @@ tensor"): backward starts from the output's gradient edge and never reads its va
 Every backward but the rank's last runs under `no_sync()` (an optimizer's context that
 defers gradient reduction), so reduction starts when the rank's last backward runs.
 Zero-bubble schedules split backward into B (input gradient only, sent upstream at once)
-and W (weight gradients); see `_backward_input` for what W costs here.
+and W (weight gradients only), see `parallel.pipeline.split_backward`.
 Per compute action the executor records (rank, kind, micro-batch, chunk, start, end) in
 `events`, the format `parallel.pipeline.timeline` draws.
 """
@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
 
 from parallel import comm
+from parallel.pipeline.split_backward import WeightGradients, backward_input
 from parallel.pipeline.schedules import COMM, Action, rank_chunk_of, schedule, splits_backward, stage_of, validate
 
 TAGS = {"F": 0, "B": 1}
@@ -76,7 +77,7 @@ class PipelineExecutor:
         self._sends: list = []
         self._to_free: list[tuple[torch.Tensor, list[dist.Work]]] = []
         self._losses: list[torch.Tensor] = []
-        self._weight_work: dict[tuple[int, int], tuple[object, torch.Tensor | None]] = {}
+        self._weight_work: dict[tuple[int, int], WeightGradients] = {}
         self.events = []
         self._t0 = time.perf_counter()
         i = 0
@@ -143,18 +144,18 @@ class PipelineExecutor:
         return dist.get_global_rank(self.group, peer) if self.group is not None else peer
 
     # ---- compute ------------------------------------------------------------------------
-    def _deferred(self, index: int) -> ContextManager:
-        """no_sync() for every weight-gradient pass but the rank's last."""
-        return self.no_sync() if index != self._last_weight_grad else contextlib.nullcontext()
+    def _deferred(self, index: int, final: bool = True) -> ContextManager:
+        """no_sync() for every weight-gradient backward but the rank's very last one."""
+        return contextlib.nullcontext() if index == self._last_weight_grad and final else self.no_sync()
 
     def _backward_input(self, key: tuple[int, int], out, grad: torch.Tensor | None) -> None:
-        """Zero-bubble B: only the input gradient, so it can be sent upstream at once; the
-        graph is kept for W, which then runs the backward again restricted to the weights
-        (correct, but it recomputes the intermediate gradients B already had)."""
+        """Zero-bubble B: the input gradient only, sent upstream at once; the weight
+        gradients are left for W (`parallel.pipeline.split_backward`)."""
         x = self._x.get(key)
+        params = [p for p in self.chunks[key[1]].parameters() if p.requires_grad]
+        dx, self._weight_work[key] = backward_input(out, grad, x, params)
         if x is not None:
-            (x.grad,) = torch.autograd.grad(out, x, grad, retain_graph=True)
-        self._weight_work[key] = (out, grad)
+            x.grad = dx
 
     def _free_sent_outputs(self) -> None:
         """Drop the storage of outputs whose send has completed: backward needs only their
@@ -198,8 +199,5 @@ class PipelineExecutor:
                     torch.autograd.backward(out, grad)
         else:
             start = time.perf_counter() - self._t0
-            out, grad = self._weight_work.pop(key)
-            params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
-            with self._deferred(index):
-                torch.autograd.backward(out, grad, inputs=params)
+            self._weight_work.pop(key).run(lambda final: self._deferred(index, final))
         self.events.append((self.rank, a.kind, a.microbatch, a.chunk, start, time.perf_counter() - self._t0))
