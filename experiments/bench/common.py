@@ -13,6 +13,9 @@
 """
 from __future__ import annotations
 
+import json
+import sys
+
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -176,3 +179,16 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
 
 def mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f}"
+
+
+def finish(results: dict[str, Any], nonfinite: list[str], json_path: str | None) -> dict[str, Any]:
+    """Record the rows with non-finite numbers (printed as an error: the command then exits
+    1) and write the results as JSON when asked."""
+    results["nonfinite"] = nonfinite
+    if nonfinite:
+        print(f"ERROR: non-finite results for {', '.join(nonfinite)}", file=sys.stderr)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {json_path}")
+    return results

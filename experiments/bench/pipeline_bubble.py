@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import platform
@@ -55,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from experiments.bench.common import batch as make_batch
-from experiments.bench.common import format_table, launch, median, percentile
+from experiments.bench.common import finish, format_table, launch, median, percentile
 
 SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 CAVEAT = ("{world} ranks on {cores} CPU core(s): ranks compete for cores, so compute actions are slower while "
@@ -337,16 +336,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = {"config": asdict(cfg), "torch": torch.__version__, "cores": cores, "caveat": caveat,
                "argv": sys.argv[1:] if argv is None else argv, "rows": rows, "seconds": elapsed,
                "loadavg_end": list(load)}
-    results["nonfinite"] = [f"{r['schedule']} m={r['m']}" for r in rows
-                            if not all(math.isfinite(r[k]) for k in ("idle_measured", "idle_sim", "ours_ms", "torch_ms",
-                                                                     "ratio", "loss_max_abs_diff"))]
-    if results["nonfinite"]:
-        print(f"ERROR: non-finite results for {', '.join(results['nonfinite'])}", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {args.json}")
-    return results
+    nonfinite = [f"{r['schedule']} m={r['m']}" for r in rows
+                 if not all(math.isfinite(r[k]) for k in ("idle_measured", "idle_sim", "ours_ms", "torch_ms",
+                                                          "ratio", "loss_max_abs_diff"))]
+    return finish(results, nonfinite, args.json)
 
 
 if __name__ == "__main__":

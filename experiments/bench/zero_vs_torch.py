@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import platform
 import sys
@@ -57,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from experiments.bench.common import batch as make_batch
 from experiments.bench.common import (
+    finish,
     format_table,
     launch,
     make_model,
@@ -460,17 +460,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"  world {world}: {r['ours']} / {r['theirs']} = {r['ratio']:.3f} (goal {r['goal']} 1.0) {verdict}")
     results["seconds"] = time.perf_counter() - start
     print(f"total {results['seconds']:.0f} s")
-    results["nonfinite"] = [
+    nonfinite = [
         f"world {world} {m}" for world, w in results["worlds"].items() for m, e in w["methods"].items()
         if not all(math.isfinite(x) for x in [e["median_ms"], e["final_loss"], *e["memory_rank0"].values()])
     ]
-    if results["nonfinite"]:
-        print(f"ERROR: non-finite results for {', '.join(results['nonfinite'])}", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"\nwrote {args.json}")
-    return results
+    return finish(results, nonfinite, args.json)
 
 
 if __name__ == "__main__":
