@@ -30,6 +30,7 @@ from parallel import comm
 
 NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "Muon", "LAMB", "Lamb", "FusedLAMB", "Shampoo", "SparseAdam", "LARS"}
 PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+DEFAULT_BUCKET_NUMEL = 2**24
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -67,7 +68,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         param_groups: list[dict[str, Any]] | None = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
-        bucket_numel: int = 2**24,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         unit_numel: int = 2**22,
         resident_numel: int | None = None,
         step_backend: str | None = None,
