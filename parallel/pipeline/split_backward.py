@@ -89,11 +89,10 @@ def backward_input(out: torch.Tensor | GradientEdge, grad: torch.Tensor | None, 
     accumulators = {get_gradient_edge(w).node: w for w in weights}
     if x is None:
         return None, WeightGradients(out, grad, [], weights)
-    nodes = _graph(root)
-    reaches_x = _reaches(root, get_gradient_edge(x).node)
+    reaches_x = _reaches(root, get_gradient_edge(x).node)  # keys: every node of the graph
     boundary: dict[Node, list[torch.Tensor]] = {}
     owners: dict[torch.Tensor, int] = {}
-    for node in nodes:
+    for node in reaches_x:
         if not reaches_x.get(node):
             continue
         fed = [w for c, _ in node.next_functions if c is not None and not reaches_x.get(c, False)
