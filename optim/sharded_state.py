@@ -17,7 +17,8 @@ arbitrary flat range, and DCP still saves and loads ``ShardedTensor`` natively.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,9 @@ from torch.distributed._shard.sharded_tensor import (
 )
 
 Box = tuple[list[int], list[int]]
+
+# ShardedTensor is deprecated, but it is the one DCP type that holds arbitrary boxes (above).
+warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
 
 
 def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
@@ -161,3 +165,36 @@ def _piece_view(local_pieces: list[tuple[int, torch.Tensor]], lo: int, sizes: li
         if s <= lo and lo + n <= s + t.numel():
             return t.detach()[lo - s : lo - s + n].view(sizes)
     raise AssertionError(f"no local piece holds flat [{lo}, {lo + n})")
+
+
+def tile_sharded_tensor(st: ShardedTensor, dim: int, parts: int, index: int,
+                        placement_of: Callable[[int, int], int]) -> ShardedTensor:
+    """``st`` as block ``index`` of a tensor ``parts`` times larger along ``dim``.
+
+    The full tensor is the concatenation along ``dim`` of ``parts`` blocks shaped like
+    ``st``, each sharded like ``st``: block ``p`` holds ``st``'s boxes shifted by
+    ``p · st.size(dim)`` along ``dim``, on global rank ``placement_of(r, p)`` where ``r``
+    is the global rank holding the box in ``st`` (so ``placement_of(r, index) == r``).
+    This is how a tensor-parallel slice, itself sharded over data-parallel ranks, becomes
+    a piece of the tp = 1 parameter. Empty boxes move past the end of the full dim 0, so
+    they never share offsets with data. Local shards stay views of ``st``'s tensors.
+    """
+    shape = list(st.size())
+    full = list(shape)
+    full[dim] *= parts
+    device = st.local_shards()[0].tensor.device if st.local_shards() else torch.device("cpu")
+
+    def shifted(meta: ShardMetadata, p: int) -> ShardMetadata:
+        offsets = list(meta.shard_offsets)
+        if math.prod(meta.shard_sizes) == 0:
+            offsets[0] = full[0]
+        else:
+            offsets[dim] += p * shape[dim]
+        rank = placement_of(meta.placement.rank(), p)
+        return ShardMetadata(offsets, list(meta.shard_sizes), f"rank:{rank}/{device}")
+
+    metas = [shifted(m, p) for p in range(parts) for m in st.metadata().shards_metadata]
+    local = [Shard(s.tensor, shifted(s.metadata, index)) for s in st.local_shards()]
+    st_meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(full),
+                                    tensor_properties=st.metadata().tensor_properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, st_meta)

@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from parallel import comm
 from parallel.random import seed_everything
-from parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from research.model import GPT, GPTConfig, TiedHead
+from parallel.tensor import tp_partition_dim
+from research.model import GPT, GPTConfig
 from tests.dist_utils import run_distributed
 
 BASE = GPTConfig(vocab_size=61, n_layers=2, n_heads=4, d_model=32, max_seq_len=16, vocab_multiple=64)
@@ -25,16 +25,7 @@ RECOMPUTE = ["none", "selective", "full"]
 
 def tp_dims(model: torch.nn.Module) -> dict[str, int | None]:
     """name -> the dim along which TP splits the parameter (None: replicated)."""
-    dims: dict[str, int | None] = {}
-    for mname, module in model.named_modules():
-        for pname, _ in module.named_parameters(recurse=False):
-            dim = None
-            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding, TiedHead)):
-                dim = 0
-            elif isinstance(module, RowParallelLinear) and pname == "weight":
-                dim = 1
-            dims[f"{mname}.{pname}" if mname else pname] = dim
-    return dims
+    return {name: tp_partition_dim(p) for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def gather_tp(tensors: dict[str, torch.Tensor], dims: dict[str, int | None], group) -> dict[str, torch.Tensor]:

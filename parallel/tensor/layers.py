@@ -54,6 +54,7 @@ __all__ = [
     "default_init",
     "sequence_parallel_grad_sync",
     "shard_of",
+    "tp_partition_dim",
 ]
 
 
@@ -68,6 +69,20 @@ def shard_of(full: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     if full.size(dim) % tp != 0:
         raise ValueError(f"dim {dim} of size {full.size(dim)} is not divisible by tp={tp}")
     return full.chunk(tp, dim=dim)[tp_rank(group)].clone(memory_format=torch.contiguous_format)
+
+
+_partition_dims: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def tp_partition_dim(param: torch.Tensor) -> int | None:
+    """The dim along which TP splits ``param`` (its tp = 1 tensor is the concatenation of
+    the TP ranks' tensors along it), or None when every TP rank holds all of it."""
+    return _partition_dims.get(param)
+
+
+def _mark_partitioned(param: torch.Tensor | None, dim: int) -> None:
+    if param is not None:
+        _partition_dims[param] = dim
 
 
 def _divide(name: str, value: int, group: Group) -> int:
@@ -127,12 +142,12 @@ def sequence_parallel_grad_sync(param: torch.Tensor, group: Group) -> None:
 
 class _TPModule(nn.Module):
     """Holds the TP ``group``; ``copy.deepcopy`` shares the group (a ProcessGroup cannot be
-    copied) and re-applies the replication marks / SP grad hooks, which live with the
-    Parameter objects and are not copied with them."""
+    copied) and re-applies the partition / replication marks and SP grad hooks, which live
+    with the Parameter objects and are not copied with them."""
 
     group: Group
 
-    def _register_replicated(self) -> None:
+    def _register_marks(self) -> None:
         pass
 
     def __deepcopy__(self, memo: dict) -> _TPModule:
@@ -140,7 +155,7 @@ class _TPModule(nn.Module):
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__dict__, memo))
-        new._register_replicated()
+        new._register_marks()
         return new
 
 
@@ -168,6 +183,11 @@ class ColumnParallelLinear(_TPModule):
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.weight = _sharded_weight((out_features, in_features), 0, group, init_method)
         self.bias = nn.Parameter(torch.zeros(out_local)) if bias else None
+        self._register_marks()
+
+    def _register_marks(self) -> None:
+        _mark_partitioned(self.weight, 0)
+        _mark_partitioned(self.bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
@@ -204,10 +224,12 @@ class RowParallelLinear(_TPModule):
         self.sequence_parallel = sequence_parallel
         self.weight = _sharded_weight((out_features, in_features), 1, group, init_method)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self._register_replicated()
+        self._register_marks()
 
-    def _register_replicated(self) -> None:
-        """The bias is replicated over TP; under SP its gradient is summed over TP."""
+    def _register_marks(self) -> None:
+        """The weight is split along its input dim; the bias is replicated over TP, and
+        under SP its gradient is summed over TP."""
+        _mark_partitioned(self.weight, 1)
         if self.bias is not None:
             comm.mark_replicated(self.bias, self.group)
             if self.sequence_parallel:
@@ -251,6 +273,10 @@ class VocabParallelEmbedding(_TPModule):
         self.vocab_start = tp_rank(group) * v_local
         self.vocab_end = self.vocab_start + v_local
         self.weight = _sharded_weight((num_embeddings, embedding_dim), 0, group, init_method)
+        self._register_marks()
+
+    def _register_marks(self) -> None:
+        _mark_partitioned(self.weight, 0)
 
     def forward(self, ids_sb: torch.Tensor) -> torch.Tensor:
         if tp_size(self.group) == 1:

@@ -1,0 +1,240 @@
+"""Checkpoints in a canonical layout: any (tp, pp, dp, zero, schedule) loads any other.
+
+On disk (one folder per save, `ROOT/step_00000025/`, and `ROOT/latest` naming the newest):
+- a `torch.distributed.checkpoint` (DCP) of `model/<name>` (fp32 master weights) and
+  `optim/<name>/<key>` (optimizer state), where <name> and the tensor's shape are those of
+  the tp = pp = dp = 1 model. Each rank writes the boxes it owns: its ZeRO flat ranges
+  (`optim.sharded_state`), shifted into its TP slice (`tile_sharded_tensor`); TP-replicated
+  parameters are written by TP rank 0 only and the last stage's copy of a tied embedding
+  not at all. DCP then loads the overlap of what was saved with what each rank needs;
+- `rng/rank_<r>.pt`: each rank's RNG streams, restored when the layout is unchanged (a
+  new layout re-seeds from (seed, step), which only matters with dropout);
+- `meta.json`, written last: step, data position, scheduler, loss scaler, param groups,
+  layout and config. Its presence marks the checkpoint complete.
+
+A save goes to `step_N.tmp/` and is renamed when complete, so a crash leaves the previous
+checkpoint intact. Nothing is pickled: DCP holds tensors only and is read with
+`weights_only`, RNG files are loaded with `weights_only=True`, the rest is JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+from optim import ZeroOptimizer
+from optim.sharded_state import tile_sharded_tensor
+from parallel import comm
+from parallel.dims import ParallelDims
+from parallel.random import get_rng_tracker
+from parallel.tensor import tp_partition_dim
+from research.model import GPTConfig
+
+META = "meta.json"
+LATEST = "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message says which and why."""
+
+
+def canonical_name(name: str) -> str:
+    """`3.blocks.5.mlp.fc.weight` (chunk 3 of a rank's ModuleList) -> `blocks.5.mlp.fc.weight`."""
+    return name.split(".", 1)[1]
+
+
+def full_shape(param: torch.Tensor, tp: int) -> list[int]:
+    """Shape of `param` in the tp = 1 model."""
+    shape = list(param.shape)
+    dim = tp_partition_dim(param)
+    if dim is not None:
+        shape[dim] *= tp
+    return shape
+
+
+def canonical_state(model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims, saving: bool) -> dict[str, Any]:
+    """{"model": {name: sharded master}, "optim": {name: {key: state}}} in canonical names
+    and shapes, as views of the optimizer's storage (so `dcp.load` writes into it). With
+    `saving`, copies that another rank writes too are left out."""
+    sd = opt.state_dict()
+    params = {name: p for p, name in opt.names.items()}
+    pp, dp, _ = dims.coords_of(dist.get_rank())
+
+    def lift(value: Any, p: torch.Tensor) -> Any:
+        dim = tp_partition_dim(p)
+        if dim is None or dims.tp == 1 or not hasattr(value, "local_shards"):
+            return value
+        return tile_sharded_tensor(value, dim, dims.tp, dims.tp_rank,
+                                   lambda r, t: dims.rank_of(*dims.coords_of(r)[:2], t))
+
+    out: dict[str, Any] = {"model": {}, "optim": {}}
+    for name, master in sd["params"].items():
+        p = params[name]
+        chunk = model[int(name.split(".", 1)[0])]
+        tied_copy = bool(comm.tied_groups(p)) and not chunk.pre
+        replicated_copy = tp_partition_dim(p) is None and dims.tp_rank != 0
+        if saving and (tied_copy or replicated_copy):
+            continue
+        canon = canonical_name(name)
+        out["model"][canon] = lift(master, p)
+        out["optim"][canon] = {k: lift(v, p) for k, v in sd["state"].get(name, {}).items()}
+    return out
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": get_rng_tracker().state_dict()}
+
+
+def save(root: str, step: int, model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims,
+         meta: dict[str, Any]) -> str:
+    """Write the checkpoint after `step` completed steps to ROOT/step_<step>; a collective.
+    `meta` (JSON-serializable: data position, scheduler, layout, config) goes to meta.json."""
+    final = os.path.join(root, f"step_{step:08d}")
+    tmp = final + ".tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "rng"))
+    dist.barrier()
+    dcp.save(canonical_state(model, opt, dims, saving=True), checkpoint_id=tmp)
+    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        groups = [{k: v for k, v in g.items()} for g in opt.state_dict()["param_groups"]]
+        full = {**meta, "step": step, "param_groups": groups,
+                "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None}
+        _write_json(os.path.join(tmp, META), full)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _write_text(os.path.join(root, LATEST), os.path.basename(final))
+    dist.barrier()
+    return final
+
+
+def _write_json(path: str, obj: Any) -> None:
+    _write_text(path, json.dumps(obj, indent=1))
+
+
+def _write_text(path: str, text: str) -> None:
+    """Atomically: a reader sees the old file or the new one, never a partial one."""
+    with open(path + ".part", "w") as f:
+        f.write(text)
+    os.replace(path + ".part", path)
+
+
+def resolve(path: str) -> str:
+    """The checkpoint folder `path` names: itself, the one its `latest` file names, or its
+    newest complete step_* folder. CheckpointError when there is none."""
+    if os.path.isfile(os.path.join(path, META)):
+        return path
+    latest = os.path.join(path, LATEST)
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            return resolve(os.path.join(path, f.read().strip()))
+    steps = sorted(d for d in os.listdir(path) if d.startswith("step_") and not d.endswith(".tmp")
+                   and os.path.isfile(os.path.join(path, d, META))) if os.path.isdir(path) else []
+    if steps:
+        return os.path.join(path, steps[-1])
+    if os.path.isfile(os.path.join(path, ".metadata")) or path.endswith(".tmp"):
+        raise CheckpointError(f"--load={path} is incomplete (no {META}: its save was interrupted); load an earlier checkpoint")
+    raise CheckpointError(f"--load={path} holds no checkpoint (no {META}, no {LATEST} file, no step_* folder)")
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    """meta.json of the checkpoint folder `path` (after `resolve`)."""
+    try:
+        with open(os.path.join(path, META)) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"--load={path}: {META} is unreadable ({e}); the checkpoint is corrupt") from None
+
+
+SHAPE_FIELDS = ("vocab_size", "vocab_multiple", "n_layers", "n_heads", "d_model", "d_ff", "max_seq_len",
+                "position", "norm", "activation", "tie_embeddings", "bias", "qkv_bias")
+
+
+def check_compatible(path: str, meta: dict[str, Any], config: GPTConfig, expected: dict[str, list[int]]) -> None:
+    """CheckpointError unless the checkpoint holds exactly the tensors of this model shape."""
+    saved_cfg = meta.get("model", {})
+    diff = [f"{k}={saved_cfg.get(k)!r} there, {getattr(config, k)!r} here" for k in SHAPE_FIELDS
+            if k in saved_cfg and saved_cfg[k] != getattr(config, k)]
+    if diff:
+        raise CheckpointError(f"--load={path} is of another model shape: {'; '.join(diff)}")
+    try:
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - any failure to read DCP metadata means corruption
+        raise CheckpointError(f"--load={path} is corrupt: its DCP metadata cannot be read ({e})") from None
+    for name, shape in expected.items():
+        entry = stored.get(f"model.{name}")
+        if entry is None:
+            raise CheckpointError(f"--load={path} has no weight {name}; it is of another model")
+        if list(entry.size) != shape:
+            raise CheckpointError(f"--load={path} has {name} of shape {list(entry.size)}, this model {shape}")
+
+
+def load(path: str, model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims) -> dict[str, Any]:
+    """Load the checkpoint folder `path` (already `resolve`d and checked) into the optimizer
+    (hence the model) and, under the same layout, the RNG streams; returns its meta."""
+    meta = read_meta(path)
+    state = canonical_state(model, opt, dims, saving=False)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as e:  # noqa: BLE001 - DCP raises many kinds; all mean the files are bad
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"--load={path} is corrupt or incomplete: {first}") from None
+    names = {canonical_name(n): n for n in opt.state_dict()["params"]}
+    groups = tuple({k: tuple(v) if isinstance(v, list) else v for k, v in g.items()} for g in meta["param_groups"])
+    opt.load_state_dict({
+        "params": {names[c]: v for c, v in state["model"].items()},
+        "state": {names[c]: v for c, v in state["optim"].items()},
+        "param_groups": groups,
+        **({"loss_scaler": meta["loss_scaler"]} if meta.get("loss_scaler") else {}),
+    })
+    layout = meta.get("layout", {})
+    same_layout = [layout.get(k) for k in ("tp", "pp", "dp")] == [dims.tp, dims.pp, dims.dp]
+    rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
+    if same_layout and os.path.isfile(rng_file):
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        get_rng_tracker().load_state_dict(rng["tracker"])
+    meta["rng_restored"] = same_layout
+    return meta
+
+
+def export(path: str, out_file: str) -> list[str]:
+    """Write the checkpoint's weights as one full fp32 state dict of the tp = 1 model
+    (`GPT(config).load_state_dict` takes it; a tied head gets its own copy) to
+    `out_file`: .safetensors (config in its metadata) or .pt. Runs in one process;
+    returns the names written."""
+    path = resolve(path)
+    meta = read_meta(path)
+    reader = dcp.FileSystemReader(path)
+    stored = reader.read_metadata().state_dict_metadata
+    weights = {k.split(".", 1)[1]: torch.empty(list(v.size), dtype=v.properties.dtype)
+               for k, v in stored.items() if k.startswith("model.")}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": weights}, storage_reader=reader, no_dist=True)
+    if meta["model"].get("tie_embeddings"):
+        weights["head.weight"] = weights["embed.weight"].clone()
+    tmp = out_file + ".part"
+    if out_file.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(weights, tmp, metadata={"model": json.dumps(meta["model"]), "step": str(meta["step"])})
+    else:
+        torch.save(weights, tmp)
+    os.replace(tmp, out_file)
+    return sorted(weights)

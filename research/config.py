@@ -1,0 +1,340 @@
+"""One config tree for a training run: dataclasses, YAML files, command-line overrides,
+and validation that names the flag at fault before any process group exists.
+
+A YAML file mirrors the tree (sections `model`, `parallel`, `train`, `data`, `log`,
+`checkpoint`); every field is also a flag, `--field-name` (underscores become dashes),
+which overrides the file. `--help` shows each flag with the value it would take.
+
+Batch arithmetic (as in Megatron): global_batch_size = micro_batch_size × micro_batches
+× dp. Any two of the three determine the third; values given on the command line win
+over values from the file, and the first two known in the order (command line, file;
+global, micro-batch size, micro-batches) are used.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from parallel.pipeline.partition import layer_ranges
+from parallel.pipeline.schedules import SCHEDULES
+from parallel.pipeline.schedules import validate as validate_schedule
+from research.data import load_tokenizer, resolve_source
+from research.model import GPTConfig
+
+BATCH_KEYS = ("global_batch_size", "micro_batch_size", "micro_batches")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message is one sentence naming the flag."""
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of parallelism and how the pipeline runs."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    zero: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass
+class TrainConfig:
+    """Optimization: steps, batch sizes, AdamW with linear warm-up then cosine (or
+    constant) decay to min_lr, global-norm clipping (0 disables), precision."""
+
+    steps: int = 50
+    seed: int = 0
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    global_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    micro_batches: int | None = None
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 0
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    """Text source (None: the embedded corpus), tokenizer (None: bytes) and packing."""
+
+    data: str | None = None
+    text_field: str = "text"
+    tokenizer: str | None = None
+    seq_len: int = 128
+    num_proc: int = 1
+    data_cache: str | None = None
+
+
+@dataclass
+class LogConfig:
+    """Where the run writes and how it reports."""
+
+    out: str = "runs/default"
+    log_every: int = 1
+    wandb: Literal["offline", "online", "disabled"] = field(default_factory=lambda: _wandb_mode_from_env())
+    wandb_project: str = "zero3d"
+    wandb_group: str | None = None
+    wandb_name: str | None = None
+
+
+def _wandb_mode_from_env() -> str:
+    """WANDB_MODE when it names one of our modes, else offline."""
+    mode = os.environ.get("WANDB_MODE", "offline")
+    return mode if mode in ("offline", "online", "disabled") else "offline"
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving every `save_every` steps (and at the end) under `save`; `load` resumes;
+    `export` writes the final weights as one full-precision file (.safetensors or .pt)."""
+
+    save: str | None = None
+    save_every: int = 0
+    load: str | None = None
+    export: str | None = None
+
+
+@dataclass
+class RunConfig:
+    """The whole run. `model.vocab_size` follows the tokenizer; `model.init_seed` follows
+    `train.seed` unless set."""
+
+    model: GPTConfig = field(default_factory=GPTConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+_CLASSES = {"model": GPTConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
+            "log": LogConfig, "checkpoint": CheckpointConfig}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _fields() -> dict[str, tuple[str, dataclasses.Field, Any]]:
+    """field name -> (section, field, resolved type); names are unique across sections."""
+    out: dict[str, tuple[str, dataclasses.Field, Any]] = {}
+    for section, cls in _CLASSES.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            assert f.name not in out, f"config field {f.name} appears in two sections"
+            out[f.name] = (section, f, hints[f.name])
+    return out
+
+
+def _parser_for(hint: Any) -> tuple[Any, list[str] | None]:
+    """(argparse type, choices) for a field's type hint."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next(a for a in args if a is not type(None))
+    if typing.get_origin(hint) is Literal:
+        return None, list(typing.get_args(hint))
+    base = {int: int, float: float, str: str}[hint]
+    if not optional:
+        return base, None
+
+    def parse(text: str) -> Any:
+        return None if text.lower() in ("none", "null") else base(text)
+
+    parse.__name__ = base.__name__
+    return parse, None
+
+
+def load_yaml(path: str) -> dict[str, dict[str, Any]]:
+    """The sections of a YAML config file; unknown sections or keys are errors."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config={path} does not exist")
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    known = _fields()
+    for section, values in raw.items():
+        if section not in _CLASSES:
+            raise ConfigError(f"{path}: unknown section {section!r}; sections are {', '.join(_CLASSES)}")
+        for key in values or {}:
+            if key not in known or known[key][0] != section:
+                raise ConfigError(f"{path}: {section}.{key} is not a config key (see --help)")
+    return {s: dict(v or {}) for s, v in raw.items()}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after each flag; the description as written."""
+
+
+def build_parser(file_values: dict[str, dict[str, Any]] | None = None) -> argparse.ArgumentParser:
+    """The command line: `--config` plus one flag per field, defaults from the file."""
+    file_values = file_values or {}
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.train", description=__doc__,
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("--config", default=None, help="YAML file with sections model/parallel/train/data/log/checkpoint")
+    groups = {s: p.add_argument_group(s, (_CLASSES[s].__doc__ or "").split("\n")[0]) for s in _CLASSES}
+    for name, (section, f, hint) in _fields().items():
+        default = file_values.get(section, {}).get(name, _default(f))
+        if hint is bool:
+            groups[section].add_argument(_flag(name), default=default, action=argparse.BooleanOptionalAction)
+        else:
+            kind, choices = _parser_for(hint)
+            groups[section].add_argument(_flag(name), type=kind, choices=choices, default=default,
+                                         metavar=None if choices else name.upper())
+    return p
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()  # type: ignore[misc]
+
+
+def parse_args(argv: list[str] | None, world_size: int) -> RunConfig:
+    """The validated config of `argv` on `world_size` processes (ConfigError if invalid)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    file_values = load_yaml(known.config) if known.config else {}
+    parser = build_parser(file_values)
+    args = parser.parse_args(argv)
+    given_cli = {name for name in _fields() if _flag(name) in _flags_in(argv)}
+    given_file = {k for values in file_values.values() for k in values if values[k] is not None}
+    sections: dict[str, dict[str, Any]] = {s: {} for s in _CLASSES}
+    for name, (section, _, _) in _fields().items():
+        sections[section][name] = getattr(args, name)
+    if "init_seed" not in given_cli | given_file:
+        sections["model"]["init_seed"] = sections["train"]["seed"]
+    try:
+        model = GPTConfig(**sections.pop("model"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    cfg = RunConfig(model=model, **{s: _CLASSES[s](**v) for s, v in sections.items()})
+    resolve_batch(cfg, world_size, given_cli, given_file)
+    validate(cfg, world_size)
+    return cfg
+
+
+def _flags_in(argv: list[str] | None) -> set[str]:
+    tokens = sys.argv[1:] if argv is None else argv
+    flags = {t.split("=", 1)[0] for t in tokens if t.startswith("--")}
+    return flags | {f.replace("--no-", "--", 1) for f in flags if f.startswith("--no-")}
+
+
+def resolve_batch(cfg: RunConfig, world_size: int, given_cli: set[str], given_file: set[str]) -> None:
+    """Fill dp and the one batch size not given (see the module docstring)."""
+    par, tr = cfg.parallel, cfg.train
+    for name in ("tp", "pp", "virtual_stages"):
+        if getattr(par, name) < 1:
+            raise ConfigError(f"{_flag(name)}={getattr(par, name)} must be at least 1")
+    if world_size % (par.tp * par.pp):
+        raise ConfigError(f"--tp={par.tp} × --pp={par.pp} = {par.tp * par.pp} does not divide the world size {world_size}")
+    if par.dp is None:
+        par.dp = world_size // (par.tp * par.pp)
+    if par.tp * par.pp * par.dp != world_size:
+        raise ConfigError(f"--tp={par.tp} × --pp={par.pp} × --dp={par.dp} = {par.tp * par.pp * par.dp} "
+                          f"does not equal the world size {world_size}")
+    for name in BATCH_KEYS:
+        value = getattr(tr, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{_flag(name)}={value} must be at least 1")
+    order = [k for k in BATCH_KEYS if k in given_cli] + [k for k in BATCH_KEYS if k in given_file - given_cli]
+    known = [k for k in order if getattr(tr, k) is not None][:2]
+    if len(known) < 2 and "micro_batch_size" not in known:
+        known.append("micro_batch_size")
+        tr.micro_batch_size = tr.micro_batch_size or 1
+    if len(known) < 2:
+        known.append("micro_batches")
+        tr.micro_batches = tr.micro_batches or 1
+    (missing,) = set(BATCH_KEYS) - set(known)
+    stated = getattr(tr, missing) if missing in given_cli else None
+    if missing == "global_batch_size":
+        tr.global_batch_size = tr.micro_batch_size * tr.micro_batches * par.dp
+    else:
+        other = "micro_batches" if missing == "micro_batch_size" else "micro_batch_size"
+        per = getattr(tr, other) * par.dp
+        if tr.global_batch_size % per:
+            raise ConfigError(f"--global-batch-size={tr.global_batch_size} is not divisible by "
+                              f"{_flag(other)}={getattr(tr, other)} × dp={par.dp}")
+        setattr(tr, missing, tr.global_batch_size // per)
+    if stated is not None and stated != getattr(tr, missing):
+        raise ConfigError(f"--global-batch-size={tr.global_batch_size if missing != 'global_batch_size' else stated} "
+                          f"must equal --micro-batch-size × --micro-batches × dp = {tr.micro_batch_size} × "
+                          f"{tr.micro_batches} × {par.dp}")
+
+
+def validate(cfg: RunConfig, world_size: int) -> None:
+    """Reject every invalid combination with one sentence naming the flag."""
+    m, par, tr, data, ck = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.checkpoint
+    if par.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero={par.zero} is not a ZeRO stage; use 0, 1, 2 or 3")
+    if par.schedule not in SCHEDULES:
+        raise ConfigError(f"--schedule={par.schedule!r} is unknown; schedules are {', '.join(SCHEDULES)}")
+    try:
+        validate_schedule(par.schedule, par.pp, tr.micro_batches, par.virtual_stages)
+    except ValueError as e:
+        raise ConfigError(f"--schedule/--micro-batches/--virtual-stages: {e}") from None
+    if par.virtual_stages > 1 and par.pp == 1:
+        raise ConfigError(f"--virtual-stages={par.virtual_stages} needs --pp > 1")
+    try:
+        m.validate_tp(par.tp)
+        layer_ranges(m.n_layers, par.pp * par.virtual_stages)
+    except ValueError as e:
+        raise ConfigError(f"--tp/--pp/--virtual-stages: {e}") from None
+    if tr.steps < 1:
+        raise ConfigError(f"--steps={tr.steps} must be at least 1")
+    if data.seq_len < 1 or data.seq_len > m.max_seq_len:
+        raise ConfigError(f"--seq-len={data.seq_len} must be between 1 and --max-seq-len={m.max_seq_len}")
+    if par.sequence_parallel and data.seq_len % par.tp:
+        raise ConfigError(f"--sequence-parallel needs --seq-len={data.seq_len} divisible by --tp={par.tp}")
+    if tr.lr <= 0 or tr.min_lr < 0 or tr.min_lr > tr.lr:
+        raise ConfigError(f"--lr={tr.lr} and --min-lr={tr.min_lr} need 0 <= min-lr <= lr and lr > 0")
+    if tr.warmup_steps < 0:
+        raise ConfigError(f"--warmup-steps={tr.warmup_steps} must not be negative")
+    if tr.clip_grad < 0:
+        raise ConfigError(f"--clip-grad={tr.clip_grad} must not be negative (0 disables clipping)")
+    try:
+        resolve_source(data.data)
+        load_tokenizer(data.tokenizer)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if ck.save_every < 0 or (ck.save_every and not ck.save):
+        raise ConfigError(f"--save-every={ck.save_every} needs --save DIR (and must not be negative)")
+    if ck.export and not ck.save:
+        raise ConfigError(f"--export={ck.export} needs --save DIR (the export is written from the final checkpoint)")
+    if ck.export and not ck.export.endswith((".safetensors", ".pt")):
+        raise ConfigError(f"--export={ck.export} must end in .safetensors or .pt")
+    if ck.load and not os.path.isdir(ck.load):
+        raise ConfigError(f"--load={ck.load} is not a directory")
+    if cfg.log.log_every < 1:
+        raise ConfigError(f"--log-every={cfg.log.log_every} must be at least 1")
+
+
+def save_yaml(cfg: RunConfig, path: str) -> None:
+    """The resolved config, loadable again with --config."""
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)

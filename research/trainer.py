@@ -1,0 +1,283 @@
+"""The training loop: one optimizer step = one global batch through the pipeline schedule.
+
+Per step, data-parallel rank d takes rows [d·B/dp, (d+1)·B/dp) of global batch `step`
+(B = global batch size), split into m micro-batches; the `PipelineExecutor` runs them
+through this rank's model chunks (pp = 1 is the one-stage pipeline: forward and backward
+per micro-batch, gradient reduction deferred to the last backward); then the ZeroOptimizer
+clips by the global norm and steps. The logged loss is the mean over the global batch:
+(1/dp) Σ_d (1/m) Σ_i loss(d, i), every micro-batch holding the same number of tokens.
+
+LR: linear warm-up to `lr` over `warmup_steps`, then cosine decay to `min_lr` at the last
+step (or constant). Weight decay applies to matrices, not to norms and biases.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from optim import DynamicLossScaler, ZeroOptimizer
+from parallel import comm
+from parallel.dims import ParallelDims
+from parallel.pipeline.executor import PipelineExecutor
+from parallel.random import seed_everything
+from research import checkpoint, data, metrics
+from research.config import RunConfig, save_yaml
+from research.model import pipeline_chunks
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def lr_multiplier(cfg: RunConfig) -> Callable[[int], float]:
+    """lr(t)/lr: (t+1)/W for t < W warm-up steps, then cosine from 1 to min_lr/lr over
+    the remaining steps (constant 1 with lr_schedule=constant)."""
+    tr = cfg.train
+    floor = tr.min_lr / tr.lr
+
+    def multiplier(t: int) -> float:
+        if t < tr.warmup_steps:
+            return (t + 1) / tr.warmup_steps
+        if tr.lr_schedule == "constant":
+            return 1.0
+        span = max(1, tr.steps - tr.warmup_steps - 1)
+        progress = min(1.0, (t - tr.warmup_steps) / span)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Matrices decay; vectors (norm weights, biases) do not."""
+    params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+class Trainer:
+    """Builds everything a run needs from a validated `RunConfig` (a collective: every rank
+    constructs one), then `train()` runs the steps and returns the summary."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        par, tr = cfg.parallel, cfg.train
+        self.device = _device()
+        self.dims = ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp).build()
+        self.rank = dist.get_rank()
+        seed_everything(tr.seed, self.dims.tp_rank, self.dims.pp_rank)
+
+        tokenizer = data.load_tokenizer(cfg.data.tokenizer)
+        if cfg.model.vocab_size < tokenizer.vocab_size:
+            cfg.model = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
+        tokens = data.load_tokens(cfg.data.data, tokenizer, cache_dir=cfg.data.data_cache,
+                                  num_proc=cfg.data.num_proc, text_field=cfg.data.text_field)
+        self.batches = data.GlobalBatches(tokens, cfg.data.seq_len, tr.global_batch_size, tr.seed)
+
+        dims = self.dims
+        chunks = pipeline_chunks(cfg.model, dims.pp_rank, dims.pp, par.virtual_stages, dims.tp_group,
+                                 dims.embedding_group, par.sequence_parallel)
+        self.model = nn.ModuleList(chunks).to(self.device)
+        self.param_dtype = DTYPES[tr.precision]
+        self.opt = ZeroOptimizer(
+            self.model, torch.optim.AdamW, stage=par.zero, process_group=dims.dp_group,
+            model_parallel_group=dims.mp_group, param_groups=weight_decay_groups(self.model, tr.weight_decay),
+            param_dtype=self.param_dtype, reduce_dtype=torch.bfloat16 if tr.reduce_dtype == "bf16" else torch.float32,
+            loss_scaler=DynamicLossScaler() if tr.precision == "fp16" else None,
+            lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_multiplier(cfg))
+        self.executor = PipelineExecutor(chunks, par.schedule, tr.micro_batches, dims.pp_group,
+                                         no_sync=self.opt.no_sync, scale_loss=self.opt.scale_loss)
+        seq = cfg.data.seq_len // (dims.tp if par.sequence_parallel and dims.tp > 1 else 1)
+        self.activation_shape = (seq, tr.micro_batch_size, cfg.model.d_model)
+        self.start_step = 0
+        if cfg.checkpoint.load:
+            self._resume(cfg.checkpoint.load)
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def _expected_shapes(self) -> dict[str, list[int]]:
+        return {checkpoint.canonical_name(name): checkpoint.full_shape(p, self.dims.tp)
+                for p, name in self.opt.names.items()}
+
+    def _resume(self, where: str) -> None:
+        path = checkpoint.resolve(where)
+        meta = checkpoint.read_meta(path)
+        checkpoint.check_compatible(path, meta, self.cfg.model, self._expected_shapes())
+        saved_batch = meta["data"]["global_batch_size"]
+        if saved_batch != self.cfg.train.global_batch_size:
+            raise checkpoint.CheckpointError(
+                f"--global-batch-size={self.cfg.train.global_batch_size} differs from the checkpoint's {saved_batch}; "
+                "resume with the same global batch size (the data position counts its batches)")
+        meta = checkpoint.load(path, self.model, self.opt, self.dims)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.start_step = meta["step"]
+        if not meta["rng_restored"]:
+            seed_everything(self.cfg.train.seed + self.start_step, self.dims.tp_rank, self.dims.pp_rank)
+        self.resumed_from = path
+
+    def _save(self, step: int) -> str:
+        cfg = self.cfg
+        meta = {
+            "data": {"seed": cfg.train.seed, "global_batch_size": cfg.train.global_batch_size,
+                     "consumed_samples": step * cfg.train.global_batch_size},
+            "scheduler": self.scheduler.state_dict(),
+            "layout": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "zero": cfg.parallel.zero,
+                       "schedule": cfg.parallel.schedule, "virtual_stages": cfg.parallel.virtual_stages},
+            "model": dataclasses.asdict(cfg.model),
+            "config": cfg.to_dict(),
+        }
+        return checkpoint.save(cfg.checkpoint.save, step, self.model, self.opt, self.dims, meta)
+
+    # ---- one step -------------------------------------------------------------------------
+    def _step(self, step: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        inputs, labels = self.batches.batch(step)
+        micro = data.local_micro_batches(inputs, labels, self.dims.dp_rank, self.dims.dp,
+                                         self.cfg.train.micro_batches)
+        ids = [x.to(self.device) for x, _ in micro]
+        targets = [y.to(self.device) for _, y in micro]
+        loss = self.executor.run(ids, targets, self.activation_shape, self.param_dtype or torch.float32)
+        clip = self.cfg.train.clip_grad
+        norm = self.opt.clip_grad_norm_(clip if clip > 0 else math.inf)
+        self.opt.step()
+        self.scheduler.step()
+        self.opt.zero_grad()
+        return loss, norm
+
+    def _global_loss(self, loss: torch.Tensor | None) -> float:
+        """Mean loss over the global batch, on every rank (only last-stage ranks hold one)."""
+        value = torch.tensor([float(loss) if loss is not None else 0.0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(value, group=self.dims.pp_group)
+        dist.all_reduce(value, group=self.dims.dp_group)
+        return value.item() / self.dims.dp
+
+    # ---- the run --------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        """Run steps start_step .. steps-1; write metrics.jsonl, summary.json, checkpoints."""
+        cfg, tr = self.cfg, self.cfg.train
+        out, lead = cfg.log.out, self.rank == 0
+        if lead:
+            os.makedirs(out, exist_ok=True)
+            save_yaml(cfg, os.path.join(out, "config.yaml"))
+            _keep_metrics_before(os.path.join(out, "metrics.jsonl"), self.start_step)
+        tokens_per_step = tr.global_batch_size * cfg.data.seq_len
+        flops_per_token = dataclasses.replace(cfg.model, recompute="none").flops_per_token(cfg.data.seq_len)
+        peak = metrics.peak_flops(self.device, self.param_dtype or torch.float32)
+        world = dist.get_world_size()
+        group = cfg.log.wandb_group or os.path.basename(os.path.normpath(out))
+        with contextlib.ExitStack() as stack:
+            file = stack.enter_context(metrics.MetricsFile(os.path.join(out, "metrics.jsonl"))) if lead else None
+            run = stack.enter_context(metrics.WandbRun(cfg.log.wandb, cfg.log.wandb_project, group,
+                                                       cfg.log.wandb_name, out, cfg.to_dict()))
+            console = metrics.Console(tr.steps, self.start_step, enabled=lead, log_every=cfg.log.log_every)
+            comm_total: dict[str, dict[str, dict[str, int]]] = {}
+            rows: list[dict[str, Any]] = []
+            activation_peak = 0
+            started = time.perf_counter()
+            for step in range(self.start_step, tr.steps):
+                row, log, measured = self._timed_step(step, step == self.start_step, tokens_per_step,
+                                                      flops_per_token, world, peak)
+                activation_peak = measured if measured is not None else activation_peak
+                _merge(comm_total, log)
+                rows.append(row)
+                if lead:
+                    file.write(row)
+                    run.log(row, step + 1)
+                console.update(step + 1, row)
+                every = cfg.checkpoint.save_every
+                if cfg.checkpoint.save and ((every and (step + 1) % every == 0) or step + 1 == tr.steps):
+                    self._save(step + 1)
+            summary = self._summary(rows, comm_total, activation_peak, time.perf_counter() - started)
+            if lead and cfg.checkpoint.export:
+                checkpoint.export(cfg.checkpoint.save, cfg.checkpoint.export)
+            if lead:
+                metrics.write_json(os.path.join(out, "summary.json"), summary)
+                run.summary({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
+            console.close(summary)
+        dist.barrier()
+        return summary
+
+    def _timed_step(self, step: int, measure_activations: bool, tokens: int, flops_per_token: float,
+                    world: int, peak: float | None) -> tuple[dict[str, Any], dict, int | None]:
+        """One step and its metrics row, communication log and (if asked) activation peak."""
+        metrics.reset_peak_memory(self.device)
+        meter = metrics.ActivationMeter(self.model) if measure_activations else contextlib.nullcontext()
+        t0 = time.perf_counter()
+        with comm.tracking() as log, meter:
+            loss, norm = self._step(step)
+        loss_value = self._global_loss(loss)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        step_time = time.perf_counter() - t0
+        row = {
+            "step": step + 1,
+            "loss": loss_value,
+            "grad_norm": float(norm),
+            "lr": self.scheduler.get_last_lr()[0],
+            "loss_scale": self.opt.scaler.scale if self.opt.scaler is not None else None,
+            "skipped": not math.isfinite(float(norm)),
+            "step_time_s": step_time,
+            **metrics.throughput(tokens, step_time, flops_per_token, world, peak),
+            "mem_peak_bytes": metrics.max_over_ranks(metrics.peak_memory_bytes(self.device), self.device),
+        }
+        return row, log.as_dict(), meter.peak_bytes if measure_activations else None
+
+    def _summary(self, rows: list[dict[str, Any]], comm_total: dict, activation_peak: int,
+                 wall: float) -> dict[str, Any]:
+        """The run's summary (identical on every rank; a collective)."""
+        memory = self.opt.memory_breakdown()
+        mine = {
+            "rank": self.rank,
+            "coords": dict(zip(("pp", "dp", "tp"), self.dims.coords_of(self.rank))),
+            "memory_bytes": {"params": memory["params"], "grads": memory["grads"],
+                             "master_and_optimizer": memory["master"] + memory["optimizer"],
+                             "activations": activation_peak},
+            "comm_per_step": metrics.comm_per_step(comm_total, max(1, len(rows)), groups=("tp", "pp", "dp")),
+        }
+        ranks = metrics.all_ranks(mine)
+        return {
+            **metrics.summarize(rows),
+            "first_step": self.start_step + 1,
+            "wall_time_s": wall,
+            "num_params": self.cfg.model.num_params(),
+            "comm_per_step": ranks[0]["comm_per_step"],
+            "ranks": ranks,
+            "config": self.cfg.to_dict(),
+        }
+
+
+def _keep_metrics_before(path: str, start_step: int) -> None:
+    """Drop metrics.jsonl lines of steps after `start_step` (all of them for a fresh run),
+    so a resumed run's file has each step once."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def _merge(total: dict, step_log: dict) -> None:
+    for group, ops in step_log.items():
+        for op, entry in ops.items():
+            into = total.setdefault(group, {}).setdefault(op, {k: 0 for k in entry})
+            for k, v in entry.items():
+                into[k] += v
+
+
+def _device() -> torch.device:
+    """One GPU per rank (LOCAL_RANK) when CUDA is there, else the CPU with an even share
+    of its cores per local process."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    return torch.device("cpu")
