@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn as nn
 
 from optim import ZeroOptimizer
@@ -189,9 +190,8 @@ def load(path: str, model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims
     state = canonical_state(model, opt, dims, saving=False)
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:  # noqa: BLE001 - DCP raises many kinds; all mean the files are bad
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"--load={path} is corrupt or incomplete: {first}") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any DCP failure means bad files
+        raise CheckpointError(f"--load={path} is corrupt or incomplete: {_reason(e)}") from None
     names = {canonical_name(n): n for n in opt.state_dict()["params"]}
     groups = tuple({k: tuple(v) if isinstance(v, list) else v for k, v in g.items()} for g in meta["param_groups"])
     opt.load_state_dict({
@@ -211,6 +211,14 @@ def load(path: str, model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims
         get_rng_tracker().load_state_dict(rng["tracker"])
     meta["rng_restored"] = same_layout
     return meta
+
+
+def _reason(e: BaseException) -> str:
+    """The first sentence of the first underlying error of a (DCP) exception."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0].split(". ")[0].rstrip(".")
 
 
 def export(path: str, out_file: str) -> list[str]:

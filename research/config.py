@@ -52,7 +52,8 @@ class ParallelConfig:
 @dataclass
 class TrainConfig:
     """Optimization: steps, batch sizes, AdamW with linear warm-up then cosine (or
-    constant) decay to min_lr, global-norm clipping (0 disables), precision."""
+    constant) decay to min_lr at step lr_decay_steps (None: steps), global-norm clipping
+    (0 disables), precision."""
 
     steps: int = 50
     seed: int = 0
@@ -64,6 +65,7 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 0
+    lr_decay_steps: int | None = None
     lr_schedule: Literal["cosine", "constant"] = "cosine"
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -315,6 +317,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"--lr={tr.lr} and --min-lr={tr.min_lr} need 0 <= min-lr <= lr and lr > 0")
     if tr.warmup_steps < 0:
         raise ConfigError(f"--warmup-steps={tr.warmup_steps} must not be negative")
+    if tr.lr_decay_steps is not None and tr.lr_decay_steps <= tr.warmup_steps:
+        raise ConfigError(f"--lr-decay-steps={tr.lr_decay_steps} must exceed --warmup-steps={tr.warmup_steps}")
     if tr.clip_grad < 0:
         raise ConfigError(f"--clip-grad={tr.clip_grad} must not be negative (0 disables clipping)")
     try:

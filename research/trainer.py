@@ -7,8 +7,8 @@ per micro-batch, gradient reduction deferred to the last backward); then the Zer
 clips by the global norm and steps. The logged loss is the mean over the global batch:
 (1/dp) Σ_d (1/m) Σ_i loss(d, i), every micro-batch holding the same number of tokens.
 
-LR: linear warm-up to `lr` over `warmup_steps`, then cosine decay to `min_lr` at the last
-step (or constant). Weight decay applies to matrices, not to norms and biases.
+LR: linear warm-up to `lr` over `warmup_steps`, then cosine decay to `min_lr` at step
+`lr_decay_steps` (default: the last step) and `min_lr` after it (or constant). Weight decay applies to matrices, not to norms and biases.
 """
 from __future__ import annotations
 
@@ -37,17 +37,19 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def lr_multiplier(cfg: RunConfig) -> Callable[[int], float]:
-    """lr(t)/lr: (t+1)/W for t < W warm-up steps, then cosine from 1 to min_lr/lr over
-    the remaining steps (constant 1 with lr_schedule=constant)."""
+    """lr(t)/lr: (t+1)/W for t < W warm-up steps, then cosine from 1 at step W to
+    min_lr/lr at the last decay step D-1 (D = lr_decay_steps or steps), flat after it
+    (constant 1 with lr_schedule=constant)."""
     tr = cfg.train
     floor = tr.min_lr / tr.lr
+    decay_steps = tr.lr_decay_steps or tr.steps
 
     def multiplier(t: int) -> float:
         if t < tr.warmup_steps:
             return (t + 1) / tr.warmup_steps
         if tr.lr_schedule == "constant":
             return 1.0
-        span = max(1, tr.steps - tr.warmup_steps - 1)
+        span = max(1, decay_steps - tr.warmup_steps - 1)
         progress = min(1.0, (t - tr.warmup_steps) / span)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -272,12 +274,10 @@ def _merge(total: dict, step_log: dict) -> None:
 
 
 def _device() -> torch.device:
-    """One GPU per rank (LOCAL_RANK) when CUDA is there, else the CPU with an even share
-    of its cores per local process."""
+    """One GPU per rank (LOCAL_RANK) when CUDA is there, else the CPU (torchrun gives each
+    process OMP_NUM_THREADS=1 unless told otherwise)."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         return device
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     return torch.device("cpu")

@@ -1,0 +1,235 @@
+"""The training command end to end (`experiments.train.run`, the function behind
+`python -m experiments.train`): loss-curve parity of parallel layouts with the
+single-process run, exact resume, resume under another layout, export, outputs.
+
+Each launch runs several trainings in one set of processes (a Trainer builds fresh
+groups each time), so the 8-process start-up is paid once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from research.checkpoint import CheckpointError
+from tests.dist_utils import run_distributed
+
+STEPS = 20
+MODEL = ["--n-layers", "4", "--n-heads", "4", "--d-model", "32", "--max-seq-len", "32", "--vocab-multiple", "128"]
+TRAIN = ["--seq-len", "32", "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4", "--warmup-steps", "5",
+         "--eps", "1e-6", "--seed", "0", "--wandb", "disabled", "--log-every", "1000"]
+LAYOUTS = {
+    "tp2": ["--tp", "2"],
+    "pp2-1f1b": ["--pp", "2", "--schedule", "1f1b", "--micro-batches", "4"],
+    "pp2-interleaved-v2": ["--pp", "2", "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
+                           "--micro-batches", "4"],
+    "tp2-pp2-dp2-zero0": ["--tp", "2", "--pp", "2", "--zero", "0", "--micro-batches", "2"],
+    "tp2-pp2-dp2-zero1": ["--tp", "2", "--pp", "2", "--zero", "1", "--micro-batches", "2"],
+    "tp2-pp2-dp2-zero2": ["--tp", "2", "--pp", "2", "--zero", "2", "--micro-batches", "2"],
+    "tp2-pp2-dp2-zero3": ["--tp", "2", "--pp", "2", "--zero", "3", "--micro-batches", "2"],
+    "dp4-zero3": ["--zero", "3"],
+}
+DP4_ZERO1 = ["--zero", "1"]
+
+
+def train(base: str, name: str, *extra: str) -> list[float]:
+    """One run through the command's code path; its per-step losses from metrics.jsonl."""
+    from experiments.train import run
+
+    out = os.path.join(base, name)
+    run([*MODEL, *TRAIN, "--data-cache", os.path.join(base, "cache"), "--out", out, *extra])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def launch_single(base: str) -> dict[str, list[float]]:
+    return {"single": train(base, "single", "--steps", str(STEPS), "--save", os.path.join(base, "single", "ckpt"),
+                            "--export", os.path.join(base, "single.safetensors"))}
+
+
+def launch_two(base: str) -> dict[str, list[float]]:
+    """tp2, pp2 (1F1B, interleaved); pp2 1F1B again as 10 steps + resume for 10."""
+    out = {name: train(base, name, "--steps", str(STEPS), *LAYOUTS[name])
+           for name in ("tp2", "pp2-1f1b", "pp2-interleaved-v2")}
+    ckpt = os.path.join(base, "resume", "ckpt")
+    first = train(base, "resume", "--steps", "10", "--lr-decay-steps", str(STEPS), "--save", ckpt,
+                  *LAYOUTS["pp2-1f1b"])
+    out["resume-exact"] = first + train(base, "resume", "--steps", str(STEPS), "--load", ckpt, *LAYOUTS["pp2-1f1b"])[10:]
+    return out
+
+
+def launch_four_first(base: str) -> dict[str, list[float]]:
+    """dp4 zero3 parity; dp4 zero1 saves after 10 steps (for the 8-rank resume)."""
+    out = {"dp4-zero3": train(base, "dp4-zero3", "--steps", str(STEPS), *LAYOUTS["dp4-zero3"])}
+    train(base, "dp4-zero1", "--steps", "10", "--lr-decay-steps", str(STEPS), "--save",
+          os.path.join(base, "dp4-zero1", "ckpt"), *DP4_ZERO1)
+    return out
+
+
+def launch_eight(base: str) -> dict[str, list[float]]:
+    """tp2×pp2×dp2 at every stage (zero3 saves at 10 and 20, and exports); then the dp4
+    zero1 checkpoint resumed as tp2×pp2×dp2 zero3."""
+    out = {}
+    for stage in range(4):
+        name = f"tp2-pp2-dp2-zero{stage}"
+        extra = ["--save", os.path.join(base, name, "ckpt"), "--save-every", "10",
+                 "--export", os.path.join(base, "3d.safetensors")] if stage == 3 else []
+        out[name] = train(base, name, "--steps", str(STEPS), *LAYOUTS[name], *extra)
+    if dist.get_rank() == 0:
+        shutil.copytree(os.path.join(base, "dp4-zero1"), os.path.join(base, "from-dp4"))
+    dist.barrier()
+    out["dp4-zero1->3d-zero3"] = train(base, "from-dp4", "--steps", str(STEPS), "--load",
+                                       os.path.join(base, "from-dp4", "ckpt"), *LAYOUTS["tp2-pp2-dp2-zero3"])
+    return out
+
+
+def launch_four_second(base: str) -> dict[str, list[float]]:
+    """The tp2×pp2×dp2 zero3 checkpoint of step 10 resumed as dp4 zero1."""
+    ckpt = os.path.join(base, "tp2-pp2-dp2-zero3", "ckpt", "step_00000010")
+    return {"3d-zero3->dp4-zero1": train(base, "from-3d", "--steps", str(STEPS), "--load", ckpt, *DP4_ZERO1)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, list[float]]]:
+    base = str(tmp_path_factory.mktemp("train"))
+    losses: dict[str, list[float]] = {}
+    for fn, world in ((launch_single, 1), (launch_two, 2), (launch_four_first, 4), (launch_eight, 8),
+                      (launch_four_second, 4)):
+        losses.update(run_distributed(fn, world, base, timeout=600)[0])
+    return base, losses
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_losses_match_the_single_process_run(runs, layout: str) -> None:
+    _, losses = runs
+    assert len(losses[layout]) == STEPS
+    torch.testing.assert_close(torch.tensor(losses[layout]), torch.tensor(losses["single"]), rtol=1e-5, atol=0)
+
+
+def test_training_reduces_the_loss(runs) -> None:
+    _, losses = runs
+    assert losses["single"][-1] < losses["single"][0] - 0.5
+
+
+def test_resume_continues_exactly(runs) -> None:
+    _, losses = runs
+    assert losses["resume-exact"] == losses["pp2-1f1b"]
+
+
+@pytest.mark.parametrize("resumed", ["dp4-zero1->3d-zero3", "3d-zero3->dp4-zero1"])
+def test_resume_under_another_layout(runs, resumed: str) -> None:
+    _, losses = runs
+    torch.testing.assert_close(torch.tensor(losses[resumed][-10:]), torch.tensor(losses["single"][10:]),
+                               rtol=1e-5, atol=0)
+
+
+def test_export_is_the_tp1_model_and_matches_across_layouts(runs) -> None:
+    from safetensors.torch import load_file
+
+    from research.config import parse_args
+    from research.model import GPT
+
+    base, _ = runs
+    single, sharded = load_file(os.path.join(base, "single.safetensors")), load_file(os.path.join(base, "3d.safetensors"))
+    cfg = parse_args(["--config", os.path.join(base, "single", "config.yaml")], 1)
+    model = GPT(cfg.model)
+    model.load_state_dict(single, strict=True)
+    assert single.keys() == sharded.keys() == model.state_dict().keys()
+    for k, v in single.items():
+        torch.testing.assert_close(sharded[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_run_folder_holds_config_metrics_and_summary(runs) -> None:
+    from research.config import parse_args
+
+    base, _ = runs
+    out = os.path.join(base, "tp2-pp2-dp2-zero3")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm", "lr", "loss_scale", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu",
+                "mem_peak_bytes"):
+        assert key in rows[0], key
+    assert rows[0]["loss_scale"] is None and rows[0]["mfu"] is None and rows[0]["mem_peak_bytes"] > 0
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["final_loss"] == rows[-1]["loss"]
+    assert len(summary["ranks"]) == 8
+    for rank in summary["ranks"]:
+        memory = rank["memory_bytes"]
+        assert set(memory) == {"params", "grads", "master_and_optimizer", "activations"}
+        assert all(v > 0 for v in memory.values()), memory
+        assert {"tp", "pp", "dp"} <= set(rank["comm_per_step"])
+        assert rank["comm_per_step"]["pp"]["total"]["calls"] > 0
+    cfg = parse_args(["--config", os.path.join(out, "config.yaml")], 8)
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.zero) == (2, 2, 2, 3)
+    assert cfg.to_dict() == summary["config"]
+
+
+def test_a_resumed_metrics_file_has_each_step_once(runs) -> None:
+    base, _ = runs
+    with open(os.path.join(base, "resume", "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == list(range(1, STEPS + 1))
+
+
+def bad_load(base: str, case: str) -> str:
+    """The error of loading a damaged or mismatched copy of the single-process checkpoint."""
+    from experiments.train import run
+
+    src = os.path.join(base, "single", "ckpt", "step_00000020")
+    ckpt = os.path.join(base, f"bad-{case}")
+    shutil.copytree(src, ckpt)
+    extra = []
+    if case == "incomplete":
+        os.remove(os.path.join(ckpt, "meta.json"))
+    elif case == "corrupt":
+        for name in os.listdir(ckpt):
+            if name.endswith(".distcp"):
+                with open(os.path.join(ckpt, name), "r+b") as f:
+                    f.truncate(100)
+    elif case == "shape":
+        extra = ["--d-model", "64"]
+    try:
+        run([*MODEL, *TRAIN, "--data-cache", os.path.join(base, "cache"), "--out", os.path.join(base, f"out-{case}"),
+             "--steps", "21", "--load", ckpt, *extra])
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("incomplete", "is incomplete"),
+    ("corrupt", "is corrupt"),
+    ("shape", r"another model shape: d_model=32 there, 64 here"),
+])
+def test_bad_checkpoints_are_refused_clearly(runs, case: str, expected: str) -> None:
+    base, _ = runs
+    message = run_distributed(bad_load, 1, base, case, timeout=120)[0]
+    assert expected in message, message
+
+
+def test_the_command_line_fails_with_one_sentence(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "experiments.train", "--tp", "3", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "WORLD_SIZE": "8"})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "error: --tp=3 × --pp=1 = 3 does not divide the world size 8"
+
+
+def test_torchrun_runs_the_tiny_config(tmp_path) -> None:
+    """The README's main job, shortened: the tiny 3D config through torchrun, wandb offline."""
+    out = tmp_path / "demo"
+    cmd = ["torchrun", "--standalone", "--nproc_per_node=4", "-m", "experiments.train",
+           "--config", "experiments/configs/tiny.yaml", "--tp", "2", "--pp", "2", "--zero", "2",
+           "--micro-batches", "4", "--steps", "2", "--out", str(out), "--data-cache", str(tmp_path / "cache")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done 2 steps | final loss" in proc.stderr
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert (out / "summary.json").is_file()
