@@ -131,7 +131,44 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+HELP = {
+    "vocab_size": "vocabulary size (raised to the tokenizer's)",
+    "n_layers": "transformer blocks", "n_heads": "attention heads", "d_model": "hidden size",
+    "d_ff": "MLP width (None: 4·d_model, or 8/3·d_model rounded to 64 for swiglu)",
+    "max_seq_len": "longest sequence (size of the learned position table)",
+    "position": "position encoding", "norm": "normalization", "activation": "MLP activation",
+    "tie_embeddings": "share the input embedding with the output head", "dropout": "dropout probability",
+    "sliding_window": "attend to at most this many previous tokens (None: all)",
+    "bias": "biases in linear layers and norms", "qkv_bias": "bias on the QKV projection",
+    "vocab_multiple": "pad the vocabulary to a multiple of this (tp must divide the result)",
+    "recompute": "activation recomputation: none, selective (attention core) or full (whole blocks)",
+    "rope_theta": "RoPE base", "norm_eps": "epsilon of the norms", "init_seed": "weight init seed (default: --seed)",
+    "tp": "tensor-parallel degree", "pp": "pipeline-parallel degree",
+    "dp": "data-parallel degree (None: world size / (tp·pp))", "zero": "ZeRO stage 0-3 over the dp group",
+    "schedule": "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1",
+    "virtual_stages": "model chunks per pipeline rank (interleaved-1f1b)",
+    "sequence_parallel": "shard norms/dropout along the sequence across the tp group",
+    "steps": "total optimizer steps of the run (also when resuming)", "seed": "seed of data order, init and dropout",
+    "precision": "compute dtype (masters and optimizer state stay fp32)",
+    "reduce_dtype": "dtype of the gradient reduction",
+    "global_batch_size": "sequences per step = micro-batch size × micro-batches × dp",
+    "micro_batch_size": "sequences per micro-batch per dp rank", "micro_batches": "micro-batches per step",
+    "lr": "peak learning rate", "min_lr": "learning rate at the end of the decay",
+    "warmup_steps": "linear warm-up steps", "lr_decay_steps": "step at which the decay reaches min_lr (None: --steps)",
+    "lr_schedule": "after warm-up", "weight_decay": "AdamW weight decay of matrices",
+    "beta1": "AdamW beta1", "beta2": "AdamW beta2", "eps": "AdamW epsilon",
+    "clip_grad": "clip the global gradient norm to this (0: off)",
+    "data": "text files, folder, glob, save_to_disk folder or hub name (None: the embedded corpus)",
+    "text_field": "column holding the text in jsonl/parquet/datasets", "tokenizer": "'byte' or a tokenizer.json",
+    "seq_len": "tokens per training sequence", "num_proc": "processes for tokenization",
+    "data_cache": "token cache folder (None: $ZERO3D_DATA_CACHE or ~/.cache/zero3d/tokens)",
+    "out": "run folder: config.yaml, metrics.jsonl, summary.json, wandb/", "log_every": "console line every N steps",
+    "wandb": "wandb mode (default: $WANDB_MODE or offline)", "wandb_project": "wandb project",
+    "wandb_group": "wandb group (None: the run folder's name)", "wandb_name": "wandb run name",
+    "save": "checkpoint root: ROOT/step_N/ and ROOT/latest", "save_every": "save every N steps (0: only at the end)",
+    "load": "resume from a checkpoint folder or root (its latest)",
+    "export": "write the final weights as one .safetensors/.pt file (needs --save)",
+}
 _CLASSES = {"model": GPTConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
             "log": LogConfig, "checkpoint": CheckpointConfig}
 
@@ -202,11 +239,12 @@ def build_parser(file_values: dict[str, dict[str, Any]] | None = None) -> argpar
     for name, (section, f, hint) in _fields().items():
         default = file_values.get(section, {}).get(name, _default(f))
         if hint is bool:
-            groups[section].add_argument(_flag(name), default=default, action=argparse.BooleanOptionalAction)
+            groups[section].add_argument(_flag(name), default=default, action=argparse.BooleanOptionalAction,
+                                         help=HELP[name])
         else:
             kind, choices = _parser_for(hint)
             groups[section].add_argument(_flag(name), type=kind, choices=choices, default=default,
-                                         metavar=None if choices else name.upper())
+                                         metavar=None if choices else name.upper(), help=HELP[name])
     return p
 
 
