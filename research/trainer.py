@@ -138,7 +138,8 @@ class Trainer:
         return checkpoint.save(cfg.checkpoint.save, step, self.model, self.opt, self.dims, meta)
 
     # ---- one step -------------------------------------------------------------------------
-    def _step(self, step: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _step(self, step: int) -> tuple[torch.Tensor | None, torch.Tensor, float]:
+        """(this rank's mean micro-batch loss or None, global grad norm, the lr used)."""
         inputs, labels = self.batches.batch(step)
         micro = data.local_micro_batches(inputs, labels, self.dims.dp_rank, self.dims.dp,
                                          self.cfg.train.micro_batches)
@@ -147,10 +148,11 @@ class Trainer:
         loss = self.executor.run(ids, targets, self.activation_shape, self.param_dtype or torch.float32)
         clip = self.cfg.train.clip_grad
         norm = self.opt.clip_grad_norm_(clip if clip > 0 else math.inf)
+        lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.scheduler.step()
         self.opt.zero_grad()
-        return loss, norm
+        return loss, norm, lr
 
     def _global_loss(self, loss: torch.Tensor | None) -> float:
         """Mean loss over the global batch, on every rank (only last-stage ranks hold one)."""
@@ -212,7 +214,7 @@ class Trainer:
         meter = metrics.ActivationMeter(self.model) if measure_activations else contextlib.nullcontext()
         t0 = time.perf_counter()
         with comm.tracking() as log, meter:
-            loss, norm = self._step(step)
+            loss, norm, lr = self._step(step)
         loss_value = self._global_loss(loss)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -221,7 +223,7 @@ class Trainer:
             "step": step + 1,
             "loss": loss_value,
             "grad_norm": float(norm),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": lr,
             "loss_scale": self.opt.scaler.scale if self.opt.scaler is not None else None,
             "skipped": not math.isfinite(float(norm)),
             "step_time_s": step_time,

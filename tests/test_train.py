@@ -130,16 +130,17 @@ def test_resume_under_another_layout(runs, resumed: str) -> None:
 
 
 def test_export_is_the_tp1_model_and_matches_across_layouts(runs) -> None:
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from research.config import parse_args
-    from research.model import GPT
+    from research.model import GPT, GPTConfig
 
     base, _ = runs
     single, sharded = load_file(os.path.join(base, "single.safetensors")), load_file(os.path.join(base, "3d.safetensors"))
-    cfg = parse_args(["--config", os.path.join(base, "single", "config.yaml")], 1)
-    model = GPT(cfg.model)
-    model.load_state_dict(single, strict=True)
+    with safe_open(os.path.join(base, "3d.safetensors"), "pt") as f:
+        config = GPTConfig(**json.loads(f.metadata()["model"]))
+    model = GPT(config)
+    model.load_state_dict(sharded, strict=True)
     assert single.keys() == sharded.keys() == model.state_dict().keys()
     for k, v in single.items():
         torch.testing.assert_close(sharded[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
