@@ -1,0 +1,36 @@
+"""Analytic memory and step-time model of a training run: the planner's core.
+
+Legend: s = sequence length, b = micro-batch size, h = d_model, a = heads, V = padded
+vocabulary, L = layers, t / p / d = tp / pp / dp, v = virtual stages (chunks per pipeline
+rank), m = micro-batches per step, P / G / A = bytes of a parameter (compute dtype), a
+gradient (reduce dtype) and an activation (compute dtype). Ψ = parameters held by a rank.
+
+Memory per GPU = model states + activations + buffers, for the fullest pipeline rank.
+
+Modules: `hardware` (GPUs, clusters), `layout` (what is chosen), `memory` (model states per
+the ZeRO formulas, activations per Korthikanti et al. 2022, buffers), `steptime` (compute,
+bubble, communication with overlap), `search` (enumerate, estimate, rank, explain).
+"""
+
+from research.costmodel.hardware import GPU, GPUS, Cluster, GiB, MiB
+from research.costmodel.layout import Layout, run_spec
+from research.costmodel.memory import (
+    Memory,
+    ModelStates,
+    RankParams,
+    in_flight,
+    layer_activation_bytes,
+    predict_memory,
+    predict_model_states,
+    rank_params,
+    unit_sizes,
+)
+from research.costmodel.search import Estimate, Plan, candidate_layouts, estimate, plan
+from research.costmodel.steptime import StepTime, forward_flops_per_token, pipeline_bubble, predict_step_time
+
+__all__ = [
+    "GPU", "GPUS", "Cluster", "Estimate", "GiB", "Layout", "Memory", "MiB", "ModelStates", "Plan", "RankParams",
+    "StepTime", "candidate_layouts", "estimate", "forward_flops_per_token", "in_flight", "layer_activation_bytes",
+    "pipeline_bubble", "plan", "predict_memory", "predict_model_states", "predict_step_time", "rank_params",
+    "run_spec", "unit_sizes",
+]

@@ -1,0 +1,67 @@
+"""A training layout (tp, pp, dp, v, ZeRO stage, micro-batching, recompute, SP, precision)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from research.model import GPTConfig
+
+if TYPE_CHECKING:
+    from research.config import RunConfig
+
+Recompute = Literal["none", "selective", "full"]
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run is laid out: parallel degrees, ZeRO stage, pipeline schedule, batching,
+    recomputation, sequence parallelism and dtypes (global batch = b · m · dp)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero: int = 1
+    virtual_stages: int = 1
+    schedule: str = "1f1b"
+    micro_batch_size: int = 1
+    micro_batches: int = 1
+    recompute: Recompute = "none"
+    sequence_parallel: bool = False
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.micro_batches * self.dp
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+    @classmethod
+    def from_run_config(cls, cfg: RunConfig) -> Layout:
+        """The layout of a resolved `research.config.RunConfig`."""
+        return run_spec(cfg.to_dict())[1]
+
+    def describe(self) -> str:
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} v={self.virtual_stages} zero={self.zero} "
+                f"mbs={self.micro_batch_size} recompute={self.recompute} sp={int(self.sp)}")
+
+
+def run_spec(config: Mapping[str, Mapping[str, Any]]) -> tuple[GPTConfig, Layout, int]:
+    """(model, layout, sequence length) of a run's resolved config as a dict of sections
+    (`RunConfig.to_dict()`: summary.json's "config", config.yaml)."""
+    par, tr = config["parallel"], config["train"]
+    layout = Layout(tp=par["tp"], pp=par["pp"], dp=par["dp"], zero=par["zero"], virtual_stages=par["virtual_stages"],
+                    schedule=par["schedule"], micro_batch_size=tr["micro_batch_size"],
+                    micro_batches=tr["micro_batches"], recompute=config["model"]["recompute"],
+                    sequence_parallel=par["sequence_parallel"], precision=tr["precision"],
+                    reduce_dtype=tr["reduce_dtype"])
+    return GPTConfig(**config["model"]), layout, config["data"]["seq_len"]
