@@ -1,0 +1,582 @@
+"""Grid sweeps of training runs: every point is its own torchrun job.
+
+    python -m experiments.sweep experiments/sweeps/zero_stages.yaml [--out DIR] [--dry-run]
+                                [--timeout S] [--wandb MODE] [--no-retry-failed]
+    python -m experiments.sweep --report runs/sweeps/zero_stages     # rebuild tables and plots
+
+A sweep file names a base config and the overrides of each point (keys are config field
+names, as the flags of `python -m experiments.train` with underscores):
+
+    name: zero_stages                       # default: the file's name
+    base: experiments/configs/tiny.yaml     # relative to here, to the sweep file or to the repository
+    nproc: 2                                # processes per point (a point's dp gives tp·pp·dp)
+    timeout: 600                            # seconds per point (default: none)
+    wandb: offline                          # mode of every point's run and the report run
+    common: {steps: 5}                      # overrides of every point
+    grid: {zero: [0, 1, 2, 3], dp: [2, 4]}  # cartesian product ...
+    points: [{tp: 2}, {pp: 2, micro_batches: 4}]   # ... and/or a list (both: each point × the grid)
+
+A point may also set `name`, `nproc` and `timeout`. Each point runs as
+`torchrun --standalone --nproc_per_node=N -m experiments.train --config BASE --flag value ...
+--out OUT/<point>` with its output in `OUT/<point>/train.log`, where `<point>` is built from its
+overrides ("zero-1_dp-4"). A point is done when its `summary.json` exists; a failed one (an
+invalid flag, a crash, out of memory, a timeout) gets `failed.json` with the return code,
+the reason and the end of its log, and the sweep goes on. Running the sweep again runs only
+the points that are missing or failed (`--no-retry-failed`: only the missing ones).
+
+Afterwards OUT holds `results.csv`, `results.md` and the plots of `experiments.sweep_plots`;
+each point is a wandb run in the group named after the sweep, and a report run in that group
+logs the results table and the plots.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import itertools
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+SWEEP_KEYS = ("name", "description", "base", "nproc", "timeout", "wandb", "common", "grid", "points")
+POINT_KEYS = ("name", "nproc", "timeout")  # point keys that are not config fields
+RUNNER_KEYS = ("out", "wandb_name")  # config fields the runner sets for each point
+CONFIG_COLUMNS = ("nproc", "tp", "pp", "dp", "zero", "schedule", "virtual_stages", "micro_batches",
+                  "micro_batch_size", "precision", "recompute", "sequence_parallel")
+RESULT_COLUMNS = ("tokens_per_s", "tflops_per_device", "mfu", "mem_per_rank_bytes", "mem_model_states_bytes",
+                  "mem_params_bytes", "mem_grads_bytes", "mem_master_and_optimizer_bytes", "mem_activations_bytes",
+                  "mem_peak_bytes", "comm_tp_bytes", "comm_pp_bytes", "comm_dp_bytes", "comm_total_bytes",
+                  "final_loss", "wall_time_s")
+COLUMNS = ("name", "status", *CONFIG_COLUMNS, *RESULT_COLUMNS, "error")
+MEMORY_PARTS = ("params", "grads", "master_and_optimizer", "activations")
+
+
+class SweepError(ValueError):
+    """An invalid sweep file; the message names the key at fault."""
+
+
+@dataclass
+class Point:
+    name: str
+    overrides: dict[str, Any]  # config field -> value (the sweep's common ones included)
+    nproc: int
+    timeout: float | None
+    command: list[str]
+    requested: dict[str, Any]  # CONFIG_COLUMNS as far as known before the run
+
+
+# ---------------------------------------------------------------------------
+# The sweep file
+# ---------------------------------------------------------------------------
+
+
+def expand(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The points of a sweep spec, each a dict of its own overrides (common ones excluded):
+    every entry of `points` (default: one empty point) merged with every combination of
+    `grid` (cartesian product, in the order the keys are written, last key fastest)."""
+    grid = spec.get("grid") or {}
+    if not isinstance(grid, dict) or any(not isinstance(v, list) or not v for v in grid.values()):
+        raise SweepError("grid must map each key to a non-empty list of values")
+    points = spec.get("points") or [{}]
+    if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
+        raise SweepError("points must be a list of {key: value} mappings")
+    combos = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    return [{**point, **combo} for point in points for combo in combos]
+
+
+def point_name(overrides: dict[str, Any]) -> str:
+    """A stable, filesystem-safe name from a point's own overrides, in their order:
+    {"zero": 1, "micro_batches": 4} -> "zero-1_micro-batches-4"; no overrides -> "base"."""
+    if "name" in overrides:
+        name = _safe(str(overrides["name"]))
+    else:
+        parts = [f"{k.replace('_', '-')}-{_safe(_text(v))}" for k, v in overrides.items() if k != "timeout"]
+        name = "_".join(parts) or "base"
+    if len(name) > 100:
+        name = name[:91] + "-" + hashlib.sha1(name.encode()).hexdigest()[:8]
+    return name
+
+
+def _text(value: Any) -> str:
+    """A value as the command line takes it: True -> "true", None -> "none", 0.003 -> "0.003"."""
+    if value is None or isinstance(value, bool):
+        return {None: "none", True: "true", False: "false"}[value]
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.+-]+", "-", text).strip("-") or "x"
+
+
+def flags(overrides: dict[str, Any]) -> list[str]:
+    """Command-line flags of overrides: {"zero": 1, "sequence_parallel": True} ->
+    ["--zero", "1", "--sequence-parallel"]; False -> "--no-flag", None -> "none"."""
+    out: list[str] = []
+    for key, value in overrides.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (list, dict)):
+            raise SweepError(f"{key}: {value!r} is not a single value (lists belong under grid)")
+        else:
+            out += [flag, _text(value)]
+    return out
+
+
+def _find(path: str, sweep_file: Path) -> Path:
+    """A path as given, or relative to the sweep file's folder, or to the repository."""
+    for candidate in (Path(path), sweep_file.parent / path, REPO / path):
+        if candidate.exists():
+            return candidate.resolve()
+    raise SweepError(f"base: {path} does not exist (tried the current folder, {sweep_file.parent} and {REPO})")
+
+
+def load_sweep(path: str | Path, out: str | None = None, timeout: float | None = None,
+               wandb: str | None = None) -> tuple[dict[str, Any], list[Point]]:
+    """The sweep's settings (name, base, out, wandb mode, project, group) and its points,
+    validated: unknown keys, duplicate point names and missing sizes are errors here,
+    before anything runs. `out`, `timeout` and `wandb` override the file's."""
+    from research.config import ConfigError, build_parser, load_yaml
+
+    path = Path(path)
+    with open(path) as f:
+        spec = yaml.safe_load(f) or {}
+    unknown = set(spec) - set(SWEEP_KEYS)
+    if unknown:
+        raise SweepError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; sweep keys are {', '.join(SWEEP_KEYS)}")
+    if "base" not in spec:
+        raise SweepError(f"{path}: base (the config file every point starts from) is missing")
+    base = _find(str(spec["base"]), path)
+    try:
+        defaults = vars(build_parser(load_yaml(str(base))).parse_args([]))  # every field: the base file's or default
+    except ConfigError as e:
+        raise SweepError(f"{path}: base: {e}") from None
+    common = dict(spec.get("common") or {})
+    name = str(spec.get("name") or path.stem)
+    mode = wandb or common.pop("wandb", None) or spec.get("wandb") or _env_wandb()
+    if mode not in ("offline", "online", "disabled"):
+        raise SweepError(f"{path}: wandb: {mode!r} is not one of offline, online, disabled")
+    settings = {"name": name, "description": spec.get("description"), "base": str(base),
+                "out": str(Path(out or Path("runs", "sweeps", name)).resolve()), "wandb": mode,
+                "project": common.get("wandb_project", defaults["wandb_project"]),
+                "group": common.pop("wandb_group", None) or name}
+    default_timeout = timeout if timeout is not None else spec.get("timeout")
+    points: list[Point] = []
+    for own in expand(spec):
+        pname = point_name(own)
+        if any(p.name == pname for p in points):
+            raise SweepError(f"{path}: two points are both named {pname!r}")
+        overrides = {**common, **{k: v for k, v in own.items() if k not in POINT_KEYS}}
+        for key in overrides:
+            if key not in defaults or key == "config":
+                raise SweepError(f"{path}: {key!r} is not a config field (see python -m experiments.train --help)")
+            if key in RUNNER_KEYS:
+                raise SweepError(f"{path}: {key} is set by the sweep for each point; leave it out")
+        setting = {**defaults, **overrides}
+        model_parallel = setting["tp"] * setting["pp"]
+        nproc = own.get("nproc") or (model_parallel * setting["dp"] if overrides.get("dp") else spec.get("nproc"))
+        if not nproc:
+            raise SweepError(f"{path}: point {pname}: give nproc (in the sweep or the point) or dp")
+        requested = {**{k: setting.get(k) for k in CONFIG_COLUMNS}, "nproc": int(nproc)}
+        if requested["dp"] is None and nproc % model_parallel == 0:
+            requested["dp"] = nproc // model_parallel
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   "-m", "experiments.train", "--config", str(base), *flags(overrides),
+                   "--out", str(Path(settings["out"], pname)), "--wandb", mode,
+                   "--wandb-group", settings["group"], "--wandb-name", pname]
+        limit = own.get("timeout", default_timeout)
+        points.append(Point(pname, overrides, int(nproc), float(limit) if limit else None, command, requested))
+    return settings, points
+
+
+def _env_wandb() -> str:
+    mode = os.environ.get("WANDB_MODE", "offline")
+    return mode if mode in ("offline", "online", "disabled") else "offline"
+
+
+# ---------------------------------------------------------------------------
+# Running points
+# ---------------------------------------------------------------------------
+
+
+def status_of(folder: Path) -> str:
+    """"ok" (summary.json exists), "failed" (failed.json) or "missing"."""
+    if (folder / "summary.json").exists():
+        return "ok"
+    return "failed" if (folder / "failed.json").exists() else "missing"
+
+
+def run_point(point: Point, folder: Path) -> dict[str, Any]:
+    """Launch one point and wait (at most its timeout); returns the failure record, or {}
+    when the run wrote its summary. A Ctrl-C stops the job and propagates."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "failed.json").unlink(missing_ok=True)
+    meta_file = folder / "point.json"
+    attempts = json.loads(meta_file.read_text()).get("attempts", 0) if meta_file.exists() else 0
+    meta = {"name": point.name, "overrides": point.overrides, "nproc": point.nproc, "attempts": attempts + 1,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": point.command}
+    meta_file.write_text(json.dumps(meta, indent=2) + "\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    started, timed_out = time.monotonic(), False
+    with open(folder / "train.log", "w") as log:
+        log.write("$ " + shlex.join(point.command) + "\n")
+        log.flush()
+        proc = subprocess.Popen(point.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # Ctrl-C reaches us only; we stop the job
+        try:
+            proc.wait(timeout=point.timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _stop(proc)
+        except BaseException:
+            _stop(proc)
+            raise
+    elapsed = time.monotonic() - started
+    if status_of(folder) == "ok":
+        return {}
+    text = (folder / "train.log").read_text(errors="replace")
+    failure = {"name": point.name, "returncode": proc.returncode,
+               **failure_reason(proc.returncode, text, timed_out, point.timeout),
+               "elapsed_s": round(elapsed, 1), "log_tail": text.splitlines()[-30:], "command": point.command}
+    (folder / "failed.json").write_text(json.dumps(failure, indent=2) + "\n")
+    return failure
+
+
+def failure_reason(returncode: int, log: str, timed_out: bool, timeout: float | None) -> dict[str, Any]:
+    """{"exit_code", "kind" (timeout / oom / signal / error), "reason"} of a failed job from
+    its return code and log. torchrun exits 1 whatever its worker did; the worker's own
+    code is in torchrun's "Root Cause" report. The message is the worker's last
+    `error: ...` line (invalid config) or exception line."""
+    code = returncode
+    root = re.search(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", log, re.DOTALL)
+    if root:
+        code = int(root.group(1))
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in log.splitlines()]
+    errors = [line for line in lines if line.startswith("error:")]
+    exceptions = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", line)
+                  and "ChildFailedError" not in line and "SignalException" not in line]
+    message = (errors or exceptions or [""])[-1]
+    if timed_out:
+        kind, head = "timeout", f"timeout: stopped after {timeout:g} s"
+    elif code is not None and code < 0:
+        sig = -code
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = "?"
+        kind = "oom" if sig == signal.SIGKILL else "signal"
+        head = f"killed by signal {sig} ({name}{', out of memory?' if kind == 'oom' else ''})"
+    else:
+        kind, head = "error", f"exit {code}"
+    if "out of memory" in message.lower():
+        kind = "oom"
+    return {"exit_code": code, "kind": kind, "reason": f"{head}: {message}" if message and not timed_out else head}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a job we started: SIGTERM to torchrun (it stops its workers), then SIGKILL to
+    whatever of its process tree (as seen before) is still alive after 10 s. torchrun
+    starts each worker in its own session, so a process-group kill would miss them."""
+    tree = _descendants(proc.pid)
+    try:
+        proc.terminate()
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid, start in tree.items():
+        if _start_time(pid) == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat (start time; tells a process from a later one with its pid)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """{pid: start time} of every process below `root` (Linux /proc; {} elsewhere)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int(Path(entry, "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = {}, [root]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            start = _start_time(child)
+            if start is not None and child not in out:
+                out[child] = start
+                todo.append(child)
+    return out
+
+
+def check_point(point: Point) -> str | None:
+    """The error the training command would stop this point with at start-up (invalid flags
+    for its process count), or None; what `--dry-run` shows. Nothing is launched."""
+    from research.config import ConfigError, parse_args
+
+    argv = point.command[point.command.index("experiments.train") + 1:]
+    try:
+        parse_args(argv, point.nproc)
+    except ConfigError as e:
+        return f"error: {e}"
+    except SystemExit:
+        return "error: the training command rejects these flags"
+    return None
+
+
+def run_sweep(settings: dict[str, Any], points: list[Point], retry_failed: bool = True, dry_run: bool = False,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the points not yet done (and the failed ones, with `retry_failed`), one after
+    another, then write the tables and plots and the wandb report run.
+    Returns {"launched": [names], "failed": [names], "rows": results rows}."""
+    out = Path(settings["out"])
+    todo = [p for p in points if status_of(out / p.name) == "missing"
+            or (retry_failed and status_of(out / p.name) == "failed")]
+    done = sum(status_of(out / p.name) == "ok" for p in points)
+    log(f"sweep {settings['name']}: {len(points)} points, {done} done, {len(todo)} to run -> {out}")
+    if dry_run:
+        for p in points:
+            state = "run" if p in todo else status_of(out / p.name)
+            problem = check_point(p)
+            log(f"[{state}] {shlex.join(p.command)}" + (f"\n    (will fail: {problem})" if problem else ""))
+        return {"launched": [], "failed": [], "rows": []}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({**settings, "points": [asdict(p) for p in points]}, indent=2) + "\n")
+    for p in points:
+        if p not in todo:
+            _warn_if_changed(p, out / p.name, log)
+    launched = []
+    for i, p in enumerate(todo, 1):
+        log(f"[{i}/{len(todo)}] {p.name} ({p.nproc} processes) ...")
+        t0 = time.monotonic()
+        failure = run_point(p, out / p.name)
+        launched.append(p.name)
+        took = f"{time.monotonic() - t0:.0f} s"
+        if failure:
+            log(f"[{i}/{len(todo)}] {p.name} FAILED after {took}: {failure['reason']}")
+        else:
+            row = point_row(json.loads((out / p.name / "summary.json").read_text()), p.name, "ok")
+            brief = [f"{_fmt(c, row[c])} {unit}" for c, unit in
+                     (("tokens_per_s", "tok/s"), ("mem_per_rank_bytes", "per rank"), ("final_loss", "final loss"))]
+            log(f"[{i}/{len(todo)}] {p.name} ok in {took} | " + " | ".join(brief))
+    rows = report(out, settings["wandb"], log=log)
+    failed = [r["name"] for r in rows if r["status"] != "ok"]
+    return {"launched": launched, "failed": failed, "rows": rows}
+
+
+def _warn_if_changed(point: Point, folder: Path, log: Callable[[str], None]) -> None:
+    meta = folder / "point.json"
+    if status_of(folder) == "ok" and meta.exists():
+        old = json.loads(meta.read_text())
+        if old.get("overrides") != point.overrides or old.get("nproc") != point.nproc:
+            log(f"note: {point.name} finished with other settings ({old.get('overrides')}, nproc "
+                f"{old.get('nproc')}); it is kept. Delete {folder} to run it again.")
+
+
+# ---------------------------------------------------------------------------
+# Results: rows, CSV, markdown, plots, wandb
+# ---------------------------------------------------------------------------
+
+
+def point_row(summary: dict[str, Any], name: str, status: str) -> dict[str, Any]:
+    """One results row from a run's summary.json. Memory: `mem_per_rank_bytes` is the largest
+    per-rank total of model states + activations, and the breakdown columns are that rank's
+    (so they add up to it); `mem_model_states_bytes` is the largest params + grads + master
+    and optimizer; `mem_peak_bytes` the measured peak (CUDA allocated / CPU RSS). Comm: bytes
+    per step per group of the rank that moves the most over tp + pp + dp."""
+    cfg = summary["config"]
+    ranks = summary["ranks"]
+    row: dict[str, Any] = {"name": name, "status": status, "nproc": len(ranks)}
+    for section in ("parallel", "train", "model"):
+        row.update({k: v for k, v in cfg[section].items() if k in CONFIG_COLUMNS})
+
+    def total(rank: dict[str, Any]) -> int:
+        return sum(rank["memory_bytes"][k] for k in MEMORY_PARTS)
+
+    def comm(rank: dict[str, Any], group: str) -> int:
+        return round(rank["comm_per_step"].get(group, {}).get("total", {}).get("bytes", 0))
+
+    worst = max(ranks, key=total)
+    row["mem_per_rank_bytes"] = total(worst)
+    row["mem_model_states_bytes"] = max(total(r) - r["memory_bytes"]["activations"] for r in ranks)
+    row.update({f"mem_{k}_bytes": worst["memory_bytes"][k] for k in MEMORY_PARTS})
+    busiest = max(ranks, key=lambda r: sum(comm(r, g) for g in ("tp", "pp", "dp")))
+    row.update({f"comm_{g}_bytes": comm(busiest, g) for g in ("tp", "pp", "dp")})
+    row["comm_total_bytes"] = sum(comm(busiest, g) for g in busiest["comm_per_step"])
+    row.update(tokens_per_s=summary.get("median_tokens_per_s"), mfu=summary.get("median_mfu"),
+               tflops_per_device=summary.get("median_tflops_per_device"), mem_peak_bytes=summary.get("mem_peak_bytes"),
+               final_loss=summary.get("final_loss"), wall_time_s=summary.get("wall_time_s"))
+    return row
+
+
+def collect(out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The sweep's settings (OUT/sweep.json) and one row per point, in sweep order."""
+    meta = json.loads((out / "sweep.json").read_text())
+    rows = []
+    for p in meta["points"]:
+        folder, status = out / p["name"], status_of(out / p["name"])
+        if status == "ok":
+            row = point_row(json.loads((folder / "summary.json").read_text()), p["name"], status)
+        else:
+            row = {"name": p["name"], "status": status, **p["requested"]}
+            if status == "failed":
+                row["error"] = json.loads((folder / "failed.json").read_text())["reason"]
+        rows.append({c: row.get(c) for c in COLUMNS})
+    return meta, rows
+
+
+def _fmt(column: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if column.endswith("_bytes"):
+        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if abs(value) >= size:
+                return f"{value / size:.3g} {unit}"
+        return f"{value:.0f} B"
+    if column == "mfu":
+        return f"{100 * value:.1f}%"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+MD_HEADERS = {"tokens_per_s": "tok/s", "tflops_per_device": "TFLOP/s/dev", "mfu": "MFU",
+              "mem_per_rank_bytes": "mem/rank", "mem_params_bytes": "params", "mem_grads_bytes": "grads",
+              "mem_master_and_optimizer_bytes": "master+opt", "mem_activations_bytes": "activations",
+              "mem_peak_bytes": "peak mem", "comm_tp_bytes": "comm tp", "comm_pp_bytes": "comm pp",
+              "comm_dp_bytes": "comm dp", "final_loss": "loss"}
+
+
+def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """results.md: settings shared by every point on one line, then one table row per point
+    (config columns that vary, throughput, memory of the largest rank, comm bytes per step,
+    final loss), then the failures with their reasons."""
+    values = {c: list(dict.fromkeys(str(r[c]) for r in rows if r[c] is not None)) for c in CONFIG_COLUMNS}
+    varying = [c for c in CONFIG_COLUMNS if len(values[c]) > 1]
+    fixed = [f"{c}={v[0]}" for c, v in values.items() if len(v) == 1]
+    columns = ["name", "status", *varying, *MD_HEADERS]
+    lines = [f"# Sweep {meta['name']}", ""]
+    if meta.get("description"):
+        lines += [meta["description"].strip(), ""]
+    legend = (f"Base `{os.path.relpath(meta['base'], REPO)}`; every point: {', '.join(fixed)}. "
+              "mem/rank: model states + activations of the rank with the most (its breakdown follows); "
+              "peak mem: measured (CUDA allocated, or process RSS on CPU); comm: bytes per step of the busiest "
+              "rank; tok/s, TFLOP/s/dev, MFU: medians over the steps.")
+    lines += [legend, "",
+              "| " + " | ".join(MD_HEADERS.get(c, c) for c in columns) + " |",
+              "|" + "|".join("---" if c in ("name", "status", *varying) else "---:" for c in columns) + "|"]
+    lines += ["| " + " | ".join(_fmt(c, r[c]) for c in columns) + " |" for r in rows]
+    failed = [r for r in rows if r["status"] == "failed"]
+    if failed:
+        lines += ["", "Failed points:", ""] + [f"- `{r['name']}`: {r['error']}" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def swept_keys(points: list[dict[str, Any]]) -> set[str]:
+    """The config keys that the points (sweep.json entries) set to more than one value."""
+    keys = {k for p in points for k in p["overrides"]}
+    return {k for k in keys if len({repr(p["overrides"].get(k)) for p in points}) > 1}
+
+
+def report(out: str | Path, wandb_mode: str | None = "disabled", log: Callable[[str], None] = print) -> list[dict]:
+    """Write OUT/results.csv, OUT/results.md and the plots from the point folders; with a
+    wandb mode other than disabled, also a report run in the sweep's group that logs the
+    table and the plots. Returns the rows."""
+    from experiments import sweep_plots
+
+    out = Path(out)
+    meta, rows = collect(out)
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "results.md").write_text(markdown(meta, rows))
+    made = sweep_plots.make_plots(rows, out, swept_keys(meta["points"]), log=log)
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "failed", "missing")}
+    log(f"{counts['ok']} ok, {counts['failed']} failed, {counts['missing']} missing; wrote results.csv, results.md"
+        + "".join(f", {p.name}" for p in made))
+    if wandb_mode and wandb_mode != "disabled":
+        _wandb_report(meta, rows, made, wandb_mode, out)
+    return rows
+
+
+def _wandb_report(meta: dict[str, Any], rows: list[dict[str, Any]], plots: list[Path], mode: str,
+                  out: Path) -> None:
+    """One run named "<sweep>-report" in the sweep's group: the results table and the plots."""
+    import wandb
+
+    from research.metrics import WandbRun
+
+    with WandbRun(mode, meta["project"], meta["group"], f"{meta['name']}-report", out,
+                  {"sweep": meta["name"], "base": meta["base"], "points": len(rows)}) as run:
+        table = wandb.Table(columns=list(COLUMNS), data=[[r[c] for c in COLUMNS] for r in rows])
+        run.log({"results": table, **{f"plots/{p.stem}": wandb.Image(str(p)) for p in plots}}, step=0)
+        run.summary({s: sum(r["status"] == s for r in rows) for s in ("ok", "failed", "missing")})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweep", nargs="?", help="sweep YAML file")
+    parser.add_argument("--out", help="output folder (default: runs/sweeps/<name>)")
+    parser.add_argument("--dry-run", action="store_true", help="print each point's command and state; run nothing")
+    parser.add_argument("--timeout", type=float, help="seconds per point before it is stopped and recorded as failed "
+                        "(default: the sweep file's timeout; a point's own timeout wins)")
+    parser.add_argument("--wandb", choices=("offline", "online", "disabled"),
+                        help="wandb mode of the points and the report run (default: the sweep's, $WANDB_MODE, offline)")
+    parser.add_argument("--retry-failed", action=argparse.BooleanOptionalAction, default=True,
+                        help="run failed points again (finished points are never run again)")
+    parser.add_argument("--report", metavar="DIR", help="only rebuild results.csv/.md and the plots of a sweep "
+                        "folder (and, with --wandb offline/online, log a report run)")
+    args = parser.parse_args(argv)
+    if args.report:
+        if not Path(args.report, "sweep.json").exists():
+            print(f"error: --report {args.report}: no sweep.json there (not a sweep's output folder)", file=sys.stderr)
+            return 2
+        rows = report(args.report, args.wandb or "disabled")
+        return 0 if all(r["status"] == "ok" for r in rows) else 1
+    if not args.sweep:
+        parser.error("give a sweep file (or --report DIR)")
+    try:
+        settings, points = load_sweep(args.sweep, args.out, args.timeout, args.wandb)
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        result = run_sweep(settings, points, args.retry_failed, args.dry_run)
+    except KeyboardInterrupt:
+        print("interrupted; the point that was running is stopped and will run again next time", file=sys.stderr)
+        return 130
+    if result["failed"] and not args.dry_run:
+        print(f"{len(result['failed'])} point(s) not ok: {', '.join(result['failed'])}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The plots of a sweep (`experiments.sweep`), from its results rows, as PNGs (matplotlib, Agg):
+
+- `memory_vs_throughput.png`: memory per rank (model states + activations, the largest rank)
+  against tokens/s, every point labelled, the Pareto front (no other point has both less
+  memory and more throughput) in red;
+- `memory_breakdown.png`: per point, stacked bars of params / grads / master + optimizer /
+  activations of that rank, sorted by ZeRO stage, one panel per dp size when dp varies;
+- `throughput_vs_micro_batches.png`: tokens/s against micro-batches per step, one line per
+  schedule (and per value of any other setting that varies).
+
+A plot is made only when the finished points have what it needs; otherwise it is skipped
+and the log says why.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MiB = 2**20
+PARTS = (("params", "params", "#4c72b0"), ("grads", "grads", "#55a868"),
+         ("master_and_optimizer", "master + optimizer", "#c44e52"), ("activations", "activations", "#8172b2"))
+LAYOUT_KEYS = ("nproc", "tp", "pp", "dp", "zero", "schedule", "virtual_stages", "micro_batches",
+               "micro_batch_size", "precision", "recompute", "sequence_parallel")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the (memory, throughput) points that no other point beats on both (less or
+    equal memory and more or equal throughput, one of them strictly), by rising memory."""
+    front = []
+    for i, (mem, tok) in enumerate(points):
+        beaten = any(m <= mem and t >= tok and (m, t) != (mem, tok) for m, t in points)
+        if not beaten:
+            front.append(i)
+    return sorted(front, key=lambda i: points[i])
+
+
+def _varying(rows: list[dict[str, Any]], exclude: tuple[str, ...] = ()) -> list[str]:
+    return [k for k in LAYOUT_KEYS if k not in exclude and len({str(r.get(k)) for r in rows}) > 1]
+
+
+def _label(row: dict[str, Any], keys: list[str], sep: str = " ") -> str:
+    """"schedule=1f1b v=2 m=8" for the keys given ("ZeRO 3" for zero)."""
+    short = {"virtual_stages": "v", "micro_batches": "m", "micro_batch_size": "mbs", "sequence_parallel": "sp"}
+    return sep.join(f"ZeRO {row[k]}" if k == "zero" else f"{short.get(k, k)}={row[k]}" for k in keys)
+
+
+def memory_vs_throughput(rows: list[dict[str, Any]], path: Path, swept: set[str]) -> str | None:
+    """Scatter of memory per rank against tokens/s with the Pareto front; None if made, else why not."""
+    ok = [r for r in rows if r["tokens_per_s"] is not None and r["mem_per_rank_bytes"] is not None]
+    if len(ok) < 2:
+        return f"needs 2 finished points, has {len(ok)}"
+    plt = _pyplot()
+    xy = [(r["mem_per_rank_bytes"] / MiB, r["tokens_per_s"]) for r in ok]
+    front = pareto_front(xy)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter([t for _, t in xy], [m for m, _ in xy], color="#4c72b0", zorder=3, label="point")
+    ax.plot([xy[i][1] for i in front], [xy[i][0] for i in front], "o-", color="#c44e52", mfc="none", ms=12,
+            zorder=2, label="Pareto front (less memory, more tok/s)")
+    labels: dict[tuple[float, float], list[str]] = {}
+    for r, at in zip(ok, xy):
+        labels.setdefault(at, []).append(r["name"])  # points at the same place share one label
+    for (m, t), names in labels.items():
+        ax.annotate(", ".join(names), (t, m), xytext=(4, 4), textcoords="offset points", fontsize=7)
+    ax.margins(x=0.15, y=0.1)  # room for the labels
+    ax.set_xlabel("throughput (tokens/s, median over steps)")
+    ax.set_ylabel("memory per rank (MiB): model states + activations")
+    ax.set_title("memory vs throughput")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def memory_breakdown(rows: list[dict[str, Any]], path: Path, swept: set[str]) -> str | None:
+    """Stacked bars per point (by ZeRO stage, else in sweep order), a panel per dp size if dp varies."""
+    ok = [r for r in rows if r["status"] == "ok" and r["mem_per_rank_bytes"] is not None]
+    if not ok:
+        return "needs a finished point"
+    plt = _pyplot()
+    panels = sorted({r["dp"] for r in ok}) if len({r["dp"] for r in ok}) > 1 else [ok[0]["dp"]]
+    derived = {"nproc", "micro_batches", "micro_batch_size"} - swept  # follow from other settings
+    others = _varying(ok, exclude=("dp", *derived))
+    widths = [max(1.5, sum(r["dp"] == dp for r in ok)) for dp in panels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.2 + 1.1 * sum(widths), 4.8), sharey=True, squeeze=False,
+                             gridspec_kw={"width_ratios": widths})
+    for ax, dp in zip(axes[0], panels):
+        bars = sorted((r for r in ok if r["dp"] == dp), key=lambda r: r["zero"])  # stable: sweep order otherwise
+        bottom = [0.0] * len(bars)
+        for key, label, color in PARTS:
+            values = [r[f"mem_{key}_bytes"] / MiB for r in bars]
+            ax.bar(range(len(bars)), values, bottom=bottom, color=color, label=label, width=0.7)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        for i, total in enumerate(bottom):
+            ax.annotate(f"{total:.2f}", (i, total), xytext=(0, 2), textcoords="offset points", ha="center",
+                        fontsize=7)
+        ticks = [_label(r, others, "\n") if others else r["name"] for r in bars]
+        if any(len(line) > 14 for t in ticks for line in t.split("\n")):
+            ax.set_xticks(range(len(bars)), ticks, fontsize=7, rotation=30, ha="right")
+        else:
+            ax.set_xticks(range(len(bars)), ticks, fontsize=8)
+        ax.set_title(f"dp = {dp}", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        ax.margins(y=0.08)
+    axes[0][0].set_ylabel("bytes per rank (MiB), the largest rank")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.94), ncol=4, fontsize=8, frameon=False)
+    fig.suptitle("memory per rank" + (" by ZeRO stage" if "zero" in others else ""))
+    fig.tight_layout(rect=(0, 0, 1, 0.91))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def throughput_vs_micro_batches(rows: list[dict[str, Any]], path: Path, swept: set[str]) -> str | None:
+    """tokens/s against micro-batches, one line per schedule (and other varying settings);
+    only when the sweep varies a batch setting (micro-batches also change with dp at a fixed
+    global batch, which is no micro-batch axis)."""
+    if not swept & {"micro_batches", "micro_batch_size", "global_batch_size"}:
+        return "the sweep does not vary micro_batches (or micro_batch_size / global_batch_size)"
+    ok = [r for r in rows if r["tokens_per_s"] is not None and r["micro_batches"] is not None]
+    if len({r["micro_batches"] for r in ok}) < 2:
+        return "needs finished points at 2 or more micro_batches values"
+    plt = _pyplot()
+    keys = ["schedule", *_varying(ok, exclude=("schedule", "micro_batches", "micro_batch_size", "nproc"))]
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for r in ok:
+        lines.setdefault(_label(r, keys), []).append(r)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, members in sorted(lines.items()):
+        members.sort(key=lambda r: r["micro_batches"])
+        ax.plot([r["micro_batches"] for r in members], [r["tokens_per_s"] for r in members], "o-", label=label)
+    ax.set_xscale("log", base=2)
+    ticks = sorted({r["micro_batches"] for r in ok})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("micro-batches per step")
+    ax.set_ylabel("throughput (tokens/s)")
+    ax.set_title("throughput vs micro-batches (pipeline bubble)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+PLOTS = (("memory_vs_throughput.png", memory_vs_throughput), ("memory_breakdown.png", memory_breakdown),
+         ("throughput_vs_micro_batches.png", throughput_vs_micro_batches))
+
+
+def make_plots(rows: list[dict[str, Any]], out: Path, swept: set[str] = frozenset(),
+               log: Callable[[str], None] = print) -> list[Path]:
+    """Write every plot the rows allow into `out` (removing stale ones that no longer apply);
+    `swept`: the config keys the sweep's points set to different values. The paths written."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    made = []
+    for name, plot in PLOTS:
+        path = Path(out, name)
+        why_not = plot(ok, path, set(swept))
+        if why_not:
+            path.unlink(missing_ok=True)
+            log(f"skipped {name}: {why_not}")
+        else:
+            made.append(path)
+    return made
