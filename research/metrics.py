@@ -277,7 +277,9 @@ class ActivationMeter:
                 self._current += nbytes
                 self.peak_bytes = max(self.peak_bytes, self._current)
             entry[0] += 1
-        return _Saved(tensor, key, self._released)
+        # detached: a saved output would otherwise hold its own grad_fn, and through the
+        # graph's saved variable this object, a cycle that outlives the graph
+        return _Saved(tensor.detach(), key, self._released)
 
     @staticmethod
     def _unpack(packed: torch.Tensor | _Saved) -> torch.Tensor:

@@ -219,6 +219,22 @@ def test_activation_meter_pipeline_two_graphs_in_flight() -> None:
     assert meter.current_bytes == 0 and meter.peak_bytes == _analytic(32)
 
 
+def test_activation_meter_releases_a_graph_kept_by_retain_graph() -> None:
+    """A saved output (softmax, exp) held by the meter must not keep its own graph alive:
+    zero-bubble B runs backward with retain_graph=True and then drops the graph."""
+    from research.model import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, n_layers=2, n_heads=2, d_model=32, max_seq_len=16)
+    chunk = GPT(cfg, layers=range(1, 2), pre=False, post=True)
+    with ActivationMeter([chunk]) as meter:
+        for _ in range(3):
+            x = torch.randn(16, 1, 32, requires_grad=True)
+            out = chunk(x, torch.randint(0, 64, (1, 16)))
+            torch.autograd.grad(out, x, retain_graph=True)
+            del out, x
+        assert meter.current_bytes == 0
+
+
 def test_activation_meter_under_checkpointing_sees_what_the_checkpoint_keeps() -> None:
     mlp = _mlp()
     x = torch.randn(32, 24)
