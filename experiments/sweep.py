@@ -49,6 +49,8 @@ from typing import Any
 
 import yaml
 
+from research import costmodel
+
 REPO = Path(__file__).resolve().parent.parent
 SWEEP_KEYS = ("name", "description", "base", "nproc", "timeout", "wandb", "common", "grid", "points")
 POINT_KEYS = ("name", "nproc", "timeout")  # point keys that are not config fields
@@ -58,7 +60,7 @@ CONFIG_COLUMNS = ("nproc", "tp", "pp", "dp", "zero", "schedule", "virtual_stages
 RESULT_COLUMNS = ("tokens_per_s", "tflops_per_device", "mfu", "mem_per_rank_bytes", "mem_model_states_bytes",
                   "mem_params_bytes", "mem_grads_bytes", "mem_master_and_optimizer_bytes", "mem_activations_bytes",
                   "mem_peak_bytes", "comm_tp_bytes", "comm_pp_bytes", "comm_dp_bytes", "comm_total_bytes",
-                  "final_loss", "wall_time_s")
+                  "model_states_predicted_error", "final_loss", "wall_time_s")
 COLUMNS = ("name", "status", *CONFIG_COLUMNS, *RESULT_COLUMNS, "error")
 MEMORY_PARTS = ("params", "grads", "master_and_optimizer", "activations")
 
@@ -428,6 +430,7 @@ def point_row(summary: dict[str, Any], name: str, status: str) -> dict[str, Any]
     busiest = max(ranks, key=lambda r: sum(comm(r, g) for g in ("tp", "pp", "dp")))
     row.update({f"comm_{g}_bytes": comm(busiest, g) for g in ("tp", "pp", "dp")})
     row["comm_total_bytes"] = sum(comm(busiest, g) for g in busiest["comm_per_step"])
+    row["model_states_predicted_error"] = planner_error(summary)
     row.update(tokens_per_s=summary.get("median_tokens_per_s"), mfu=summary.get("median_mfu"),
                tflops_per_device=summary.get("median_tflops_per_device"), mem_peak_bytes=summary.get("mem_peak_bytes"),
                final_loss=summary.get("final_loss"), wall_time_s=summary.get("wall_time_s"))
@@ -450,6 +453,18 @@ def collect(out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return meta, rows
 
 
+def planner_error(summary: dict[str, Any]) -> float:
+    """max over ranks of |predicted − measured| / measured model-state bytes, the planner's
+    `costmodel.predict_model_states` against the run's own `memory_breakdown`."""
+    model, layout, _ = costmodel.run_spec(summary["config"])
+    errors = []
+    for rank in summary["ranks"]:
+        measured = sum(rank["memory_bytes"][k] for k in ("params", "grads", "master_and_optimizer"))
+        predicted = costmodel.predict_model_states(model, layout, rank["coords"]["pp"]).total
+        errors.append(abs(predicted - measured) / measured)
+    return max(errors)
+
+
 def _fmt(column: str, value: Any) -> str:
     if value is None:
         return ""
@@ -460,6 +475,8 @@ def _fmt(column: str, value: Any) -> str:
         return f"{value:.0f} B"
     if column == "mfu":
         return f"{100 * value:.1f}%"
+    if column == "model_states_predicted_error":
+        return f"{100 * value:.3f}%"
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
@@ -469,7 +486,7 @@ MD_HEADERS = {"tokens_per_s": "tok/s", "tflops_per_device": "TFLOP/s/dev", "mfu"
               "mem_per_rank_bytes": "mem/rank", "mem_params_bytes": "params", "mem_grads_bytes": "grads",
               "mem_master_and_optimizer_bytes": "master+opt", "mem_activations_bytes": "activations",
               "mem_peak_bytes": "peak mem", "comm_tp_bytes": "comm tp", "comm_pp_bytes": "comm pp",
-              "comm_dp_bytes": "comm dp", "final_loss": "loss"}
+              "comm_dp_bytes": "comm dp", "model_states_predicted_error": "planner err", "final_loss": "loss"}
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:

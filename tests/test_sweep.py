@@ -128,11 +128,20 @@ def fake_summary(dp: int, zero: int, schedule: str = "1f1b", m: int = 1, tok: fl
     comm = {"dp": {"total": {"bytes": 8 * psi}}, "tp": {"total": {"bytes": 0}}, "pp": {"total": {"bytes": 0}}}
     return {"final_loss": 4.5, "median_tokens_per_s": tok, "median_tflops_per_device": 0.001, "median_mfu": None,
             "mem_peak_bytes": 4 << 28, "wall_time_s": 3.0,
-            "config": {"parallel": {"tp": 1, "pp": 1, "dp": dp, "zero": zero, "schedule": schedule,
-                                    "virtual_stages": 1, "sequence_parallel": False},
-                       "train": {"micro_batches": m, "micro_batch_size": 1, "precision": "fp32"},
-                       "model": {"recompute": "none"}},
-            "ranks": [{"memory_bytes": memory, "comm_per_step": comm} for _ in range(dp)]}
+            "config": _config(parallel={"dp": dp, "zero": zero, "schedule": schedule},
+                              train={"micro_batches": m, "micro_batch_size": 1, "precision": "fp32"}),
+            "ranks": [{"memory_bytes": memory, "comm_per_step": comm, "coords": {"pp": 0, "dp": d, "tp": 0}}
+                      for d in range(dp)]}
+
+
+def _config(**sections: dict) -> dict:
+    """A full run config (the defaults) with some fields set, as summary.json holds it."""
+    from research.config import RunConfig
+
+    cfg = RunConfig().to_dict()
+    for section, values in sections.items():
+        cfg[section].update(values)
+    return cfg
 
 
 def fake_sweep(out: Path, summaries: dict[str, dict | None], swept: tuple[str, ...] = ("dp", "zero")) -> None:
@@ -242,6 +251,7 @@ def test_sweep_writes_results_plots_and_wandb_runs(real) -> None:
     for key in ("mem_params_bytes", "mem_grads_bytes", "mem_master_and_optimizer_bytes", "mem_activations_bytes",
                 "mem_peak_bytes", "comm_dp_bytes"):
         assert float(ok[key]) > 0, key
+    assert float(ok["model_states_predicted_error"]) < 0.05, "the planner's model states, every rank"
     assert rows["tp-3"]["status"] == "failed" and rows["tp-3"]["error"].startswith("exit 2: error: --tp=3")
     assert rows["tp-3"]["tp"] == "3" and rows["hang"]["error"].startswith("timeout")
     md = (out / "results.md").read_text()
