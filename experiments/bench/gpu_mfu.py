@@ -1,0 +1,109 @@
+"""Tokens/s and MFU of a ~1.3B GPT in bf16 on one GPU: the training command against the
+same model trained by a plain PyTorch loop, in one call.
+
+    python -m experiments.bench.gpu_mfu                      # GPU: experiments/configs/gpt-1.3b.yaml
+    python -m experiments.bench.gpu_mfu --quick              # CPU smoke run (a tiny model, fp32)
+
+ours    `experiments.train.run` with the config (one process, ZeroOptimizer stage 0, bf16
+        compute copies of fp32 masters, fused Adam step), as a user would run it.
+plain   `research.model.GPT` (the same modules, so the same attention kernel:
+        F.scaled_dot_product_attention) with fp32 parameters under
+        `torch.autocast(bfloat16)` and `torch.optim.AdamW(fused=True)`: the usual
+        single-GPU mixed-precision loop, on the same global batches.
+
+Both count model FLOPs as `GPTConfig.flops_per_token` without recompute (3 × forward
+matmuls); MFU = FLOP/s / the device's dense bf16 peak (`research.metrics.peak_flops`).
+Step times are medians after `--warmup` steps. Targets (issue 6): MFU ≥ 50 % on an H100.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from research import data, metrics
+from research.config import parse_args as parse_run_args
+
+QUICK = ["--n-layers", "2", "--d-model", "64", "--n-heads", "4", "--max-seq-len", "64", "--seq-len", "64",
+         "--precision", "fp32", "--global-batch-size", "4"]
+
+
+def plain_loop(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
+    """The plain PyTorch loop on the command's model and batches; median step time etc."""
+    from research.model import GPT
+
+    cfg = parse_run_args(argv, 1)
+    tokenizer = data.load_tokenizer(cfg.data.tokenizer)
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, tokenizer.vocab_size))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokens = data.load_tokens(cfg.data.data, tokenizer, cache_dir=cfg.data.data_cache, num_proc=cfg.data.num_proc)
+    batches = data.GlobalBatches(tokens, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.seed)
+    model = GPT(model_cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
+                            weight_decay=cfg.train.weight_decay, fused=True)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
+    m = cfg.train.micro_batches
+    times = []
+    for step in range(warmup + steps):
+        inputs, labels = batches.batch(step)
+        micro = data.local_micro_batches(inputs, labels, 0, 1, m)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for ids, targets in micro:
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss = model(ids.to(device), targets.to(device)) / m
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_grad or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    step_time = statistics.median(times[warmup:])
+    flops = dataclasses.replace(model_cfg, recompute="none").flops_per_token(cfg.data.seq_len)
+    peak = metrics.peak_flops(device, dtype)
+    return {**metrics.throughput(cfg.train.global_batch_size * cfg.data.seq_len, step_time, flops, 1, peak),
+            "step_time_s": step_time}
+
+
+def ours(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
+    """The training command; medians over the steps after warm-up (from metrics.jsonl)."""
+    from experiments.train import run
+
+    with tempfile.TemporaryDirectory() as out:
+        run([*argv, "--steps", str(warmup + steps), "--out", out, "--wandb", "disabled", "--zero", "0"])
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f][warmup:]
+    return {k: statistics.median(r[k] for r in rows) if rows[0][k] is not None else None
+            for k in ("tokens_per_s", "tflops_per_device", "mfu", "step_time_s")}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="experiments/configs/gpt-1.3b.yaml")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="a tiny fp32 model (CPU smoke run)")
+    args, rest = p.parse_known_args(argv)
+    run_argv = ["--config", args.config, *(QUICK if args.quick else []), *rest]
+    results = {"ours": ours(run_argv, args.steps, args.warmup), "plain": plain_loop(run_argv, args.steps, args.warmup)}
+    print(f"gpu_mfu: {args.config} {' '.join(rest)}; {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
+    print(f"{'':8} {'step s':>9} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>7}")
+    for name, r in results.items():
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        print(f"{name:8} {r['step_time_s']:9.4f} {r['tokens_per_s']:10.1f} {r['tflops_per_device']:9.2f} {mfu:>7}")
+    results["ratio_step_time"] = results["ours"]["step_time_s"] / results["plain"]["step_time_s"]
+    print(f"step time ours / plain: {results['ratio_step_time']:.3f}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
