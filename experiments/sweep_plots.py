@@ -72,14 +72,8 @@ def memory_vs_throughput(rows: list[dict[str, Any]], path: Path, swept: set[str]
     for (m, t), names in labels.items():
         ax.annotate(", ".join(names), (t, m), xytext=(4, 4), textcoords="offset points", fontsize=7)
     ax.margins(x=0.15, y=0.1)  # room for the labels
-    ax.set_xlabel("throughput (tokens/s, median over steps)")
-    ax.set_ylabel("memory per rank (MiB): model states + activations")
-    ax.set_title("memory vs throughput")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, ax, path, "throughput (tokens/s, median over steps)",
+            "memory per rank (MiB): model states + activations", "memory vs throughput")
     return None
 
 
@@ -145,15 +139,21 @@ def throughput_vs_micro_batches(rows: list[dict[str, Any]], path: Path, swept: s
     ticks = sorted({r["micro_batches"] for r in ok})
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.minorticks_off()
-    ax.set_xlabel("micro-batches per step")
-    ax.set_ylabel("throughput (tokens/s)")
-    ax.set_title("throughput vs micro-batches (pipeline bubble)")
+    _finish(plt, fig, ax, path, "micro-batches per step", "throughput (tokens/s)",
+            "throughput vs micro-batches (pipeline bubble)")
+    return None
+
+
+def _finish(plt: Any, fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, title: str) -> None:
+    """Label one-panel axes, add grid and legend, write the PNG and close the figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return None
 
 
 PLOTS = (("memory_vs_throughput.png", memory_vs_throughput), ("memory_breakdown.png", memory_breakdown),
