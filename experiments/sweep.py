@@ -31,7 +31,6 @@ logs the results table and the plots.
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
 import itertools
 import json
@@ -49,20 +48,18 @@ from typing import Any
 
 import yaml
 
-from research import costmodel
+from experiments.sweep_results import (
+    CONFIG_COLUMNS,
+    REPO,
+    format_value,
+    point_row,
+    report,
+    status_of,
+)
 
-REPO = Path(__file__).resolve().parent.parent
 SWEEP_KEYS = ("name", "description", "base", "nproc", "timeout", "wandb", "common", "grid", "points")
 POINT_KEYS = ("name", "nproc", "timeout")  # point keys that are not config fields
 RUNNER_KEYS = ("out", "wandb_name")  # config fields the runner sets for each point
-CONFIG_COLUMNS = ("nproc", "tp", "pp", "dp", "zero", "schedule", "virtual_stages", "micro_batches",
-                  "micro_batch_size", "precision", "recompute", "sequence_parallel")
-RESULT_COLUMNS = ("tokens_per_s", "tflops_per_device", "mfu", "mem_per_rank_bytes", "mem_model_states_bytes",
-                  "mem_params_bytes", "mem_grads_bytes", "mem_master_and_optimizer_bytes", "mem_activations_bytes",
-                  "mem_peak_bytes", "comm_tp_bytes", "comm_pp_bytes", "comm_dp_bytes", "comm_total_bytes",
-                  "model_states_predicted_error", "final_loss", "wall_time_s")
-COLUMNS = ("name", "status", *CONFIG_COLUMNS, *RESULT_COLUMNS, "error")
-MEMORY_PARTS = ("params", "grads", "master_and_optimizer", "activations")
 
 
 class SweepError(ValueError):
@@ -213,11 +210,6 @@ def _env_wandb() -> str:
 # ---------------------------------------------------------------------------
 
 
-def status_of(folder: Path) -> str:
-    """"ok" (summary.json exists), "failed" (failed.json) or "missing"."""
-    if (folder / "summary.json").exists():
-        return "ok"
-    return "failed" if (folder / "failed.json").exists() else "missing"
 
 
 def run_point(point: Point, folder: Path) -> dict[str, Any]:
@@ -383,7 +375,7 @@ def run_sweep(settings: dict[str, Any], points: list[Point], retry_failed: bool 
             log(f"[{i}/{len(todo)}] {p.name} FAILED after {took}: {failure['reason']}")
         else:
             row = point_row(json.loads((out / p.name / "summary.json").read_text()), p.name, "ok")
-            brief = [f"{_fmt(c, row[c])} {unit}" for c, unit in
+            brief = [f"{format_value(c, row[c])} {unit}" for c, unit in
                      (("tokens_per_s", "tok/s"), ("mem_per_rank_bytes", "per rank"), ("final_loss", "final loss"))]
             log(f"[{i}/{len(todo)}] {p.name} ok in {took} | " + " | ".join(brief))
     rows = report(out, settings["wandb"], log=log)
@@ -398,162 +390,6 @@ def _warn_if_changed(point: Point, folder: Path, log: Callable[[str], None]) -> 
         if old.get("overrides") != point.overrides or old.get("nproc") != point.nproc:
             log(f"note: {point.name} finished with other settings ({old.get('overrides')}, nproc "
                 f"{old.get('nproc')}); it is kept. Delete {folder} to run it again.")
-
-
-# ---------------------------------------------------------------------------
-# Results: rows, CSV, markdown, plots, wandb
-# ---------------------------------------------------------------------------
-
-
-def point_row(summary: dict[str, Any], name: str, status: str) -> dict[str, Any]:
-    """One results row from a run's summary.json. Memory: `mem_per_rank_bytes` is the largest
-    per-rank total of model states + activations, and the breakdown columns are that rank's
-    (so they add up to it); `mem_model_states_bytes` is the largest params + grads + master
-    and optimizer; `mem_peak_bytes` the measured peak (CUDA allocated / CPU RSS). Comm: bytes
-    per step per group of the rank that moves the most over tp + pp + dp."""
-    cfg = summary["config"]
-    ranks = summary["ranks"]
-    row: dict[str, Any] = {"name": name, "status": status, "nproc": len(ranks)}
-    for section in ("parallel", "train", "model"):
-        row.update({k: v for k, v in cfg[section].items() if k in CONFIG_COLUMNS})
-
-    def total(rank: dict[str, Any]) -> int:
-        return sum(rank["memory_bytes"][k] for k in MEMORY_PARTS)
-
-    def comm(rank: dict[str, Any], group: str) -> int:
-        return round(rank["comm_per_step"].get(group, {}).get("total", {}).get("bytes", 0))
-
-    worst = max(ranks, key=total)
-    row["mem_per_rank_bytes"] = total(worst)
-    row["mem_model_states_bytes"] = max(total(r) - r["memory_bytes"]["activations"] for r in ranks)
-    row.update({f"mem_{k}_bytes": worst["memory_bytes"][k] for k in MEMORY_PARTS})
-    busiest = max(ranks, key=lambda r: sum(comm(r, g) for g in ("tp", "pp", "dp")))
-    row.update({f"comm_{g}_bytes": comm(busiest, g) for g in ("tp", "pp", "dp")})
-    row["comm_total_bytes"] = sum(comm(busiest, g) for g in busiest["comm_per_step"])
-    row["model_states_predicted_error"] = planner_error(summary)
-    row.update(tokens_per_s=summary.get("median_tokens_per_s"), mfu=summary.get("median_mfu"),
-               tflops_per_device=summary.get("median_tflops_per_device"), mem_peak_bytes=summary.get("mem_peak_bytes"),
-               final_loss=summary.get("final_loss"), wall_time_s=summary.get("wall_time_s"))
-    return row
-
-
-def collect(out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The sweep's settings (OUT/sweep.json) and one row per point, in sweep order."""
-    meta = json.loads((out / "sweep.json").read_text())
-    rows = []
-    for p in meta["points"]:
-        folder, status = out / p["name"], status_of(out / p["name"])
-        if status == "ok":
-            row = point_row(json.loads((folder / "summary.json").read_text()), p["name"], status)
-        else:
-            row = {"name": p["name"], "status": status, **p["requested"]}
-            if status == "failed":
-                row["error"] = json.loads((folder / "failed.json").read_text())["reason"]
-        rows.append({c: row.get(c) for c in COLUMNS})
-    return meta, rows
-
-
-def planner_error(summary: dict[str, Any]) -> float:
-    """max over ranks of |predicted − measured| / measured model-state bytes, the planner's
-    `costmodel.predict_model_states` against the run's own `memory_breakdown`."""
-    model, layout, _ = costmodel.run_spec(summary["config"])
-    errors = []
-    for rank in summary["ranks"]:
-        measured = sum(rank["memory_bytes"][k] for k in ("params", "grads", "master_and_optimizer"))
-        predicted = costmodel.predict_model_states(model, layout, rank["coords"]["pp"]).total
-        errors.append(abs(predicted - measured) / measured)
-    return max(errors)
-
-
-def _fmt(column: str, value: Any) -> str:
-    if value is None:
-        return ""
-    if column.endswith("_bytes"):
-        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-            if abs(value) >= size:
-                return f"{value / size:.3g} {unit}"
-        return f"{value:.0f} B"
-    if column == "mfu":
-        return f"{100 * value:.1f}%"
-    if column == "model_states_predicted_error":
-        return f"{100 * value:.3f}%"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-MD_HEADERS = {"tokens_per_s": "tok/s", "tflops_per_device": "TFLOP/s/dev", "mfu": "MFU",
-              "mem_per_rank_bytes": "mem/rank", "mem_params_bytes": "params", "mem_grads_bytes": "grads",
-              "mem_master_and_optimizer_bytes": "master+opt", "mem_activations_bytes": "activations",
-              "mem_peak_bytes": "peak mem", "comm_tp_bytes": "comm tp", "comm_pp_bytes": "comm pp",
-              "comm_dp_bytes": "comm dp", "model_states_predicted_error": "planner err", "final_loss": "loss"}
-
-
-def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """results.md: settings shared by every point on one line, then one table row per point
-    (config columns that vary, throughput, memory of the largest rank, comm bytes per step,
-    final loss), then the failures with their reasons."""
-    values = {c: list(dict.fromkeys(str(r[c]) for r in rows if r[c] is not None)) for c in CONFIG_COLUMNS}
-    varying = [c for c in CONFIG_COLUMNS if len(values[c]) > 1]
-    fixed = [f"{c}={v[0]}" for c, v in values.items() if len(v) == 1]
-    columns = ["name", "status", *varying, *MD_HEADERS]
-    lines = [f"# Sweep {meta['name']}", ""]
-    if meta.get("description"):
-        lines += [meta["description"].strip(), ""]
-    legend = (f"Base `{os.path.relpath(meta['base'], REPO)}`; every point: {', '.join(fixed)}. "
-              "mem/rank: model states + activations of the rank with the most (its breakdown follows); "
-              "peak mem: measured (CUDA allocated, or process RSS on CPU); comm: bytes per step of the busiest "
-              "rank; tok/s, TFLOP/s/dev, MFU: medians over the steps.")
-    lines += [legend, "",
-              "| " + " | ".join(MD_HEADERS.get(c, c) for c in columns) + " |",
-              "|" + "|".join("---" if c in ("name", "status", *varying) else "---:" for c in columns) + "|"]
-    lines += ["| " + " | ".join(_fmt(c, r[c]) for c in columns) + " |" for r in rows]
-    failed = [r for r in rows if r["status"] == "failed"]
-    if failed:
-        lines += ["", "Failed points:", ""] + [f"- `{r['name']}`: {r['error']}" for r in failed]
-    return "\n".join(lines) + "\n"
-
-
-def swept_keys(points: list[dict[str, Any]]) -> set[str]:
-    """The config keys that the points (sweep.json entries) set to more than one value."""
-    keys = {k for p in points for k in p["overrides"]}
-    return {k for k in keys if len({repr(p["overrides"].get(k)) for p in points}) > 1}
-
-
-def report(out: str | Path, wandb_mode: str | None = "disabled", log: Callable[[str], None] = print) -> list[dict]:
-    """Write OUT/results.csv, OUT/results.md and the plots from the point folders; with a
-    wandb mode other than disabled, also a report run in the sweep's group that logs the
-    table and the plots. Returns the rows."""
-    from experiments import sweep_plots
-
-    out = Path(out)
-    meta, rows = collect(out)
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "results.md").write_text(markdown(meta, rows))
-    made = sweep_plots.make_plots(rows, out, swept_keys(meta["points"]), log=log)
-    counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "failed", "missing")}
-    log(f"{counts['ok']} ok, {counts['failed']} failed, {counts['missing']} missing; wrote results.csv, results.md"
-        + "".join(f", {p.name}" for p in made))
-    if wandb_mode and wandb_mode != "disabled":
-        _wandb_report(meta, rows, made, wandb_mode, out)
-    return rows
-
-
-def _wandb_report(meta: dict[str, Any], rows: list[dict[str, Any]], plots: list[Path], mode: str,
-                  out: Path) -> None:
-    """One run named "<sweep>-report" in the sweep's group: the results table and the plots."""
-    import wandb
-
-    from research.metrics import WandbRun
-
-    with WandbRun(mode, meta["project"], meta["group"], f"{meta['name']}-report", out,
-                  {"sweep": meta["name"], "base": meta["base"], "points": len(rows)}) as run:
-        table = wandb.Table(columns=list(COLUMNS), data=[[r[c] for c in COLUMNS] for r in rows])
-        run.log({"results": table, **{f"plots/{p.stem}": wandb.Image(str(p)) for p in plots}}, step=0)
-        run.summary({s: sum(r["status"] == s for r in rows) for s in ("ok", "failed", "missing")})
 
 
 def main(argv: list[str] | None = None) -> int:

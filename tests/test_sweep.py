@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from experiments import sweep as sw
+from experiments import sweep_results
 from experiments.sweep_plots import pareto_front
 
 TINY = str(Path(__file__).resolve().parent.parent / "experiments" / "configs" / "tiny.yaml")
@@ -174,7 +175,7 @@ def test_report_writes_csv_markdown_and_all_plots(tmp_path: Path) -> None:
     rows = sw.report(tmp_path / "s", log=logs.append)
     with open(tmp_path / "s" / "results.csv") as f:
         table = list(csv.DictReader(f))
-    assert [r["name"] for r in table] == list(summaries) and tuple(table[0]) == sw.COLUMNS
+    assert [r["name"] for r in table] == list(summaries) and tuple(table[0]) == sweep_results.COLUMNS
     row = rows[3]  # dp 2, ZeRO 3: everything but activations sharded
     assert (row["zero"], row["mem_params_bytes"], row["mem_master_and_optimizer_bytes"]) == (3, 200_000, 400_000)
     assert row["mem_per_rank_bytes"] == 200_000 * 2 + 400_000 + 300_000 and row["comm_dp_bytes"] == 800_000
