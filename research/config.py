@@ -337,7 +337,9 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     try:
         validate_schedule(par.schedule, par.pp, tr.micro_batches, par.virtual_stages)
     except ValueError as e:
-        raise ConfigError(f"--schedule/--micro-batches/--virtual-stages: {e}") from None
+        flag = "--virtual-stages" if "virtual_stages" in str(e) else "--micro-batches"
+        value = par.virtual_stages if flag == "--virtual-stages" else tr.micro_batches
+        raise ConfigError(f"{flag}={value}: {e}") from None
     if par.virtual_stages > 1 and par.pp == 1:
         raise ConfigError(f"--virtual-stages={par.virtual_stages} needs --pp > 1")
     try:
