@@ -49,6 +49,7 @@ class FlatBucket:
     grad_shard: torch.Tensor = field(init=False)
     needs_carry: bool = field(init=False, default=False)
     reduced: bool = field(init=False, default=False)
+    on_grad_bytes: Callable[[int], None] | None = None  # told +/- bytes of each transient full gradient buffer
 
     def __post_init__(self) -> None:
         self.shapes = [p.shape for p in self.params]
@@ -156,6 +157,7 @@ class FlatBucket:
     def _prepare_grad_buffer(self) -> None:
         if self.grad_buffer is None:
             self.grad_buffer = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.grad_shard.device)
+            self._grad_bytes_changed(+1)
             self._written = [False] * len(self.params)
             if self.needs_carry:
                 lo, hi = self.shard_range
@@ -181,7 +183,7 @@ class FlatBucket:
     def after_reduction(self) -> None:
         """The reduced sum now lives in `grad_shard`; stages 2-3 drop the full buffer."""
         if self.stage >= 2:
-            self.grad_buffer = None
+            self._drop_grad_buffer()
         self.needs_carry = True
         self.reduced = True
 
@@ -189,10 +191,20 @@ class FlatBucket:
         """Forget the gradients: stages 0-1 only mark their slots unwritten (see above)."""
         if self.stage >= 2:
             self.grad_shard.zero_()
-            self.grad_buffer = None
+            self._drop_grad_buffer()
         self._written = [False] * len(self.params)
         self.needs_carry = False
         self.reduced = False
+
+    def _drop_grad_buffer(self) -> None:
+        if self.grad_buffer is not None:
+            self._grad_bytes_changed(-1)
+            self.grad_buffer = None
+
+    def _grad_bytes_changed(self, sign: int) -> None:
+        """Stages 2-3 allocate the full gradient buffer per reduction; report its bytes."""
+        if self.on_grad_bytes is not None:
+            self.on_grad_bytes(sign * self.numel * self.grad_buffer.element_size())
 
     def zero_if_never_reduced(self) -> None:
         """With no backward since zero_grad the gradient is zero (stages 0-1 zero lazily)."""

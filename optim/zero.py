@@ -56,6 +56,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             grad norms and fp16 overflow flags are summed over it after the DP group.
         loss_scaler: dynamic loss scaler for fp16 (created by default for fp16).
         **optimizer_kwargs: passed to `optimizer_class` (lr, weight_decay, betas, ...).
+
+    `grad_peak_bytes`: the most gradient bytes this rank has held since construction. At
+    stages 2-3 it includes the full-size buckets that exist between a bucket's first
+    gradient and its reduction, which under `no_sync()` (gradient accumulation) means all
+    of them until the last backward; `memory_breakdown()` shows what exists now.
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             on_backward_end=self._gatherer.backward_end if self._gatherer else None,
         )
         self._end_step()
+        self._grad_bytes = self.grad_peak_bytes = self.memory_breakdown()["grads"]
         self._constructed = True
 
     # ---- construction -------------------------------------------------------------------
@@ -146,7 +152,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return (group_of[p], tuple(id(g) for g in marks))
 
         def make(params: list, stage: int) -> FlatBucket:
-            return FlatBucket(params, group_of[params[0]], stage, self.rank, self.world, self.param_dtype, reduce_dtype)
+            return FlatBucket(params, group_of[params[0]], stage, self.rank, self.world, self.param_dtype, reduce_dtype,
+                              on_grad_bytes=self._grad_bytes_changed)
 
         if self.stage < 3:
             params = list(reversed(list(group_of)))
@@ -440,6 +447,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 comm.all_gather_into_tensor(t, t[lo:hi].clone(), group=self.group)
 
     # ---- introspection --------------------------------------------------------------------
+    def _grad_bytes_changed(self, delta: int) -> None:
+        self._grad_bytes += delta
+        self.grad_peak_bytes = max(self.grad_peak_bytes, self._grad_bytes)
+
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes per rank of the model states that exist right now, by category: params
         (low-precision copies), grads, master (fp32 copies not aliasing params) and

@@ -242,6 +242,7 @@ class Trainer:
             "memory_bytes": {"params": memory["params"], "grads": memory["grads"],
                              "master_and_optimizer": memory["master"] + memory["optimizer"],
                              "activations": activation_peak},
+            "grads_peak_bytes": self.opt.grad_peak_bytes,
             "comm_per_step": metrics.comm_per_step(comm_total, max(1, len(rows)), groups=("tp", "pp", "dp")),
         }
         ranks = metrics.all_ranks(mine)

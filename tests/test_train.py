@@ -182,6 +182,7 @@ def test_run_folder_holds_config_metrics_and_summary(runs) -> None:
         memory = rank["memory_bytes"]
         assert set(memory) == {"params", "grads", "master_and_optimizer", "activations"}
         assert all(v > 0 for v in memory.values()), memory
+        assert rank["grads_peak_bytes"] > memory["grads"]  # ZeRO-3: full buckets during backward
         assert {"tp", "pp", "dp"} <= set(rank["comm_per_step"])
         assert rank["comm_per_step"]["pp"]["total"]["calls"] > 0
     cfg = parse_args(["--config", os.path.join(out, "config.yaml")], 8)
