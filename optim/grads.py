@@ -8,6 +8,11 @@ are launched strictly in bucket order, which every rank shares, so ranks whose a
 finishes buckets in a different order still issue the same collectives in the same order.
 At the end of backward the remaining buckets (whose parameters got no gradient this time)
 are launched too and every reduction is waited for.
+
+A reduction is retired (`FlatBucket.after_reduction`: stages 2-3 free the full bucket) as
+soon as it has completed, checked whenever a bucket is launched, and at most
+`MAX_IN_FLIGHT` reductions stay unretired: launching one more first waits for the oldest.
+So during backward a stage-2 rank holds its shards plus a few full buckets, not all of them.
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ import torch.distributed as dist
 
 from optim.buffers import FlatBucket
 from parallel import comm
+
+MAX_IN_FLIGHT = 2
 
 
 class GradReducer:
@@ -84,7 +91,19 @@ class GradReducer:
             self._launch(self.buckets[self._next])
             self._next += 1
 
+    def _retire(self, keep: int) -> None:
+        """Retire finished reductions in launch order; wait while more than `keep` remain."""
+        while self._works:
+            work, bucket = self._works[0]
+            if work is not None and not work.is_completed() and len(self._works) <= keep:
+                return
+            if work is not None:
+                work.wait()
+            bucket.after_reduction()
+            self._works.pop(0)
+
     def _launch(self, bucket: FlatBucket) -> None:
+        self._retire(keep=MAX_IN_FLIGHT - 1)
         full = bucket.grads_for_reduction()
         if bucket.stage == 0:
             work = comm.all_reduce(full, group=self.group, async_op=True)
@@ -98,11 +117,7 @@ class GradReducer:
         self._callback_queued = False
         if self.sync:
             self._launch_in_order(everything=True)
-            for work, bucket in self._works:
-                if work is not None:
-                    work.wait()
-                bucket.after_reduction()
-            self._works.clear()
+            self._retire(keep=0)
             self._next = 0
             self.pending_unsynced = False
         self._ready = [0] * len(self.buckets)
