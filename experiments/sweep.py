@@ -56,6 +56,7 @@ from experiments.sweep_results import (
     report,
     status_of,
 )
+from research.config import wandb_mode_from_env
 
 SWEEP_KEYS = ("name", "description", "base", "nproc", "timeout", "wandb", "common", "grid", "points")
 POINT_KEYS = ("name", "nproc", "timeout")  # point keys that are not config fields
@@ -164,7 +165,7 @@ def load_sweep(path: str | Path, out: str | None = None, timeout: float | None =
         raise SweepError(f"{path}: base: {e}") from None
     common = dict(spec.get("common") or {})
     name = str(spec.get("name") or path.stem)
-    mode = wandb or common.pop("wandb", None) or spec.get("wandb") or _env_wandb()
+    mode = wandb or common.pop("wandb", None) or spec.get("wandb") or wandb_mode_from_env()
     if mode not in ("offline", "online", "disabled"):
         raise SweepError(f"{path}: wandb: {mode!r} is not one of offline, online, disabled")
     settings = {"name": name, "description": spec.get("description"), "base": str(base),
@@ -199,10 +200,6 @@ def load_sweep(path: str | Path, out: str | None = None, timeout: float | None =
         points.append(Point(pname, overrides, int(nproc), float(limit) if limit else None, command, requested))
     return settings, points
 
-
-def _env_wandb() -> str:
-    mode = os.environ.get("WANDB_MODE", "offline")
-    return mode if mode in ("offline", "online", "disabled") else "offline"
 
 
 # ---------------------------------------------------------------------------

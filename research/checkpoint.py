@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from optim import ZeroOptimizer
 from optim.sharded_state import tile_sharded_tensor
@@ -110,7 +110,7 @@ def save(root: str, step: int, model: nn.ModuleList, opt: ZeroOptimizer, dims: P
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
     dist.barrier()
     if rank == 0:
-        groups = [{k: v for k, v in g.items()} for g in opt.state_dict()["param_groups"]]
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         full = {**meta, "step": step, "param_groups": groups,
                 "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None}
         _write_json(os.path.join(tmp, META), full)
@@ -183,16 +183,16 @@ def check_compatible(path: str, meta: dict[str, Any], config: GPTConfig, expecte
             raise CheckpointError(f"--load={path} has {name} of shape {list(entry.size)}, this model {shape}")
 
 
-def load(path: str, model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims) -> dict[str, Any]:
-    """Load the checkpoint folder `path` (already `resolve`d and checked) into the optimizer
-    (hence the model) and, under the same layout, the RNG streams; returns its meta."""
-    meta = read_meta(path)
+def load(path: str, meta: dict[str, Any], model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims) -> bool:
+    """Load the checkpoint folder `path` (already `resolve`d and checked; `meta` its
+    meta.json) into the optimizer (hence the model) and, under the same layout, the RNG
+    streams; returns whether the RNG streams were restored."""
     state = canonical_state(model, opt, dims, saving=False)
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any DCP failure means bad files
         raise CheckpointError(f"--load={path} is corrupt or incomplete: {_reason(e)}") from None
-    names = {canonical_name(n): n for n in opt.state_dict()["params"]}
+    names = {canonical_name(n): n for n in opt.names.values()}
     groups = tuple({k: tuple(v) if isinstance(v, list) else v for k, v in g.items()} for g in meta["param_groups"])
     opt.load_state_dict({
         "params": {names[c]: v for c, v in state["model"].items()},
@@ -203,14 +203,14 @@ def load(path: str, model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims
     layout = meta.get("layout", {})
     same_layout = [layout.get(k) for k in ("tp", "pp", "dp")] == [dims.tp, dims.pp, dims.dp]
     rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
-    if same_layout and os.path.isfile(rng_file):
+    restored = same_layout and os.path.isfile(rng_file)
+    if restored:
         rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
         get_rng_tracker().load_state_dict(rng["tracker"])
-    meta["rng_restored"] = same_layout
-    return meta
+    return restored
 
 
 def _reason(e: BaseException) -> str:

@@ -92,13 +92,13 @@ class LogConfig:
 
     out: str = "runs/default"
     log_every: int = 1
-    wandb: Literal["offline", "online", "disabled"] = field(default_factory=lambda: _wandb_mode_from_env())
+    wandb: Literal["offline", "online", "disabled"] = field(default_factory=lambda: wandb_mode_from_env())
     wandb_project: str = "zero3d"
     wandb_group: str | None = None
     wandb_name: str | None = None
 
 
-def _wandb_mode_from_env() -> str:
+def wandb_mode_from_env() -> str:
     """WANDB_MODE when it names one of our modes, else offline."""
     mode = os.environ.get("WANDB_MODE", "offline")
     return mode if mode in ("offline", "online", "disabled") else "offline"

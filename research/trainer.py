@@ -31,7 +31,7 @@ from parallel.pipeline.executor import PipelineExecutor
 from parallel.random import seed_everything
 from research import checkpoint, data, metrics
 from research.config import RunConfig, save_yaml
-from research.model import pipeline_chunks
+from research.model import GPTConfig, pipeline_chunks
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -56,6 +56,16 @@ def lr_multiplier(cfg: RunConfig) -> Callable[[int], float]:
     return multiplier
 
 
+def load_data(cfg: RunConfig) -> tuple[GPTConfig, data.GlobalBatches]:
+    """The run's model config with its vocabulary raised to the tokenizer's, and the run's
+    global batches (a collective when torch.distributed is initialized: rank 0 tokenizes)."""
+    tokenizer = data.load_tokenizer(cfg.data.tokenizer)
+    model = dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, tokenizer.vocab_size))
+    tokens = data.load_tokens(cfg.data.data, tokenizer, cache_dir=cfg.data.data_cache,
+                              num_proc=cfg.data.num_proc, text_field=cfg.data.text_field)
+    return model, data.GlobalBatches(tokens, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.seed)
+
+
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Matrices decay; vectors (norm weights, biases) do not."""
     params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
@@ -75,12 +85,7 @@ class Trainer:
         self.rank = dist.get_rank()
         seed_everything(tr.seed, self.dims.tp_rank, self.dims.pp_rank)
 
-        tokenizer = data.load_tokenizer(cfg.data.tokenizer)
-        if cfg.model.vocab_size < tokenizer.vocab_size:
-            cfg.model = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
-        tokens = data.load_tokens(cfg.data.data, tokenizer, cache_dir=cfg.data.data_cache,
-                                  num_proc=cfg.data.num_proc, text_field=cfg.data.text_field)
-        self.batches = data.GlobalBatches(tokens, cfg.data.seq_len, tr.global_batch_size, tr.seed)
+        cfg.model, self.batches = load_data(cfg)
 
         dims = self.dims
         chunks = pipeline_chunks(cfg.model, dims.pp_rank, dims.pp, par.virtual_stages, dims.tp_group,
@@ -117,10 +122,10 @@ class Trainer:
             raise checkpoint.CheckpointError(
                 f"--global-batch-size={self.cfg.train.global_batch_size} differs from the checkpoint's {saved_batch}; "
                 "resume with the same global batch size (the data position counts its batches)")
-        meta = checkpoint.load(path, self.model, self.opt, self.dims)
+        rng_restored = checkpoint.load(path, meta, self.model, self.opt, self.dims)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.start_step = meta["step"]
-        if not meta["rng_restored"]:
+        if not rng_restored:
             seed_everything(self.cfg.train.seed + self.start_step, self.dims.tp_rank, self.dims.pp_rank)
         self.resumed_from = path
 

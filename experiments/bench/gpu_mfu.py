@@ -30,6 +30,7 @@ import torch
 
 from research import data, metrics
 from research.config import parse_args as parse_run_args
+from research.trainer import load_data
 
 QUICK = ["--n-layers", "2", "--d-model", "64", "--n-heads", "4", "--max-seq-len", "64", "--seq-len", "64",
          "--precision", "fp32", "--global-batch-size", "4"]
@@ -40,11 +41,8 @@ def plain_loop(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
     from research.model import GPT
 
     cfg = parse_run_args(argv, 1)
-    tokenizer = data.load_tokenizer(cfg.data.tokenizer)
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, tokenizer.vocab_size))
+    model_cfg, batches = load_data(cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokens = data.load_tokens(cfg.data.data, tokenizer, cache_dir=cfg.data.data_cache, num_proc=cfg.data.num_proc)
-    batches = data.GlobalBatches(tokens, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.seed)
     model = GPT(model_cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
                             weight_decay=cfg.train.weight_decay, fused=True)
