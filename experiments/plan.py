@@ -112,14 +112,14 @@ def report(plan: Plan, name: str, model: GPTConfig, cluster: Cluster, global_bat
               f"{cluster.gpus_per_node} per node)")]
     rejected = sum(count for count, _ in plan.rejected.values())
     lines.append(f"{len(plan.ranked) + rejected} layouts: {len(plan.ranked)} fit, {rejected} do not")
-    header = (f"{'#':>3} {'tp':>3} {'pp':>4} {'dp':>5} {'v':>2} {'zero':>4} {'mbs':>4} {'recompute':>9} {'sp':>2} "
+    header = (f"{'#':>3} {'tp':>3} {'pp':>4} {'dp':>5} {'v':>2} {'zero':>4} {'mbs':>4} {'recompute':>9} {'sp':>2} {'sync':>5} "
               f"{'mem GiB':>8} {'step s':>9} {'TFLOP/s/GPU':>11} {'MFU':>6}")
     if plan.ranked:
         lines += ["", header]
     for i, e in enumerate(plan.ranked[:top], 1):
         lo = e.layout
         lines.append(f"{i:>3} {lo.tp:>3} {lo.pp:>4} {lo.dp:>5} {lo.virtual_stages:>2} {lo.zero:>4} "
-                     f"{lo.micro_batch_size:>4} {lo.recompute:>9} {int(lo.sp):>2} {e.memory.total / GiB:>8.1f} "
+                     f"{lo.micro_batch_size:>4} {lo.recompute:>9} {int(lo.sp):>2} {lo.grad_sync:>5} {e.memory.total / GiB:>8.1f} "
                      f"{e.time.total:>9.3g} {e.tflops_per_gpu:>11.1f} {e.mfu:>6.1%}")
     if plan.ranked:
         best = plan.ranked[0]

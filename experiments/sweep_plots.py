@@ -21,7 +21,7 @@ MiB = 2**20
 PARTS = (("params", "params", "#4c72b0"), ("grads", "grads", "#55a868"),
          ("master_and_optimizer", "master + optimizer", "#c44e52"), ("activations", "activations", "#8172b2"))
 LAYOUT_KEYS = ("nproc", "tp", "pp", "dp", "zero", "schedule", "virtual_stages", "micro_batches",
-               "micro_batch_size", "precision", "recompute", "sequence_parallel")
+               "micro_batch_size", "precision", "recompute", "sequence_parallel", "grad_sync")
 
 
 def _pyplot():
@@ -78,7 +78,8 @@ def memory_vs_throughput(rows: list[dict[str, Any]], path: Path, swept: set[str]
 
 
 def memory_breakdown(rows: list[dict[str, Any]], path: Path, swept: set[str]) -> str | None:
-    """Stacked bars per point (by ZeRO stage, else in sweep order), a panel per dp size if dp varies."""
+    """Stacked bars per point (by ZeRO stage, else in sweep order), a panel per dp size if dp
+    varies; on top, hatched, the full gradient buckets that exist only during backward."""
     ok = [r for r in rows if r["status"] == "ok" and r["mem_per_rank_bytes"] is not None]
     if not ok:
         return "needs a finished point"
@@ -99,6 +100,9 @@ def memory_breakdown(rows: list[dict[str, Any]], path: Path, swept: set[str]) ->
         for i, total in enumerate(bottom):
             ax.annotate(f"{total:.2f}", (i, total), xytext=(0, 2), textcoords="offset points", ha="center",
                         fontsize=7)
+        transient = [max(0, (r["mem_grads_peak_bytes"] or 0) - r["mem_grads_bytes"]) / MiB for r in bars]
+        ax.bar(range(len(bars)), transient, bottom=bottom, color="none", edgecolor=PARTS[1][2], hatch="///",
+               width=0.7, label="full grad buckets during backward (peak)")
         ticks = [_label(r, others, "\n") if others else r["name"] for r in bars]
         if any(len(line) > 14 for t in ticks for line in t.split("\n")):
             ax.set_xticks(range(len(bars)), ticks, fontsize=7, rotation=30, ha="right")
@@ -109,7 +113,7 @@ def memory_breakdown(rows: list[dict[str, Any]], path: Path, swept: set[str]) ->
         ax.margins(y=0.08)
     axes[0][0].set_ylabel("bytes per rank (MiB), the largest rank")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.94), ncol=4, fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.94), ncol=3, fontsize=8, frameon=False)
     fig.suptitle("memory per rank" + (" by ZeRO stage" if "zero" in others else ""))
     fig.tight_layout(rect=(0, 0, 1, 0.91))
     fig.savefig(path, dpi=120)

@@ -14,10 +14,10 @@ from research import costmodel
 REPO = Path(__file__).resolve().parent.parent
 
 CONFIG_COLUMNS = ("nproc", "tp", "pp", "dp", "zero", "schedule", "virtual_stages", "micro_batches",
-                  "micro_batch_size", "precision", "recompute", "sequence_parallel")
+                  "micro_batch_size", "precision", "recompute", "sequence_parallel", "grad_sync")
 RESULT_COLUMNS = ("tokens_per_s", "tflops_per_device", "mfu", "mem_per_rank_bytes", "mem_model_states_bytes",
                   "mem_params_bytes", "mem_grads_bytes", "mem_master_and_optimizer_bytes", "mem_activations_bytes",
-                  "mem_peak_bytes", "comm_tp_bytes", "comm_pp_bytes", "comm_dp_bytes", "comm_total_bytes",
+                  "mem_grads_peak_bytes", "mem_peak_bytes", "comm_tp_bytes", "comm_pp_bytes", "comm_dp_bytes", "comm_total_bytes",
                   "model_states_predicted_error", "final_loss", "wall_time_s")
 COLUMNS = ("name", "status", *CONFIG_COLUMNS, *RESULT_COLUMNS, "error")
 MEMORY_PARTS = ("params", "grads", "master_and_optimizer", "activations")
@@ -39,7 +39,8 @@ def point_row(summary: dict[str, Any], name: str, status: str) -> dict[str, Any]
     """One results row from a run's summary.json. Memory: `mem_per_rank_bytes` is the largest
     per-rank total of model states + activations, and the breakdown columns are that rank's
     (so they add up to it); `mem_model_states_bytes` is the largest params + grads + master
-    and optimizer; `mem_peak_bytes` the measured peak (CUDA allocated / CPU RSS). Comm: bytes
+    and optimizer; `mem_grads_peak_bytes` the most gradient bytes that rank held (its shards
+    plus the full buckets of backward); `mem_peak_bytes` the measured peak (CUDA allocated / CPU RSS). Comm: bytes
     per step per group of the rank that moves the most over tp + pp + dp."""
     cfg = summary["config"]
     ranks = summary["ranks"]
@@ -57,6 +58,7 @@ def point_row(summary: dict[str, Any], name: str, status: str) -> dict[str, Any]
     row["mem_per_rank_bytes"] = total(worst)
     row["mem_model_states_bytes"] = max(total(r) - r["memory_bytes"]["activations"] for r in ranks)
     row.update({f"mem_{k}_bytes": worst["memory_bytes"][k] for k in MEMORY_PARTS})
+    row["mem_grads_peak_bytes"] = worst["grads_peak_bytes"]
     busiest = max(ranks, key=lambda r: sum(comm(r, g) for g in ("tp", "pp", "dp")))
     row.update({f"comm_{g}_bytes": comm(busiest, g) for g in ("tp", "pp", "dp")})
     row["comm_total_bytes"] = sum(comm(busiest, g) for g in busiest["comm_per_step"])
@@ -116,7 +118,7 @@ def format_value(column: str, value: Any) -> str:
 MD_HEADERS = {"tokens_per_s": "tok/s", "tflops_per_device": "TFLOP/s/dev", "mfu": "MFU",
               "mem_per_rank_bytes": "mem/rank", "mem_params_bytes": "params", "mem_grads_bytes": "grads",
               "mem_master_and_optimizer_bytes": "master+opt", "mem_activations_bytes": "activations",
-              "mem_peak_bytes": "peak mem", "comm_tp_bytes": "comm tp", "comm_pp_bytes": "comm pp",
+              "mem_grads_peak_bytes": "grads peak", "mem_peak_bytes": "peak mem", "comm_tp_bytes": "comm tp", "comm_pp_bytes": "comm pp",
               "comm_dp_bytes": "comm dp", "model_states_predicted_error": "planner err", "final_loss": "loss"}
 
 

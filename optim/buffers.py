@@ -29,7 +29,7 @@ def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
-@dataclass
+@dataclass(eq=False)
 class FlatBucket:
     """One flat bucket of parameters: layout, storage and shard views (see module docstring)."""
 
@@ -226,8 +226,12 @@ class FlatBucket:
 def assign_buckets(
     params: list[torch.nn.Parameter], key: Callable[[torch.nn.Parameter], object], bucket_numel: int
 ) -> list[list[torch.nn.Parameter]]:
-    """Split `params` by `key(p)` (keys in order of first appearance), then pack each part
-    greedily, in the given order, into buckets of at most ~bucket_numel elements."""
+    """Split `params` by `key(p)`, pack each part greedily, in the given order, into buckets
+    of at most ~bucket_numel elements, and order the buckets by their last parameter: when
+    gradients arrive in `params` order, that is the order in which buckets complete (so a
+    part spread over the whole model, such as the norms of a no-decay group, goes last
+    instead of holding back every bucket launched in order after it)."""
+    position = {p: i for i, p in enumerate(params)}
     parts: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:
         parts.setdefault(key(p), []).append(p)
@@ -241,4 +245,4 @@ def assign_buckets(
             current.append(p)
             size += p.numel()
         buckets.append(current)
-    return buckets
+    return sorted(buckets, key=lambda ps: max(position[p] for p in ps))

@@ -9,6 +9,11 @@ finishes buckets in a different order still issue the same collectives in the sa
 At the end of backward the remaining buckets (whose parameters got no gradient this time)
 are launched too and every reduction is waited for.
 
+Scoped backward (`only(indices)`): the caller promises that the backward produces gradients
+only for the parameters of those buckets (a pipeline chunk's backward, on every rank alike),
+so only they are launched, in their order, and the other buckets keep what they hold. This
+is how gradients are reduced every micro-batch without reducing every chunk's buckets each time.
+
 A reduction is retired (`FlatBucket.after_reduction`: stages 2-3 free the full bucket) as
 soon as it has completed, checked whenever a bucket is launched, and at most
 `MAX_IN_FLIGHT` reductions stay unretired: launching one more first waits for the oldest.
@@ -46,7 +51,9 @@ class GradReducer:
         self.buckets = buckets
         self.group = group
         self.sync = True
-        self.pending_unsynced = False  # local gradients accumulated under no_sync, not reduced yet
+        self.unsynced: set[int] = set()  # buckets holding gradients accumulated under no_sync, not reduced yet
+        self._scope = list(range(len(buckets)))  # the buckets a synced backward launches, in order
+        self._in_scope = set(self._scope)
         self._scale = 1.0 / dist.get_world_size(group)
         self._on_bucket_done = on_bucket_done
         self._on_backward_end = on_backward_end
@@ -69,6 +76,18 @@ class GradReducer:
         finally:
             self.sync = previous
 
+    @contextlib.contextmanager
+    def only(self, indices: list[int]) -> Iterator[None]:
+        """Synced backward passes inside reduce only the buckets `indices` (see module docstring)."""
+        previous = self._scope
+        self._scope = sorted(indices)
+        self._in_scope = set(self._scope)
+        try:
+            yield
+        finally:
+            self._scope = previous
+            self._in_scope = set(previous)
+
     def _on_grad(self, b: int, i: int, param: torch.Tensor) -> None:
         bucket = self.buckets[b]
         bucket.accumulate(i, param.grad, self._scale)
@@ -77,7 +96,13 @@ class GradReducer:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self._ready[b] += 1
-        self.pending_unsynced = not self.sync
+        if not self.sync:
+            self.unsynced.add(b)
+        elif b not in self._in_scope:
+            raise RuntimeError(
+                f"parameter {i} of gradient bucket {b} got a gradient in a backward scoped to other buckets; "
+                "scope the backward to every module whose parameters it reaches"
+            )
         if self._ready[b] == len(bucket.params):
             if self._on_bucket_done is not None:
                 self._on_bucket_done(b)
@@ -85,10 +110,13 @@ class GradReducer:
                 self._launch_in_order()
 
     def _launch_in_order(self, everything: bool = False) -> None:
-        while self._next < len(self.buckets) and (
-            everything or self._ready[self._next] == len(self.buckets[self._next].params)
-        ):
-            self._launch(self.buckets[self._next])
+        """Launch the scope's buckets from `_next` on while they are complete (all: `everything`)."""
+        while self._next < len(self._scope):
+            b = self._scope[self._next]
+            if not everything and self._ready[b] < len(self.buckets[b].params):
+                return
+            self._launch(self.buckets[b])
+            self.unsynced.discard(b)
             self._next += 1
 
     def _retire(self, keep: int) -> None:
@@ -119,7 +147,6 @@ class GradReducer:
             self._launch_in_order(everything=True)
             self._retire(keep=0)
             self._next = 0
-            self.pending_unsynced = False
         self._ready = [0] * len(self.buckets)
         if self._on_backward_end is not None:
             self._on_backward_end()

@@ -25,12 +25,13 @@ from optim import clip, fused, sharded_state
 from optim.buffers import FlatBucket, assign_buckets
 from optim.grads import GradReducer
 from optim.scaler import DynamicLossScaler
-from optim.stage3 import ParamGatherer, stage3_units
+from optim.stage3 import ParamGatherer, roots, stage3_units
 from parallel import comm
 
 NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "Muon", "LAMB", "Lamb", "FusedLAMB", "Shampoo", "SparseAdam", "LARS"}
 PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_BUCKET_NUMEL = 2**24
+DEFAULT_UNIT_NUMEL = 2**22
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -74,7 +75,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-        unit_numel: int = 2**22,
+        unit_numel: int = DEFAULT_UNIT_NUMEL,
         resident_numel: int | None = None,
         step_backend: str | None = None,
         model_parallel_group: dist.ProcessGroup | None = None,
@@ -145,27 +146,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _build_buckets(
         self, group_of: dict, reduce_dtype: torch.dtype, bucket_numel: int, unit_numel: int, resident_numel: int
     ) -> list[FlatBucket]:
-        """Buckets in the order gradients are expected in backward: reverse registration
-        order at stages 0-2, units in reverse post-order at stage 3."""
+        """Buckets in the order they are expected to complete in backward, whose gradients are
+        expected in reverse registration order: by the position of their last parameter in
+        it (`assign_buckets`). A bucket holds one param group of one root module
+        (`optim.stage3.roots`: the chunks of a pipeline rank) and, at stage 3, of one unit."""
+        arrival = list(reversed(list(group_of)))
+        position = {p: i for i, p in enumerate(arrival)}
+        root_of = {p: i for i, r in enumerate(roots(self.model)) for p in r.parameters()}
+
         def key(p: torch.nn.Parameter) -> tuple:
             marks = (*comm.replicated_groups(p), *comm.tied_groups(p))
-            return (group_of[p], tuple(id(g) for g in marks))
+            return (group_of[p], root_of.get(p), tuple(id(g) for g in marks))
 
         def make(params: list, stage: int) -> FlatBucket:
             return FlatBucket(params, group_of[params[0]], stage, self.rank, self.world, self.param_dtype, reduce_dtype,
                               on_grad_bytes=self._grad_bytes_changed)
 
         if self.stage < 3:
-            params = list(reversed(list(group_of)))
-            buckets = [make(ps, self.stage) for ps in assign_buckets(params, key, bucket_numel)]
+            buckets = [make(ps, self.stage) for ps in assign_buckets(arrival, key, bucket_numel)]
         else:
             buckets, self._units = [], []
             for module, params in reversed(stage3_units(self.model, set(group_of), unit_numel)):
                 stage = 2 if sum(p.numel() for p in params) < resident_numel else 3
-                unit = [make(ps, stage) for ps in assign_buckets(params, key, float("inf"))]
+                unit = [make(ps, stage) for ps in assign_buckets(sorted(params, key=position.get), key, float("inf"))]
                 buckets += unit
                 if stage == 3:
                     self._units.append((module, unit))
+            buckets.sort(key=lambda b: max(position[p] for p in b.params))
         src = self._group_rank0()
         for bucket in buckets:
             flat = bucket.flat_values([p.detach() for p in bucket.params], torch.float32)
@@ -189,6 +196,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         first backward after it reduces everything. Stages 2-3 then hold full-size
         gradient buckets until that backward."""
         with self._reducer.no_sync():
+            yield
+
+    @contextlib.contextmanager
+    def sync_only(self, module: torch.nn.Module) -> Iterator[None]:
+        """Backward passes inside reach only `module`'s trainable parameters (on every rank
+        alike) and reduce only the buckets holding them, each as soon as it is complete.
+        Made for pipeline chunks (a rank's chunks never share a bucket) whose gradients are
+        reduced every micro-batch: stages 2-3 then keep one chunk's full buckets at a time,
+        for one reduction of the chunk per backward."""
+        params = set(module.parameters())
+        indices = [i for i, b in enumerate(self.buckets) if any(p in params for p in b.params)]
+        with self._reducer.only(indices):
             yield
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -218,7 +237,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         (a bucket holds only parameters tied over the same groups, so the shards align)."""
         if self._grads_finished:
             return
-        if self._reducer.pending_unsynced:
+        if self._reducer.unsynced:
             raise RuntimeError(
                 "gradients accumulated under no_sync() were never reduced: run the last backward before step() outside no_sync()"
             )
@@ -319,7 +338,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Zero the gradient buffers (this optimizer never leaves grads in `param.grad`)."""
         for b in self.buckets:
             b.zero_grad()
-        self._reducer.pending_unsynced = False
+        self._reducer.unsynced.clear()
         self._end_step()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import yaml
 
+from optim.zero import DEFAULT_BUCKET_NUMEL, DEFAULT_UNIT_NUMEL
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import SCHEDULES
 from parallel.pipeline.schedules import validate as validate_schedule
@@ -47,6 +48,9 @@ class ParallelConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     sequence_parallel: bool = False
+    grad_sync: Literal["last", "every"] = "last"
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    unit_numel: int = DEFAULT_UNIT_NUMEL
 
 
 @dataclass
@@ -148,6 +152,12 @@ HELP = {
     "schedule": "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1",
     "virtual_stages": "model chunks per pipeline rank (interleaved-1f1b)",
     "sequence_parallel": "shard norms/dropout along the sequence across the tp group",
+    "grad_sync": "reduce dp gradients after the rank's last backward of the step (last: one reduction; "
+                 "ZeRO-2/3 hold full gradients while accumulating) or after every micro-batch's backward "
+                 "(every: m reductions; ZeRO-2/3 hold only shards and a chunk's buckets in flight)",
+    "bucket_numel": "elements per gradient bucket (ZeRO stages 0-2; stage 3 buckets by unit)",
+    "unit_numel": "ZeRO-3 gathers a module's parameters as one unit once its subtree holds this many "
+                  "elements (below a block's size: one unit per transformer block)",
     "steps": "total optimizer steps of the run (also when resuming)", "seed": "seed of data order, init and dropout",
     "precision": "compute dtype (masters and optimizer state stay fp32)",
     "reduce_dtype": "dtype of the gradient reduction",
@@ -288,7 +298,7 @@ def _flags_in(argv: list[str] | None) -> set[str]:
 def resolve_batch(cfg: RunConfig, world_size: int, given_cli: set[str], given_file: set[str]) -> None:
     """Fill dp and the one batch size not given (see the module docstring)."""
     par, tr = cfg.parallel, cfg.train
-    for name in ("tp", "pp", "virtual_stages"):
+    for name in ("tp", "pp", "virtual_stages", "bucket_numel", "unit_numel"):
         if getattr(par, name) < 1:
             raise ConfigError(f"{_flag(name)}={getattr(par, name)} must be at least 1")
     if world_size % (par.tp * par.pp):

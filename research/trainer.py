@@ -97,11 +97,12 @@ class Trainer:
             model_parallel_group=dims.mp_group, param_groups=weight_decay_groups(self.model, tr.weight_decay),
             param_dtype=self.param_dtype, reduce_dtype=torch.bfloat16 if tr.reduce_dtype == "bf16" else torch.float32,
             loss_scaler=DynamicLossScaler() if tr.precision == "fp16" else None,
-            lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps,
+            bucket_numel=par.bucket_numel, unit_numel=par.unit_numel, lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_multiplier(cfg))
         self.executor = PipelineExecutor(chunks, par.schedule, tr.micro_batches, dims.pp_group,
-                                         no_sync=self.opt.no_sync, scale_loss=self.opt.scale_loss)
+                                         no_sync=self.opt.no_sync, scale_loss=self.opt.scale_loss,
+                                         sync_chunk=self.opt.sync_only if par.grad_sync == "every" else None)
         seq = cfg.data.seq_len // (dims.tp if par.sequence_parallel and dims.tp > 1 else 1)
         self.activation_shape = (seq, tr.micro_batch_size, cfg.model.d_model)
         self.start_step = 0

@@ -235,6 +235,30 @@ def test_zero2_with_accumulation_keeps_full_gradient_buffers() -> None:
     one = costmodel.predict_memory(model, Layout(dp=8, zero=2, micro_batches=1), 2048)
     four = costmodel.predict_memory(model, Layout(dp=8, zero=2, micro_batches=4), 2048)
     assert four.buffers - one.buffers == pytest.approx(4 * psi * 7 / 8)
+    every = costmodel.predict_memory(model, Layout(dp=8, zero=2, micro_batches=4, grad_sync="every"), 2048)
+    assert every.buffers == one.buffers
+
+
+def test_grad_sync_every_pays_a_reduction_per_micro_batch() -> None:
+    """Reducing every micro-batch exposes m·max(0, reduce - t_b) of dp time (last: only what
+    the last backward does not hide), and the planner offers it only where it changes
+    something: ZeRO 2-3 with m > 1."""
+    from experiments.plan import PRESETS
+
+    model = PRESETS["gpt-1.7b"].model()
+    cluster = Cluster(GPUS["a100-80gb"], 64)
+    slow_net = Cluster(dataclasses.replace(GPUS["a100-80gb"], inter_node_bandwidth=1e9), 64)
+    for c in (cluster, slow_net):
+        last = costmodel.predict_step_time(model, Layout(tp=8, dp=8, zero=2, micro_batches=4), 2048, c)
+        every = costmodel.predict_step_time(model, Layout(tp=8, dp=8, zero=2, micro_batches=4, grad_sync="every"),
+                                            2048, c)
+        assert every.dp_comm >= last.dp_comm
+        assert every.pipeline == last.pipeline
+    assert every.dp_comm > last.dp_comm > 0  # a slow network: reductions exceed the backward
+    layouts = [lo for lo, why, _ in costmodel.candidate_layouts(model, cluster, 64, 2048, tp=8, pp=1,
+                                                               micro_batch_size=1, recompute="none")]
+    assert {(lo.zero, lo.grad_sync) for lo in layouts} == {(0, "last"), (1, "last"), (2, "last"), (2, "every"),
+                                                          (3, "last"), (3, "every")}
 
 
 def test_groups_inside_a_node_use_nvlink() -> None:
@@ -255,10 +279,10 @@ def test_plan_ranks_and_explains(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert out.startswith("gpt-1t: 1.01T parameters, seq 2048, global batch 3072 on 3072 × a100-80gb")
     table = out.split("\n\n")[1].splitlines()
-    assert table[0].split() == ["#", "tp", "pp", "dp", "v", "zero", "mbs", "recompute", "sp", "mem", "GiB", "step",
+    assert table[0].split() == ["#", "tp", "pp", "dp", "v", "zero", "mbs", "recompute", "sp", "sync", "mem", "GiB", "step",
                                 "s", "TFLOP/s/GPU", "MFU"]
     assert len(table) == 6
-    steps = [float(line.split()[10]) for line in table[1:]]
+    steps = [float(line.split()[11]) for line in table[1:]]
     assert steps == sorted(steps)
     assert "does not fit in memory, e.g. " in out and "GiB > 80.00 GiB" in out
     assert "layers do not split evenly into pp × v stages, e.g. " in out
@@ -285,6 +309,6 @@ def test_layout_of_a_run_config() -> None:
     from research.config import parse_args
 
     cfg = parse_args(["--config", "experiments/configs/tiny.yaml", "--tp", "2", "--pp", "2", "--zero", "3",
-                      "--micro-batches", "4", "--precision", "bf16"], 8)
+                      "--micro-batches", "4", "--precision", "bf16", "--grad-sync", "every", "--unit-numel", "5000"], 8)
     layout = Layout.from_run_config(cfg)
-    assert dataclasses.astuple(layout) == (2, 2, 2, 3, 1, "1f1b", 2, 4, "none", False, "bf16", "fp32")
+    assert dataclasses.astuple(layout) == (2, 2, 2, 3, 1, "1f1b", 2, 4, "none", False, "bf16", "fp32", "every", 5000)

@@ -131,8 +131,8 @@ def fake_summary(dp: int, zero: int, schedule: str = "1f1b", m: int = 1, tok: fl
             "mem_peak_bytes": 4 << 28, "wall_time_s": 3.0,
             "config": _config(parallel={"dp": dp, "zero": zero, "schedule": schedule},
                               train={"micro_batches": m, "micro_batch_size": 1, "precision": "fp32"}),
-            "ranks": [{"memory_bytes": memory, "comm_per_step": comm, "coords": {"pp": 0, "dp": d, "tp": 0}}
-                      for d in range(dp)]}
+            "ranks": [{"memory_bytes": memory, "grads_peak_bytes": memory["grads"] + 4 * psi // 2,
+                       "comm_per_step": comm, "coords": {"pp": 0, "dp": d, "tp": 0}} for d in range(dp)]}
 
 
 def _config(**sections: dict) -> dict:

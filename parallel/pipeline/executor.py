@@ -16,8 +16,10 @@ Activations and gradients use different tags, so two message kinds on one rank p
 never mix. A peer equal to this rank (pp = 1 with v > 1) is a local hand-off.
 Once an output's send has completed its storage is freed (Megatron's "deallocate output
 tensor"): backward starts from the output's gradient edge and never reads its values.
-Every backward but the rank's last runs under `no_sync()` (an optimizer's context that
-defers gradient reduction), so reduction starts when the rank's last backward runs.
+Gradient reduction over data parallelism, two policies. By default every backward but the
+rank's last runs under `no_sync()` (an optimizer's context that defers gradient reduction),
+so reduction starts when the rank's last backward runs. With `sync_chunk` (an optimizer's
+`sync_only`) every backward of a (micro-batch, chunk) reduces that chunk's gradients.
 Zero-bubble schedules split backward into B (input gradient only, sent upstream at once)
 and W (weight gradients only), see `parallel.pipeline.split_backward`.
 Per compute action the executor records (rank, kind, micro-batch, chunk, start, end) in
@@ -48,6 +50,7 @@ class PipelineExecutor:
     def __init__(self, chunks: list[nn.Module], schedule_name: str, microbatches: int,
                  pp_group: dist.ProcessGroup | None = None,
                  no_sync: Callable[[], ContextManager] | None = None,
+                 sync_chunk: Callable[[nn.Module], ContextManager] | None = None,
                  scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.chunks, self.m = chunks, microbatches
         self.group = pp_group
@@ -56,6 +59,7 @@ class PipelineExecutor:
         self.actions = schedule(schedule_name, self.pp, self.rank, microbatches, len(chunks))
         self.split = splits_backward(schedule_name)
         self.no_sync = no_sync or contextlib.nullcontext
+        self.sync_chunk = sync_chunk
         self.scale_loss = scale_loss or (lambda loss: loss)
         weight_grads = [i for i, a in enumerate(self.actions) if a.kind == ("W" if self.split else "B")]
         self._last_weight_grad = weight_grads[-1] if weight_grads else -1
@@ -144,8 +148,12 @@ class PipelineExecutor:
         return dist.get_global_rank(self.group, peer) if self.group is not None else peer
 
     # ---- compute ------------------------------------------------------------------------
-    def _deferred(self, index: int, final: bool = True) -> ContextManager:
-        """no_sync() for every weight-gradient backward but the rank's very last one."""
+    def _deferred(self, index: int, chunk: int, final: bool = True) -> ContextManager:
+        """The context of a weight-gradient backward (`final`: the last of its (micro-batch,
+        chunk)): no_sync() for all but the rank's very last one, or with `sync_chunk`, the
+        chunk's reduction for each final one."""
+        if self.sync_chunk is not None:
+            return self.sync_chunk(self.chunks[chunk]) if final else self.no_sync()
         return contextlib.nullcontext() if index == self._last_weight_grad and final else self.no_sync()
 
     def _backward_input(self, key: tuple[int, int], out, grad: torch.Tensor | None) -> None:
@@ -195,9 +203,9 @@ class PipelineExecutor:
             if self.split:
                 self._backward_input(key, out, grad)
             else:
-                with self._deferred(index):
+                with self._deferred(index, a.chunk):
                     torch.autograd.backward(out, grad)
         else:
             start = time.perf_counter() - self._t0
-            self._weight_work.pop(key).run(lambda final: self._deferred(index, final))
+            self._weight_work.pop(key).run(lambda final: self._deferred(index, a.chunk, final))
         self.events.append((self.rank, a.kind, a.microbatch, a.chunk, start, time.perf_counter() - self._t0))

@@ -1,10 +1,12 @@
-"""A training layout (tp, pp, dp, v, ZeRO stage, micro-batching, recompute, SP, precision)."""
+"""A training layout (tp, pp, dp, v, ZeRO stage, micro-batching, recompute, SP, precision,
+when gradients are reduced)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from optim.zero import DEFAULT_UNIT_NUMEL
 from research.model import GPTConfig
 
 if TYPE_CHECKING:
@@ -18,7 +20,8 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 @dataclass(frozen=True)
 class Layout:
     """How a run is laid out: parallel degrees, ZeRO stage, pipeline schedule, batching,
-    recomputation, sequence parallelism and dtypes (global batch = b · m · dp)."""
+    recomputation, sequence parallelism, dtypes (global batch = b · m · dp) and whether dp
+    gradients are reduced after the last backward of a step or after every micro-batch."""
 
     tp: int = 1
     pp: int = 1
@@ -32,6 +35,8 @@ class Layout:
     sequence_parallel: bool = False
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    grad_sync: Literal["last", "every"] = "last"
+    unit_numel: int = DEFAULT_UNIT_NUMEL
 
     @property
     def gpus(self) -> int:
@@ -52,7 +57,8 @@ class Layout:
 
     def describe(self) -> str:
         return (f"tp={self.tp} pp={self.pp} dp={self.dp} v={self.virtual_stages} zero={self.zero} "
-                f"mbs={self.micro_batch_size} recompute={self.recompute} sp={int(self.sp)}")
+                f"mbs={self.micro_batch_size} recompute={self.recompute} sp={int(self.sp)}"
+                + (" grad_sync=every" if self.grad_sync == "every" else ""))
 
 
 def run_spec(config: Mapping[str, Mapping[str, Any]]) -> tuple[GPTConfig, Layout, int]:
@@ -63,5 +69,6 @@ def run_spec(config: Mapping[str, Mapping[str, Any]]) -> tuple[GPTConfig, Layout
                     schedule=par["schedule"], micro_batch_size=tr["micro_batch_size"],
                     micro_batches=tr["micro_batches"], recompute=config["model"]["recompute"],
                     sequence_parallel=par["sequence_parallel"], precision=tr["precision"],
-                    reduce_dtype=tr["reduce_dtype"])
+                    reduce_dtype=tr["reduce_dtype"], grad_sync=par.get("grad_sync", "last"),
+                    unit_numel=par.get("unit_numel", DEFAULT_UNIT_NUMEL))
     return GPTConfig(**config["model"]), layout, config["data"]["seq_len"]

@@ -12,7 +12,7 @@ Model states, counted as `ZeroOptimizer.memory_breakdown` counts them (Rajbhanda
       3   | P(Ψ_res + Ψ_sh/d)  | GΨ/d   | 4Ψ/d                | 8Ψ/d
 
 In fp32 the master is the parameter itself. At stage 3 a unit (`optim.stage3.stage3_units`)
-smaller than `RESIDENT_NUMEL` (the Trainer's default) stays whole on every rank (Ψ_res). Ψ of a pipeline rank is
+smaller than `layout.unit_numel` / 16 (ZeroOptimizer's resident_numel) stays whole on every rank (Ψ_res). Ψ of a pipeline rank is
 counted from the model's structure: its chunks' blocks with TP slices of the QKV / MLP /
 vocabulary matrices and TP-replicated norms and row-parallel biases, the embedding (and
 learned positions) on the first stage, the final norm and head on the last, and with tied
@@ -34,8 +34,10 @@ read off the repo's own schedule (`parallel.pipeline`): p - r for 1F1B on rank r
 for interleaved 1F1B on rank 0, m for GPipe; each chunk holds L/(p·v) layers. The last
 stage adds the output layer, 4sbh/t·(1 + V/h) (fp32 logits), per micro-batch at the head.
 
-Buffers: at stages 2-3 with m > 1 the full gradient buckets live through the step (every
-backward but the last runs under `no_sync`), GΨ(1 - 1/d); stage 3 holds two gathered units
+Buffers: at stages 2-3 with m > 1 and `grad_sync` last the full gradient buckets live through
+the step (every backward but the last runs under `no_sync`), GΨ(1 - 1/d); with `grad_sync`
+every each backward reduces its chunk as it goes, like m = 1 (the few buckets in flight
+are not counted, as at m = 1); stage 3 holds two gathered units
 (current and prefetched); plus `RESERVED_BYTES` (CUDA context, NCCL / cuBLAS workspaces,
 allocator slack).
 """
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from optim.buffers import ALIGN
+from optim.zero import DEFAULT_UNIT_NUMEL
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import SCHEDULES, splits_backward, stage_of
 from parallel.pipeline.schedules import validate as validate_schedule
@@ -58,9 +61,6 @@ from research.model import GPTConfig
 if TYPE_CHECKING:
     pass
 
-# Stage-3 unit sizes of the Trainer (ZeroOptimizer defaults): unit_numel = 2**22, resident = unit/16.
-UNIT_NUMEL = 2**22
-RESIDENT_NUMEL = UNIT_NUMEL // 16
 RESERVED_BYTES = 2 * GiB
 
 
@@ -130,7 +130,7 @@ def _units(root: _Module, unit_numel: int) -> list[tuple[int, int]]:
 
 
 def unit_sizes(model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int,
-               unit_numel: int = UNIT_NUMEL) -> list[tuple[int, int]]:
+               unit_numel: int = DEFAULT_UNIT_NUMEL) -> list[tuple[int, int]]:
     """(numel, aligned numel) of the stage-3 units of pipeline rank `pp_rank`, which
     together hold all its parameters. Chunk c is virtual stage c·pp + pp_rank, with the
     layers `layer_ranges` gives it."""
@@ -149,22 +149,24 @@ class RankParams:
 
     numel: int
     aligned: int  # each parameter aligned to ALIGN elements: what the buckets hold
-    resident: int  # aligned numel in stage-3 units below RESIDENT_NUMEL (kept whole)
+    resident: int  # aligned numel in stage-3 units below unit_numel / 16 (kept whole)
     largest_units: int  # aligned numel of the two largest sharded stage-3 units (gathered at once)
 
 
 _RANK_PARAMS: dict[tuple, RankParams] = {}
 
 
-def rank_params(model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int) -> RankParams:
+def rank_params(model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int,
+                unit_numel: int = DEFAULT_UNIT_NUMEL) -> RankParams:
     """`RankParams` of pipeline rank `pp_rank` (memoized)."""
-    key = (*vars(model).values(), tp, pp, virtual_stages, pp_rank)
+    key = (*vars(model).values(), tp, pp, virtual_stages, pp_rank, unit_numel)
     if key not in _RANK_PARAMS:
-        units = unit_sizes(model, tp, pp, virtual_stages, pp_rank)
-        sharded = sorted((a for raw, a in units if raw >= RESIDENT_NUMEL), reverse=True)
+        units = unit_sizes(model, tp, pp, virtual_stages, pp_rank, unit_numel)
+        resident = unit_numel // 16
+        sharded = sorted((a for raw, a in units if raw >= resident), reverse=True)
         _RANK_PARAMS[key] = RankParams(
             numel=sum(raw for raw, _ in units), aligned=sum(a for _, a in units),
-            resident=sum(a for raw, a in units if raw < RESIDENT_NUMEL), largest_units=sum(sharded[:2]))
+            resident=sum(a for raw, a in units if raw < resident), largest_units=sum(sharded[:2]))
     return _RANK_PARAMS[key]
 
 
@@ -183,9 +185,9 @@ class ModelStates:
 
 def predict_model_states(model: GPTConfig, layout: Layout, pp_rank: int = 0) -> ModelStates:
     """Model-state bytes of one rank of pipeline rank `pp_rank` (the table in the module
-    docstring), for the Trainer's ZeroOptimizer (default unit sizes)."""
+    docstring), for the Trainer's ZeroOptimizer."""
     P, G, d, stage = DTYPE_BYTES[layout.precision], DTYPE_BYTES[layout.reduce_dtype], layout.dp, layout.zero
-    rank = rank_params(model, layout.tp, layout.pp, layout.virtual_stages, pp_rank)
+    rank = rank_params(model, layout.tp, layout.pp, layout.virtual_stages, pp_rank, layout.unit_numel)
     psi = rank.aligned
     params = P * (psi if stage < 3 else rank.resident + (psi - rank.resident) / d)
     grads = G * psi / (d if stage >= 2 else 1)
@@ -243,8 +245,8 @@ def _rank_memory(model: GPTConfig, layout: Layout, seq_len: int, pp_rank: int) -
         at_head = m if layout.schedule == "gpipe" else 1
         acts += at_head * 4 * s * b * h / t * (1 + model.padded_vocab / h)
     buffers = float(RESERVED_BYTES)
-    rank = rank_params(model, t, p, v, pp_rank)
-    if layout.zero >= 2 and m > 1:
+    rank = rank_params(model, t, p, v, pp_rank, layout.unit_numel)
+    if layout.zero >= 2 and m > 1 and layout.grad_sync == "last":
         buffers += DTYPE_BYTES[layout.reduce_dtype] * rank.aligned * (1 - 1 / layout.dp)
     if layout.zero == 3:
         buffers += DTYPE_BYTES[layout.precision] * rank.largest_units

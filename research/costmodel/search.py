@@ -64,15 +64,15 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(model: GPTConfig, cluster: Cluster, global_batch_size: int, seq_len: int,
                       max_virtual_stages: int = 8, max_micro_batch_size: int = 32,
                       **fixed: object) -> Iterator[tuple[Layout, tuple[str, str] | None, int]]:
-    """Every (tp, pp, dp, v, zero, b, recompute, SP) on `cluster`, tp inside a node,
-    b a divisor of `max_micro_batch_size`, interleaved 1F1B when v > 1: (layout, None, 1)
-    when it can run, else (layout, (reason, detail), n), where a split (tp, pp, v, b) that
-    cannot run stands for all n of its ZeRO / recompute / SP variants. `fixed` pins Layout
-    fields, e.g. tp=8, zero=0."""
-    unknown = set(fixed) - {"tp", "pp", "virtual_stages", "micro_batch_size", "zero", "recompute", "sequence_parallel"}
+    """Every (tp, pp, dp, v, zero, b, recompute, SP, grad_sync) on `cluster`, tp inside a
+    node, b a divisor of `max_micro_batch_size`, interleaved 1F1B when v > 1, grad_sync
+    every only where it differs (ZeRO 2-3 with m > 1): (layout, None, 1) when it can run,
+    else (layout, (reason, detail), n), where a split (tp, pp, v, b) that cannot run stands
+    for all n of its ZeRO / recompute / SP variants. `fixed` pins Layout fields, e.g. tp=8, zero=0."""
+    pinnable = {"tp", "pp", "virtual_stages", "micro_batch_size", "zero", "recompute", "sequence_parallel", "grad_sync"}
+    unknown = set(fixed) - pinnable
     if unknown:
-        raise TypeError(f"cannot pin {', '.join(sorted(unknown))}: the planner chooses tp, pp, virtual_stages, "
-                        "micro_batch_size, zero, recompute and sequence_parallel")
+        raise TypeError(f"cannot pin {', '.join(sorted(unknown))}: the planner chooses {', '.join(sorted(pinnable))}")
 
     def choices(name: str, values: list) -> list:
         return [x for x in values if x == fixed[name]] if name in fixed else values
@@ -93,12 +93,14 @@ def candidate_layouts(model: GPTConfig, cluster: Cluster, global_batch_size: int
                         yield Layout(tp, pp, dp, variants[0][0], v, name, mbs, m, *variants[0][1:]), why, len(variants)
                         continue
                     for zero, recompute, sp in variants:
-                        layout = Layout(tp, pp, dp, zero, v, name, mbs, m, recompute, sp)
-                        if layout.sp and seq_len % tp:
-                            yield layout, ("sequence parallelism needs seq_len divisible by tp",
-                                           f"seq_len={seq_len}, tp={tp}"), 1
-                        else:
-                            yield layout, None, 1
+                        syncs = ["last", "every"] if zero >= 2 and m > 1 else ["last"]
+                        for grad_sync in choices("grad_sync", syncs):
+                            layout = Layout(tp, pp, dp, zero, v, name, mbs, m, recompute, sp, grad_sync=grad_sync)
+                            if layout.sp and seq_len % tp:
+                                yield layout, ("sequence parallelism needs seq_len divisible by tp",
+                                               f"seq_len={seq_len}, tp={tp}"), 1
+                            else:
+                                yield layout, None, 1
 
 
 def _why_invalid(model: GPTConfig, tp: int, pp: int, dp: int, v: int, mbs: int, m: int, schedule_name: str,

@@ -21,7 +21,8 @@ Step = m(t_f + t_b) + bubble + exposed DP communication + optimizer step. The bu
 (W fills the cool-down): the makespan of `parallel.pipeline.simulate` under these costs.
 DP: gradients are reduced (all-reduce at stage 0, reduce-scatter at 1-3: GΨ(d-1)/d bytes
 per rank and direction, an all-reduce twice that) during the rank's last backward, so only
-what exceeds t_b/v is exposed; stages 1-2 then all-gather the parameters (PΨ(d-1)/d,
+what exceeds t_b/v is exposed; with `grad_sync` every each of the m·v backwards reduces its
+chunk's 1/v under its own t_b/v, m·max(0, reduce - t_b) exposed; stages 1-2 then all-gather the parameters (PΨ(d-1)/d,
 exposed); stage 3 all-gathers them before every forward and backward, exposed where one
 exceeds the compute it is prefetched under. A tied embedding on two stages is all-reduced
 once (exposed). The optimizer step streams its shard's master, Adam state, gradient and
@@ -124,7 +125,7 @@ def predict_step_time(model: GPTConfig, layout: Layout, seq_len: int, cluster: C
     dp_bw = cluster.ring_bandwidth(d, t)
     share = (d - 1) / d
     reduce = G * psi * share / dp_bw * (2 if layout.zero == 0 else 1)
-    dp = max(0.0, reduce - t_b / v)
+    dp = m * max(0.0, reduce - t_b) if layout.grad_sync == "every" else max(0.0, reduce - t_b / v)
     if layout.zero in (1, 2):
         dp += P * psi * share / dp_bw
     if layout.zero == 3:
