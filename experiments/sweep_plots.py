@@ -97,12 +97,12 @@ def memory_breakdown(rows: list[dict[str, Any]], path: Path, swept: set[str]) ->
             values = [r[f"mem_{key}_bytes"] / MiB for r in bars]
             ax.bar(range(len(bars)), values, bottom=bottom, color=color, label=label, width=0.7)
             bottom = [b + v for b, v in zip(bottom, values)]
-        for i, total in enumerate(bottom):
-            ax.annotate(f"{total:.2f}", (i, total), xytext=(0, 2), textcoords="offset points", ha="center",
-                        fontsize=7)
         transient = [max(0, (r["mem_grads_peak_bytes"] or 0) - r["mem_grads_bytes"]) / MiB for r in bars]
         ax.bar(range(len(bars)), transient, bottom=bottom, color="none", edgecolor=PARTS[1][2], hatch="///",
                width=0.7, label="full grad buckets during backward (peak)")
+        for i, (total, extra) in enumerate(zip(bottom, transient)):
+            ax.annotate(f"{total:.2f}", (i, total + extra), xytext=(0, 2), textcoords="offset points", ha="center",
+                        fontsize=7)
         ticks = [_label(r, others, "\n") if others else r["name"] for r in bars]
         if any(len(line) > 14 for t in ticks for line in t.split("\n")):
             ax.set_xticks(range(len(bars)), ticks, fontsize=7, rotation=30, ha="right")
