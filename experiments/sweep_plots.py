@@ -97,7 +97,7 @@ def memory_breakdown(rows: list[dict[str, Any]], path: Path, swept: set[str]) ->
             values = [r[f"mem_{key}_bytes"] / MiB for r in bars]
             ax.bar(range(len(bars)), values, bottom=bottom, color=color, label=label, width=0.7)
             bottom = [b + v for b, v in zip(bottom, values)]
-        transient = [max(0, (r["mem_grads_peak_bytes"] or 0) - r["mem_grads_bytes"]) / MiB for r in bars]
+        transient = [max(0, r["mem_grads_peak_bytes"] - r["mem_grads_bytes"]) / MiB for r in bars]
         ax.bar(range(len(bars)), transient, bottom=bottom, color="none", edgecolor=PARTS[1][2], hatch="///",
                width=0.7, label="full grad buckets during backward (peak)")
         for i, (total, extra) in enumerate(zip(bottom, transient)):

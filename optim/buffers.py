@@ -231,7 +231,7 @@ def assign_buckets(
     gradients arrive in `params` order, that is the order in which buckets complete (so a
     part spread over the whole model, such as the norms of a no-decay group, goes last
     instead of holding back every bucket launched in order after it)."""
-    position = {p: i for i, p in enumerate(params)}
+    last_arrival = arrival_key({p: i for i, p in enumerate(params)})
     parts: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:
         parts.setdefault(key(p), []).append(p)
@@ -245,4 +245,9 @@ def assign_buckets(
             current.append(p)
             size += p.numel()
         buckets.append(current)
-    return sorted(buckets, key=lambda ps: max(position[p] for p in ps))
+    return sorted(buckets, key=last_arrival)
+
+
+def arrival_key(position: dict[torch.nn.Parameter, int]) -> Callable[[list[torch.nn.Parameter]], int]:
+    """Sort key of a bucket's parameters: the arrival position of its last gradient."""
+    return lambda params: max(position[p] for p in params)

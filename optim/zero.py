@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from optim import clip, fused, sharded_state
-from optim.buffers import FlatBucket, assign_buckets
+from optim.buffers import FlatBucket, arrival_key, assign_buckets
 from optim.grads import GradReducer
 from optim.scaler import DynamicLossScaler
 from optim.stage3 import ParamGatherer, roots, stage3_units
@@ -32,6 +32,11 @@ NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "Muon", "LAMB", "Lamb", "FusedLAMB", "S
 PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_BUCKET_NUMEL = 2**24
 DEFAULT_UNIT_NUMEL = 2**22
+
+
+def default_resident_numel(unit_numel: int) -> int:
+    """Stage-3 units smaller than this stay gathered when `resident_numel` is not given."""
+    return unit_numel // 16
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -97,7 +102,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._orig_dtypes = {id(t): t.dtype for t in [*model.parameters(), *model.buffers()]}
         self._cast_untrained(model)
 
-        resident = unit_numel // 16 if resident_numel is None else resident_numel
+        resident = default_resident_numel(unit_numel) if resident_numel is None else resident_numel
         self.buckets = self._build_buckets(group_of, reduce_dtype, bucket_numel, unit_numel, resident)
         self.inner = optimizer_class(
             [{**g, "params": [b.master for b in self.buckets if b.group_index == i]} for i, g in enumerate(groups)],
@@ -112,6 +117,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.backend = fused.pick_backend(device, step_backend)
         self.scaler = loss_scaler or (DynamicLossScaler() if self.param_dtype == torch.float16 else None)
         self._gatherer = None
+        self._scopes: dict[torch.nn.Module, list[int]] = {}  # sync_only: module -> its bucket indices
         if stage == 3:
             self._gatherer = ParamGatherer(model, self._units, process_group)
         self._reducer = GradReducer(
@@ -172,7 +178,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 buckets += unit
                 if stage == 3:
                     self._units.append((module, unit))
-            buckets.sort(key=lambda b: max(position[p] for p in b.params))
+            last_arrival = arrival_key(position)
+            buckets.sort(key=lambda b: last_arrival(b.params))
         src = self._group_rank0()
         for bucket in buckets:
             flat = bucket.flat_values([p.detach() for p in bucket.params], torch.float32)
@@ -205,9 +212,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Made for pipeline chunks (a rank's chunks never share a bucket) whose gradients are
         reduced every micro-batch: stages 2-3 then keep one chunk's full buckets at a time,
         for one reduction of the chunk per backward."""
-        params = set(module.parameters())
-        indices = [i for i, b in enumerate(self.buckets) if any(p in params for p in b.params)]
-        with self._reducer.only(indices):
+        if module not in self._scopes:
+            params = set(module.parameters())
+            self._scopes[module] = [i for i, b in enumerate(self.buckets) if any(p in params for p in b.params)]
+        with self._reducer.only(self._scopes[module]):
             yield
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

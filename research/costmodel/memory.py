@@ -12,7 +12,7 @@ Model states, counted as `ZeroOptimizer.memory_breakdown` counts them (Rajbhanda
       3   | P(Ψ_res + Ψ_sh/d)  | GΨ/d   | 4Ψ/d                | 8Ψ/d
 
 In fp32 the master is the parameter itself. At stage 3 a unit (`optim.stage3.stage3_units`)
-smaller than `layout.unit_numel` / 16 (ZeroOptimizer's resident_numel) stays whole on every rank (Ψ_res). Ψ of a pipeline rank is
+smaller than `optim.zero.default_resident_numel(layout.unit_numel)` stays whole on every rank (Ψ_res). Ψ of a pipeline rank is
 counted from the model's structure: its chunks' blocks with TP slices of the QKV / MLP /
 vocabulary matrices and TP-replicated norms and row-parallel biases, the embedding (and
 learned positions) on the first stage, the final norm and head on the last, and with tied
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from optim.buffers import ALIGN
-from optim.zero import DEFAULT_UNIT_NUMEL
+from optim.zero import DEFAULT_UNIT_NUMEL, default_resident_numel
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import SCHEDULES, splits_backward, stage_of
 from parallel.pipeline.schedules import validate as validate_schedule
@@ -149,7 +149,7 @@ class RankParams:
 
     numel: int
     aligned: int  # each parameter aligned to ALIGN elements: what the buckets hold
-    resident: int  # aligned numel in stage-3 units below unit_numel / 16 (kept whole)
+    resident: int  # aligned numel in stage-3 units below the resident size (kept whole)
     largest_units: int  # aligned numel of the two largest sharded stage-3 units (gathered at once)
 
 
@@ -162,7 +162,7 @@ def rank_params(model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank
     key = (*vars(model).values(), tp, pp, virtual_stages, pp_rank, unit_numel)
     if key not in _RANK_PARAMS:
         units = unit_sizes(model, tp, pp, virtual_stages, pp_rank, unit_numel)
-        resident = unit_numel // 16
+        resident = default_resident_numel(unit_numel)
         sharded = sorted((a for raw, a in units if raw >= resident), reverse=True)
         _RANK_PARAMS[key] = RankParams(
             numel=sum(raw for raw, _ in units), aligned=sum(a for _, a in units),

@@ -68,7 +68,7 @@ def candidate_layouts(model: GPTConfig, cluster: Cluster, global_batch_size: int
     node, b a divisor of `max_micro_batch_size`, interleaved 1F1B when v > 1, grad_sync
     every only where it differs (ZeRO 2-3 with m > 1): (layout, None, 1) when it can run,
     else (layout, (reason, detail), n), where a split (tp, pp, v, b) that cannot run stands
-    for all n of its ZeRO / recompute / SP variants. `fixed` pins Layout fields, e.g. tp=8, zero=0."""
+    for all n of its ZeRO / recompute / SP / grad_sync variants. `fixed` pins Layout fields, e.g. tp=8, zero=0."""
     pinnable = {"tp", "pp", "virtual_stages", "micro_batch_size", "zero", "recompute", "sequence_parallel", "grad_sync"}
     unknown = set(fixed) - pinnable
     if unknown:
@@ -90,17 +90,22 @@ def candidate_layouts(model: GPTConfig, cluster: Cluster, global_batch_size: int
                     name = "interleaved-1f1b" if v > 1 else "1f1b"
                     why = _why_invalid(model, tp, pp, dp, v, mbs, m, name, global_batch_size)
                     if why is not None and variants:
-                        yield Layout(tp, pp, dp, variants[0][0], v, name, mbs, m, *variants[0][1:]), why, len(variants)
+                        count = sum(len(choices("grad_sync", _grad_syncs(zero, m))) for zero, _, _ in variants)
+                        yield Layout(tp, pp, dp, variants[0][0], v, name, mbs, m, *variants[0][1:]), why, count
                         continue
                     for zero, recompute, sp in variants:
-                        syncs = ["last", "every"] if zero >= 2 and m > 1 else ["last"]
-                        for grad_sync in choices("grad_sync", syncs):
+                        for grad_sync in choices("grad_sync", _grad_syncs(zero, m)):
                             layout = Layout(tp, pp, dp, zero, v, name, mbs, m, recompute, sp, grad_sync=grad_sync)
                             if layout.sp and seq_len % tp:
                                 yield layout, ("sequence parallelism needs seq_len divisible by tp",
                                                f"seq_len={seq_len}, tp={tp}"), 1
                             else:
                                 yield layout, None, 1
+
+
+def _grad_syncs(zero: int, m: int) -> list[str]:
+    """The gradient-sync policies worth trying: they differ only at ZeRO 2-3 with m > 1."""
+    return ["last", "every"] if zero >= 2 and m > 1 else ["last"]
 
 
 def _why_invalid(model: GPTConfig, tp: int, pp: int, dp: int, v: int, mbs: int, m: int, schedule_name: str,
