@@ -18,8 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from research.checkpoint import CheckpointError
-from research.config import ConfigError, parse_args
+from research.config import parse_args
+from research.errors import RunError
 from research.trainer import Trainer
 
 
@@ -46,8 +46,9 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
 def main() -> None:
     try:
         run()
-    except (ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except RunError as e:
+        if e.reported_here():
+            print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     finally:
         if dist.is_initialized():

@@ -36,14 +36,11 @@ from parallel import comm
 from parallel.dims import ParallelDims
 from parallel.random import get_rng_tracker
 from parallel.tensor import tp_partition_dim
+from research.errors import CheckpointError
 from research.model import GPTConfig
 
 META = "meta.json"
 LATEST = "latest"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message says which and why."""
 
 
 def canonical_name(name: str) -> str:

@@ -28,13 +28,10 @@ from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import SCHEDULES
 from parallel.pipeline.schedules import validate as validate_schedule
 from research.data import load_tokenizer, resolve_source
+from research.errors import ConfigError
 from research.model import GPTConfig
 
 BATCH_KEYS = ("global_batch_size", "micro_batch_size", "micro_batches")
-
-
-class ConfigError(ValueError):
-    """An invalid configuration; the message is one sentence naming the flag."""
 
 
 @dataclass
@@ -51,6 +48,7 @@ class ParallelConfig:
     grad_sync: Literal["last", "every"] = "last"
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     unit_numel: int = DEFAULT_UNIT_NUMEL
+    comm_timeout: float | None = None
 
 
 @dataclass
@@ -76,6 +74,7 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     clip_grad: float = 1.0
+    max_nonfinite_steps: int = 3
 
 
 @dataclass
@@ -158,6 +157,8 @@ HELP = {
     "bucket_numel": "elements per gradient bucket (ZeRO stages 0-2; stage 3 buckets by unit)",
     "unit_numel": "ZeRO-3 gathers a module's parameters as one unit once its subtree holds this many "
                   "elements (below a block's size: one unit per transformer block)",
+    "comm_timeout": "seconds a collective may wait for the other ranks before the run stops with a report of "
+                    "which rank did not arrive (None: 180 on CPU/gloo, 900 on CUDA/NCCL)",
     "steps": "total optimizer steps of the run (also when resuming)", "seed": "seed of data order, init and dropout",
     "precision": "compute dtype (masters and optimizer state stay fp32)",
     "reduce_dtype": "dtype of the gradient reduction",
@@ -168,6 +169,8 @@ HELP = {
     "lr_schedule": "after warm-up", "weight_decay": "AdamW weight decay of matrices",
     "beta1": "AdamW beta1", "beta2": "AdamW beta2", "eps": "AdamW epsilon",
     "clip_grad": "clip the global gradient norm to this (0: off)",
+    "max_nonfinite_steps": "stop the run after this many consecutive steps with a NaN/Inf loss "
+                           "(fp16 overflow skips do not count)",
     "data": "text files, folder, glob, save_to_disk folder or hub name (None: the embedded corpus)",
     "text_field": "column holding the text in jsonl/parquet/datasets", "tokenizer": "'byte' or a tokenizer.json",
     "seq_len": "tokens per training sequence", "num_proc": "processes for tokenization",

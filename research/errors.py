@@ -1,0 +1,75 @@
+"""Errors a user can fix, and how every rank of a run agrees on one.
+
+A `RunError`'s message is one sentence: what was wrong, where, and what to do. The
+training command prints it once (from the rank that found it, or from rank 0 when every
+rank found it alike) and exits 2 on every rank, with no traceback.
+
+`raise_together(check)` is the rule for a check that may fail on some ranks only (rank 0
+reading a data file, one rank's checkpoint shard): every rank runs its part, then one
+all-gather tells every rank whether any failed, and every rank raises the first failure
+(lowest rank). A check that fails on one rank can then never leave the others waiting
+in a collective.
+"""
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+class RunError(ValueError):
+    """A problem the user can fix. `origin`: the global rank that found it (None: every rank
+    found it alike); the command prints it on that rank only."""
+
+    def __init__(self, message: str, origin: int | None = None) -> None:
+        super().__init__(message)
+        self.origin = origin
+
+    def reported_here(self) -> bool:
+        """Whether this process prints the message (the finder, or rank 0 for a shared one)."""
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return rank == (self.origin if self.origin is not None else 0)
+
+
+class ConfigError(RunError):
+    """An invalid configuration; the message names the flag or YAML key."""
+
+
+class CheckpointError(RunError):
+    """A checkpoint that cannot be saved or loaded; the message says which file and why."""
+
+
+class DataError(RunError):
+    """Training data that cannot be used; the message names the file and what to do."""
+
+
+class NonFiniteLossError(RunError):
+    """The loss stayed NaN/Inf for too many consecutive steps."""
+
+
+def raise_together(check: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
+    """`check()` on this rank; if it raised a RunError on any rank of `group`, raise the
+    lowest such rank's error (same class and message, `origin` = that rank) on every rank.
+    A collective when torch.distributed is initialized; plain `check()` otherwise."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return check()
+    failure: tuple[str, str] | None = None
+    result: T | None = None
+    try:
+        result = check()
+    except RunError as e:
+        failure = (type(e).__name__, str(e))
+    failures = [None] * dist.get_world_size(group)
+    dist.all_gather_object(failures, failure, group=group)
+    for group_rank, found in enumerate(failures):
+        if found is not None:
+            kind, message = found
+            origin = dist.get_global_rank(group, group_rank) if group is not None else group_rank
+            raise _ERRORS[kind](message, origin=origin)
+    return result  # type: ignore[return-value]
+
+
+_ERRORS: dict[str, type[RunError]] = {cls.__name__: cls for cls in
+                                      (RunError, ConfigError, CheckpointError, DataError, NonFiniteLossError)}
