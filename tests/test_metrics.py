@@ -7,6 +7,7 @@ import json
 import math
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,15 @@ def test_peak_flops_cpu_unknown_and_env_override(monkeypatch: pytest.MonkeyPatch
         peak_flops(CPU, torch.float32)
 
 
+@pytest.fixture
+def matmul_precision() -> Iterator[None]:
+    """Restore torch's matmul precision after the test. Not monkeypatch: the setting is a
+    property of a module object, and pytest >= 9.2 undoes a setattr there with delattr."""
+    before = torch.backends.cuda.matmul.fp32_precision
+    yield
+    torch.backends.cuda.matmul.fp32_precision = before
+
+
 @pytest.mark.parametrize("name, dtype, tf32, tflops", [
     ("NVIDIA H100 80GB HBM3", torch.bfloat16, False, 989.4),
     ("NVIDIA H100 PCIe", torch.float16, False, 756.0),
@@ -75,11 +85,11 @@ def test_peak_flops_cpu_unknown_and_env_override(monkeypatch: pytest.MonkeyPatch
     ("NVIDIA H100 80GB HBM3", torch.float64, False, None),
     ("Some Future GPU", torch.bfloat16, False, None),
 ])
-def test_peak_flops_table(monkeypatch: pytest.MonkeyPatch, name: str, dtype: torch.dtype, tf32: bool,
-                          tflops: float | None) -> None:
+def test_peak_flops_table(monkeypatch: pytest.MonkeyPatch, matmul_precision: None, name: str, dtype: torch.dtype,
+                          tf32: bool, tflops: float | None) -> None:
     monkeypatch.delenv("ZERO3D_PEAK_TFLOPS", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32" if tf32 else "ieee")
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if tf32 else "ieee"
     peak = peak_flops(CUDA, dtype)
     assert peak == (None if tflops is None else pytest.approx(tflops * 1e12))
 
