@@ -14,9 +14,13 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from parallel import desync
 
 from research.config import parse_args
 from research.errors import RunError
@@ -38,9 +42,18 @@ def _world_size() -> int:
 
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:
-    """Parse, validate (before any process group exists), train; the run's summary."""
+    """Parse, validate (before any process group exists), train; the run's summary. A
+    collective that waits longer than --comm-timeout ends the process with a desync report."""
     cfg = parse_args(argv, _world_size())
-    return Trainer(cfg).train()
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    timeout_s = cfg.parallel.comm_timeout or desync.default_timeout_s(device_type)
+    cfg.parallel.comm_timeout = timeout_s
+    if dist.is_initialized():
+        desync.set_timeout(timeout_s, [None])
+    else:
+        dist.init_process_group(timeout=timedelta(seconds=timeout_s))
+    with desync.report_timeouts(timeout_s):
+        return Trainer(cfg).train()
 
 
 def main() -> None:

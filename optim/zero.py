@@ -116,6 +116,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         device = self.buckets[0].master.device
         self.backend = fused.pick_backend(device, step_backend)
         self.scaler = loss_scaler or (DynamicLossScaler() if self.param_dtype == torch.float16 else None)
+        self.last_step_skipped = False  # the last step() found an fp16 overflow and changed nothing
         self._gatherer = None
         self._scopes: dict[torch.nn.Module, list[int]] = {}  # sync_only: module -> its bucket indices
         if stage == 3:
@@ -259,13 +260,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One optimizer step on this rank's shards, then the updated parameters are
         published (all-gathered at stages 1-2). With fp16, a non-finite gradient on any
-        rank skips the step on every rank and lowers the loss scale. With no backward since
+        rank skips the step on every rank, lowers the loss scale and sets
+        `last_step_skipped` (an LR scheduler should then not advance). With no backward since
         `zero_grad()` there are no gradients and, as in torch, nothing changes."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._finish_grads()
+        self.last_step_skipped = False
         if not any(b.reduced for b in self.buckets):
             self._end_step()
             return loss
@@ -273,6 +276,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             found_inf = not bool(torch.isfinite(self._grad_norm()))
             self.scaler.update(found_inf)
             if found_inf:
+                self.last_step_skipped = True
                 self._end_step()
                 return loss
         multiplier = self._unscale * self._clip_coef

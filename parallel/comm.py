@@ -22,13 +22,20 @@ all-gather is the full tensor, so that ZeRO's reduce-scatter + all-gather of Ψ
 bytes has the payload and wire bytes of one all-reduce of Ψ.
 
 The wrappers take torch's arguments and return exactly what torch returns.
-When no ``tracking()`` is active, the cost over torch is one ``is not None`` test.
+When no ``tracking()`` is active, the cost over torch is one ``is not None`` test
+plus the flight recorder: every call is also noted, before it is issued, in a short
+always-on ring of this rank's last collectives (``recent()``), each with its sequence
+number on its channel (a group's ranks, or a p2p sender->receiver pair), so that a
+timed-out collective can be matched against what every other rank issued
+(``parallel.desync``).
 """
 
 from __future__ import annotations
 
 import pickle
+import time
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -51,6 +58,7 @@ __all__ = [
     "irecv",
     "isend",
     "mark_replicated",
+    "recent",
     "recv",
     "reduce_scatter_tensor",
     "replicated_groups",
@@ -183,6 +191,50 @@ def _ring(group: Group, s: int) -> int:
 
 
 # ---------------------------------------------------------------------------
+# Flight recorder
+# ---------------------------------------------------------------------------
+
+FLIGHT_LENGTH = 8  # collectives kept per rank
+_flight: deque[dict[str, Any]] = deque(maxlen=FLIGHT_LENGTH)
+_issued: dict[str, int] = {}  # channel -> collectives issued on it so far
+_channels: weakref.WeakKeyDictionary[dist.ProcessGroup, str] = weakref.WeakKeyDictionary()
+
+
+def _channel(group: Group) -> str:
+    """The group's global ranks, "0,2,4": the same string on every member."""
+    pg = dist.group.WORLD if group is None else group
+    if pg not in _channels:
+        _channels[pg] = ",".join(map(str, dist.get_process_group_ranks(pg)))
+    return _channels[pg]
+
+
+def _note(group: Group, op: str, nbytes: int, channel: str | None = None) -> None:
+    """Append one issued collective to the flight recorder (``channel``: a p2p pair's)."""
+    channel = channel or _channel(group)
+    seq = _issued[channel] = _issued.get(channel, 0) + 1
+    _flight.append({"op": op, "group": group_name(group), "channel": channel, "seq": seq,
+                    "bytes": nbytes, "time": time.time()})
+
+
+def _p2p(src: int, dst: int) -> str:
+    return f"{src}->{dst}"
+
+
+def recent() -> dict[str, Any]:
+    """This rank's last ``FLIGHT_LENGTH`` collectives, oldest first (each: op, group name,
+    channel, seq = its number on the channel counting from 1, bytes, unix time), and the
+    count issued per channel: what ``parallel.desync`` publishes and compares."""
+    return {"last": list(_flight), "issued": dict(_issued)}
+
+
+def reset_flight() -> None:
+    """Forget the recorder's history (a new set of process groups starts counting anew)."""
+    _flight.clear()
+    _issued.clear()
+    _channels.clear()
+
+
+# ---------------------------------------------------------------------------
 # Collectives
 # ---------------------------------------------------------------------------
 
@@ -194,6 +246,7 @@ def all_reduce(
     async_op: bool = False,
 ) -> dist.Work | None:
     """In-place all-reduce. bytes = 2·S·(N−1)/N, payload = S."""
+    _note(group, "all_reduce", _nbytes(tensor))
     work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     if _log is not None:
         s = _nbytes(tensor)
@@ -210,6 +263,7 @@ def reduce_scatter_tensor(
 ) -> dist.Work | None:
     """Reduce ``input`` (N·shard) over the group; rank i keeps shard i in ``output``.
     bytes = S_in·(N−1)/N, payload = S_in."""
+    _note(group, "reduce_scatter_tensor", _nbytes(input))
     # torch 2.13 deprecates reduce_scatter_tensor for this same-signature op.
     work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
     if _log is not None:
@@ -226,6 +280,7 @@ def all_gather_into_tensor(
 ) -> dist.Work | None:
     """Concatenate every rank's ``input`` into ``output`` (N·shard).
     bytes = S_out·(N−1)/N, payload = S_out."""
+    _note(group, "all_gather_into_tensor", _nbytes(output))
     # torch 2.13 deprecates all_gather_into_tensor for this same-signature op.
     work = dist.all_gather_single(output, input, group=group, async_op=async_op)
     if _log is not None:
@@ -239,6 +294,7 @@ def broadcast(
 ) -> dist.Work | None:
     """Copy ``tensor`` from global rank ``src`` to the group.
     bytes = S on src (N > 1), 0 elsewhere; payload = S on every rank."""
+    _note(group, "broadcast", _nbytes(tensor))
     work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
     if _log is not None:
         s = _nbytes(tensor)
@@ -250,6 +306,7 @@ def broadcast(
 def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
     """Every rank's picklable ``obj``, in group-rank order.
     bytes = P·(N−1), payload = P, with P = len(pickle.dumps(obj))."""
+    _note(group, "all_gather_object", 0)
     n = dist.get_world_size(group)
     out: list[Any] = [None] * n
     dist.all_gather_object(out, obj, group=group)
@@ -261,6 +318,7 @@ def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
 
 def barrier(group: Group = None) -> None:
     """Block until every rank of the group arrives. bytes = payload = 0."""
+    _note(group, "barrier", 0)
     dist.barrier(group=group)
     if _log is not None:
         _record(group, "barrier", 0, 0)
@@ -268,6 +326,7 @@ def barrier(group: Group = None) -> None:
 
 def send(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
     """Blocking send to global rank ``dst``. bytes = payload = S."""
+    _note(group, "send", _nbytes(tensor), _p2p(dist.get_rank(), dst))
     dist.send(tensor, dst=dst, group=group)
     if _log is not None:
         s = _nbytes(tensor)
@@ -277,6 +336,7 @@ def send(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
 def recv(tensor: torch.Tensor, src: int, group: Group = None) -> int:
     """Blocking receive from global rank ``src``; returns torch's sender rank.
     bytes = 0, payload = S."""
+    _note(group, "recv", _nbytes(tensor), _p2p(src, dist.get_rank()))
     sender = dist.recv(tensor, src=src, group=group)
     if _log is not None:
         _record(group, "recv", _nbytes(tensor), 0)
@@ -285,6 +345,7 @@ def recv(tensor: torch.Tensor, src: int, group: Group = None) -> int:
 
 def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> dist.Work | None:
     """Non-blocking send to global rank ``dst``. bytes = payload = S."""
+    _note(group, "isend", _nbytes(tensor), _p2p(dist.get_rank(), dst))
     work = dist.isend(tensor, dst=dst, group=group)
     if _log is not None:
         s = _nbytes(tensor)
@@ -294,6 +355,7 @@ def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> dist.Work | No
 
 def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> dist.Work | None:
     """Non-blocking receive from global rank ``src``. bytes = 0, payload = S."""
+    _note(group, "irecv", _nbytes(tensor), _p2p(src, dist.get_rank()))
     work = dist.irecv(tensor, src=src, group=group)
     if _log is not None:
         _record(group, "irecv", _nbytes(tensor), 0)
@@ -303,6 +365,11 @@ def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> dist.Work | No
 def batch_isend_irecv(p2p_ops: list[dist.P2POp]) -> list[dist.Work]:
     """Issue ``dist.P2POp(dist.isend | dist.irecv, ...)`` ops together; each op is
     counted as one "isend" (bytes = S) or "irecv" (bytes = 0) under its group."""
+    me = dist.get_rank()
+    for p2p in p2p_ops:
+        send = p2p.op is dist.isend
+        pair = _p2p(me, p2p.peer) if send else _p2p(p2p.peer, me)
+        _note(p2p.group, "isend" if send else "irecv", _nbytes(p2p.tensor), pair)
     works = dist.batch_isend_irecv(p2p_ops)
     if _log is not None:
         for p2p in p2p_ops:

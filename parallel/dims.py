@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from parallel import comm
+from parallel import comm, desync
 
 __all__ = ["ParallelDims"]
 
@@ -136,18 +137,20 @@ class ParallelDims:
     # Process groups
     # ------------------------------------------------------------------
 
-    def build(self, device_type: str | None = None) -> ParallelDims:
+    def build(self, device_type: str | None = None, timeout_s: float | None = None) -> ParallelDims:
         """Create the DeviceMesh and all groups on every rank (collective); returns self.
 
         Initializes the default process group from the torchrun environment if none
-        exists yet. Calling it again on a built instance does nothing.
+        exists yet. With ``timeout_s`` every group (the default one too) times out a
+        collective after that many seconds (else torch's default, 30 minutes on gloo).
+        Calling it again on a built instance does nothing.
         """
         if self._mesh is not None:
             return self
         if device_type is None:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
         if not dist.is_initialized():
-            dist.init_process_group()
+            dist.init_process_group(timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
         actual = dist.get_world_size()
         if actual != self.world_size:
             raise ValueError(
@@ -189,6 +192,8 @@ class ParallelDims:
         for name, group in groups.items():
             if group is not None:
                 comm.set_group_name(group, name)
+        if timeout_s is not None:
+            desync.set_timeout(timeout_s, [None, *(g for g in groups.values() if g is not None)])
 
         coord = self.coords_of(dist.get_rank())
         assert tuple(mesh.get_coordinate()) == coord, (mesh.get_coordinate(), coord)

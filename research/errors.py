@@ -16,6 +16,8 @@ from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
+from parallel import comm
+
 T = TypeVar("T")
 
 
@@ -61,8 +63,7 @@ def raise_together(check: Callable[[], T], group: dist.ProcessGroup | None = Non
         result = check()
     except RunError as e:
         failure = (type(e).__name__, str(e))
-    failures = [None] * dist.get_world_size(group)
-    dist.all_gather_object(failures, failure, group=group)
+    failures = comm.all_gather_object(failure, group=group)
     for group_rank, found in enumerate(failures):
         if found is not None:
             kind, message = found

@@ -11,8 +11,9 @@ peak FLOP/s:
 
 Memory is CUDA's ``max_memory_allocated`` on GPUs and the process's peak RSS on CPU.
 ``ActivationMeter`` measures the bytes autograd keeps saved for backward.
-Collectives used here (maxima and gathers over ranks) call ``torch.distributed`` directly,
-not ``parallel.comm``, so they are not counted as training communication.
+Collectives used here (maxima and gathers over ranks) go through ``parallel.comm``, so a
+stalled rank shows in the desync report; the trainer calls them outside its per-step
+``comm.tracking()`` block, so they are not counted as training communication.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from typing import Any, Literal, NamedTuple, TextIO
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from parallel import comm
 
 __all__ = [
     "ActivationMeter",
@@ -178,7 +181,7 @@ def max_over_ranks(value: int, device: torch.device) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return value
     t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    comm.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 
@@ -186,9 +189,7 @@ def all_ranks(obj: Any) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order (``[obj]`` without torch.distributed)."""
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return comm.all_gather_object(obj)
 
 
 class _Saved:
@@ -415,6 +416,15 @@ class Console:
             eta = (time.perf_counter() - self._t0) / done * (self.total_steps - step) if done > 0 else 0.0
             line = [f"step {step}/{self.total_steps}", *fields, f"ETA {_hms(eta)}"]
             print(" | ".join(line), file=self.stream, flush=True)
+
+    def warn(self, message: str) -> None:
+        """One line outside the progress display (under the bar when there is one)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(f"warning: {message}", file=self.stream)
+        else:
+            print(f"warning: {message}", file=self.stream, flush=True)
 
     def close(self, summary: Mapping[str, Any]) -> None:
         """Close the bar; print one line from a ``summarize`` dict plus ``wall_time_s``:

@@ -31,6 +31,7 @@ from parallel.pipeline.executor import PipelineExecutor
 from parallel.random import seed_everything
 from research import checkpoint, data, metrics
 from research.config import RunConfig, save_yaml
+from research.errors import NonFiniteLossError
 from research.model import GPTConfig, pipeline_chunks
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -81,7 +82,7 @@ class Trainer:
         self.cfg = cfg
         par, tr = cfg.parallel, cfg.train
         self.device = _device()
-        self.dims = ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp).build()
+        self.dims = ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp).build(timeout_s=par.comm_timeout)
         self.rank = dist.get_rank()
         seed_everything(tr.seed, self.dims.tp_rank, self.dims.pp_rank)
 
@@ -156,15 +157,16 @@ class Trainer:
         norm = self.opt.clip_grad_norm_(clip if clip > 0 else math.inf)
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
-        self.scheduler.step()
+        if not self.opt.last_step_skipped:
+            self.scheduler.step()
         self.opt.zero_grad()
         return loss, norm, lr
 
     def _global_loss(self, loss: torch.Tensor | None) -> float:
         """Mean loss over the global batch, on every rank (only last-stage ranks hold one)."""
         value = torch.tensor([float(loss) if loss is not None else 0.0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(value, group=self.dims.pp_group)
-        dist.all_reduce(value, group=self.dims.dp_group)
+        comm.all_reduce(value, group=self.dims.pp_group)
+        comm.all_reduce(value, group=self.dims.dp_group)
         return value.item() / self.dims.dp
 
     # ---- the run --------------------------------------------------------------------------
@@ -189,6 +191,7 @@ class Trainer:
             comm_total: dict[str, dict[str, dict[str, int]]] = {}
             rows: list[dict[str, Any]] = []
             activation_peak = 0
+            nonfinite = 0  # consecutive steps with a NaN/Inf loss
             started = time.perf_counter()
             for step in range(self.start_step, tr.steps):
                 row, log, measured = self._timed_step(step, step == self.start_step, tokens_per_step,
@@ -200,9 +203,18 @@ class Trainer:
                     file.write(row)
                     run.log(row, step + 1)
                 console.update(step + 1, row)
+                nonfinite = 0 if math.isfinite(row["loss"]) else nonfinite + 1
+                if nonfinite >= tr.max_nonfinite_steps:
+                    raise NonFiniteLossError(
+                        f"the loss was {row['loss']} for {nonfinite} consecutive step(s) up to step {step + 1} "
+                        f"(--max-nonfinite-steps={tr.max_nonfinite_steps}); lower --lr, use --precision bf16 "
+                        "or fp32, or resume from an earlier checkpoint")
                 every = cfg.checkpoint.save_every
                 if cfg.checkpoint.save and ((every and (step + 1) % every == 0) or step + 1 == tr.steps):
-                    self._save(step + 1)
+                    if nonfinite:
+                        console.warn(f"step {step + 1}: the loss is {row['loss']}: checkpoint not saved")
+                    else:
+                        self._save(step + 1)
             summary = self._summary(rows, comm_total, activation_peak, time.perf_counter() - started)
             if lead and cfg.checkpoint.export:
                 checkpoint.export(cfg.checkpoint.save, cfg.checkpoint.export)
@@ -210,7 +222,7 @@ class Trainer:
                 metrics.write_json(os.path.join(out, "summary.json"), summary)
                 run.summary({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
             console.close(summary)
-        dist.barrier()
+        comm.barrier()
         return summary
 
     def _timed_step(self, step: int, measure_activations: bool, tokens: int, flops_per_token: float,
@@ -231,7 +243,7 @@ class Trainer:
             "grad_norm": float(norm),
             "lr": lr,
             "loss_scale": self.opt.scaler.scale if self.opt.scaler is not None else None,
-            "skipped": not math.isfinite(float(norm)),
+            "skipped": self.opt.last_step_skipped,
             "step_time_s": step_time,
             **metrics.throughput(tokens, step_time, flops_per_token, world, peak),
             "mem_peak_bytes": metrics.max_over_ranks(metrics.peak_memory_bytes(self.device), self.device),

@@ -1,0 +1,207 @@
+"""Desync reports: when a collective times out, name the rank(s) that did not arrive.
+
+Every rank notes each collective it issues in `parallel.comm`'s flight recorder: op,
+group, channel (the group's global ranks, or a p2p "sender->receiver" pair) and its
+sequence number on that channel. Inside `report_timeouts()` a daemon thread publishes
+that record to the rendezvous store about once a second, so a rank that stalls (stopped,
+stuck in a kernel, looping) leaves behind what it last issued.
+
+When a collective times out (the process group's timeout: `--comm-timeout`, or
+`init_process_group(timeout=...)`), every rank that notices reads all ranks' records and
+compares sequence numbers: rank r did not arrive at this rank's collective #s on channel
+c if r is in c and has issued fewer than s collectives there. The first rank to notice
+prints the report (the collective, the missing ranks and what they issued last, then the
+last few collectives of every rank); the others print one line; all exit with status 1.
+
+gloo raises a timed-out collective as a RuntimeError on the waiting rank, which is what
+this catches. NCCL's watchdog aborts the process itself (see torch's
+TORCH_NCCL_DUMP_ON_TIMEOUT flight recorder); the published records still tell which
+rank stalled, through `collect()`.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from parallel import comm
+
+CPU_TIMEOUT_S = 180.0  # gloo: a few minutes, then the report
+CUDA_TIMEOUT_S = 900.0  # NCCL: longer, its watchdog applies
+PUBLISH_INTERVAL_S = 1.0
+STORE_WAIT_S = 10.0  # how long a report waits for the store before giving up on it
+REPORT_LENGTH = 4  # collectives per rank in the printed table
+_PREFIX = "zero3d/flight"
+_TIMEOUT_TEXT = re.compile(r"timed?[ _-]?out|timeout", re.IGNORECASE)
+_PEER_LOST_TEXT = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
+_generation = 0  # report_timeouts() blocks so far: fresh store keys per run
+
+
+def default_timeout_s(device_type: str) -> float:
+    """The comm timeout when none is given: CPU_TIMEOUT_S on gloo, CUDA_TIMEOUT_S on CUDA."""
+    return CUDA_TIMEOUT_S if device_type == "cuda" else CPU_TIMEOUT_S
+
+
+def set_timeout(seconds: float, groups: list[dist.ProcessGroup | None]) -> None:
+    """Give every group in `groups` (None: the default group) a timeout of `seconds`:
+    subgroups otherwise keep torch's 30-minute default whatever the default group has."""
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether `error` is a collective that timed out (gloo's RuntimeError says so)."""
+    return isinstance(error, RuntimeError) and bool(_TIMEOUT_TEXT.search(str(error)))
+
+
+def is_peer_lost(error: BaseException) -> bool:
+    """Whether `error` is a collective whose peer process went away (gloo: connection closed)."""
+    return isinstance(error, RuntimeError) and bool(_PEER_LOST_TEXT.search(str(error)))
+
+
+@contextlib.contextmanager
+def report_timeouts(timeout_s: float | None = None) -> Iterator[None]:
+    """Publish this rank's flight record while the block runs; a timed-out collective inside
+    it prints the desync report and ends the process with status 1 (no hang, no traceback);
+    a collective whose peer exited (it failed, or it reported a timeout) prints one line and
+    ends it with status 1 too. A collective: every rank enters it. `timeout_s` is only
+    quoted in the report."""
+    global _generation
+    _generation += 1
+    comm.reset_flight()
+    store = dist.PrefixStore(f"{_PREFIX}/{_generation}/", dist.distributed_c10d._get_default_store())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stop = threading.Event()
+    thread = threading.Thread(target=_publish_until, args=(store, rank, stop), daemon=True,
+                              name="zero3d-flight-recorder")
+    thread.start()
+    try:
+        yield
+    except RuntimeError as error:
+        if is_timeout(error):
+            stop.set()
+            _report_and_exit(store, rank, world, timeout_s)
+        if is_peer_lost(error):
+            _exit(f"rank {rank}: {_waiting_in()}lost its connection to another rank, which exited "
+                  "(its own message above says why)")
+        raise
+    finally:
+        stop.set()
+
+
+def _publish_until(store: dist.Store, rank: int, stop: threading.Event) -> None:
+    """Write comm.recent() to the store whenever it changed, every PUBLISH_INTERVAL_S."""
+    published = None
+    while not stop.wait(PUBLISH_INTERVAL_S if published is not None else 0.0):
+        record = comm.recent()
+        if record != published:
+            try:
+                store.set(f"rank_{rank}", json.dumps(record))
+            except (RuntimeError, OSError):
+                return
+            published = record
+
+
+def collect(store: dist.Store, world: int) -> dict[int, dict[str, Any]]:
+    """Every rank's last published record (ranks that never published are left out)."""
+    out = {}
+    for r in range(world):
+        key = f"rank_{r}"
+        if store.check([key]):
+            out[r] = json.loads(store.get(key))
+    return out
+
+
+def missing_ranks(mine: dict[str, Any], records: dict[int, dict[str, Any]]) -> tuple[dict[str, Any] | None, list[int]]:
+    """(the oldest of my recent collectives that some member of its channel has not issued,
+    those members) or (None, []) when every member issued all of them. A member that never
+    published counts as not arrived."""
+    for entry in mine["last"]:
+        members = _members(entry["channel"])
+        behind = [r for r in members if records.get(r, {}).get("issued", {}).get(entry["channel"], 0) < entry["seq"]]
+        if behind:
+            return entry, behind
+    return None, []
+
+
+def _members(channel: str) -> list[int]:
+    return [int(r) for r in re.split(r",|->", channel)]
+
+
+def _describe(entry: dict[str, Any], now: float) -> str:
+    return (f"{entry['op']} #{entry['seq']} on {entry['group']} [{entry['channel']}] "
+            f"({entry['bytes']} B, {now - entry['time']:.1f} s ago)")
+
+
+def report(rank: int, records: dict[int, dict[str, Any]], world: int, timeout_s: float | None,
+           now: float | None = None) -> str:
+    """The desync report as `rank` sees it: one sentence, then each rank's last collectives."""
+    now = time.time() if now is None else now
+    mine = records.get(rank, comm.recent())
+    waited = f" after {timeout_s:g} s" if timeout_s else ""
+    entry, behind = missing_ranks(mine, records)
+    if entry is None:
+        head = (f"a collective timed out{waited} on rank {rank}, but every rank issued its recent collectives: "
+                "the ranks are waiting in different collectives (see the order below)")
+    else:
+        last = [f"rank {r} last issued {_describe(records[r]['last'][-1], now)}" if records.get(r, {}).get("last")
+                else f"rank {r} never reported" for r in behind]
+        head = (f"a collective timed out{waited}: rank(s) {', '.join(map(str, behind))} did not arrive at "
+                f"{entry['op']} #{entry['seq']} on {entry['group']} [{entry['channel']}] that rank {rank} waits in; "
+                + "; ".join(last))
+    lines = [head + ". Raise --comm-timeout if a rank is only slow, else look at what the ranks above were doing.",
+             "last collectives per rank (op #seq on group [channel ranks], oldest first):"]
+    for r in range(world):
+        if r not in records:
+            lines.append(f"  rank {r}: nothing published (stalled before its first collective, or the store is gone)")
+            continue
+        tag = " (did not arrive)" if r in behind else ""
+        ops = " | ".join(_describe(e, now) for e in records[r]["last"][-REPORT_LENGTH:]) or "none"
+        lines.append(f"  rank {r}{tag}: {ops}")
+    return "\n".join(lines)
+
+
+def _report_and_exit(store: dist.Store, rank: int, world: int, timeout_s: float | None) -> None:
+    """Publish my final record, print the report (first rank to notice) or one line, exit 1."""
+    result: dict[str, Any] = {}
+
+    def gather() -> None:
+        store.set(f"rank_{rank}", json.dumps(comm.recent()))
+        result["first"] = store.add("timeouts", 1) == 1
+        result["records"] = collect(store, world)
+
+    worker = threading.Thread(target=gather, daemon=True)
+    worker.start()
+    worker.join(STORE_WAIT_S)
+    if "records" not in result:
+        _exit(f"error: a collective timed out on rank {rank}; the rendezvous store did not answer within "
+              f"{STORE_WAIT_S:g} s (its host may be the stalled rank). Rank {rank}'s last collectives: "
+              + " | ".join(_describe(e, time.time()) for e in comm.recent()["last"]))
+    elif result["first"]:
+        _exit("error: " + report(rank, result["records"], world, timeout_s))
+    else:
+        _exit(f"rank {rank}: {_waiting_in()}timed out; another rank printed the desync report")
+
+
+def _waiting_in() -> str:
+    """"waiting in <op> #<seq> on <group>, " for this rank's last collective, or ""."""
+    last = comm.recent()["last"]
+    return f"waiting in {last[-1]['op']} #{last[-1]['seq']} on {last[-1]['group']}, " if last else ""
+
+
+def _exit(line: str) -> None:
+    """Print `line` to stderr and end the process with status 1 at once: a normal exit
+    could wait on the broken process group."""
+    print(line, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
