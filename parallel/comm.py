@@ -65,6 +65,7 @@ __all__ = [
     "send",
     "set_group_name",
     "tracking",
+    "untracked",
 ]
 
 
@@ -168,6 +169,18 @@ def tracking() -> Iterator[CommLog]:
         yield log
     finally:
         _log = log._outer
+
+
+@contextmanager
+def untracked() -> Iterator[None]:
+    """Collectives inside are left out of every ``tracking()`` log (bookkeeping such as
+    metrics gathered over ranks); the flight recorder still notes them."""
+    global _log
+    saved, _log = _log, None
+    try:
+        yield
+    finally:
+        _log = saved
 
 
 def _record(group: Group, op: str, payload: int, wire: int) -> None:

@@ -11,9 +11,8 @@ peak FLOP/s:
 
 Memory is CUDA's ``max_memory_allocated`` on GPUs and the process's peak RSS on CPU.
 ``ActivationMeter`` measures the bytes autograd keeps saved for backward.
-Collectives used here (maxima and gathers over ranks) go through ``parallel.comm``, so a
-stalled rank shows in the desync report; the trainer calls them outside its per-step
-``comm.tracking()`` block, so they are not counted as training communication.
+Collectives used here (maxima and gathers over ranks) go through ``parallel.comm`` under
+``comm.untracked()``: the desync report sees them, the communication counts do not.
 """
 from __future__ import annotations
 
@@ -181,7 +180,8 @@ def max_over_ranks(value: int, device: torch.device) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return value
     t = torch.tensor([value], dtype=torch.int64, device=device)
-    comm.all_reduce(t, op=dist.ReduceOp.MAX)
+    with comm.untracked():
+        comm.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 
@@ -189,7 +189,8 @@ def all_ranks(obj: Any) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order (``[obj]`` without torch.distributed)."""
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
-    return comm.all_gather_object(obj)
+    with comm.untracked():
+        return comm.all_gather_object(obj)
 
 
 class _Saved:
