@@ -9,6 +9,10 @@ sequences, and one global-batch order shared by every (tp, pp, dp) layout.
     global batch s = sequences at positions [s*B, (s+1)*B) of perm_0 ‖ perm_1 ‖ ...
     dp rank d: rows [d*B/dp, (d+1)*B/dp), cut into m micro-batches    local_micro_batches
 
+Bad data is a `DataError`: one sentence naming the file (and line) at fault, what is wrong
+and what to do. Only rank 0 reads the data, and it meets the other ranks in `raise_together`,
+so its error ends every rank.
+
 The cache key hashes the data source (file paths, sizes, mtimes; a saved dataset's
 fingerprint; a hub name), the tokenizer (a hash of its file) and the text field, not
 seq_len: packing slices the same stream for any length.
@@ -16,17 +20,24 @@ seq_len: packing slices the same stream for any length.
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
 import itertools
 import json
 import os
 import tempfile
+import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
+
+from research.errors import DataError, raise_together
 
 if TYPE_CHECKING:
     import datasets
@@ -112,7 +123,7 @@ def resolve_source(data: str | None) -> list[Path] | Path | str:
         files = sorted(Path(p).resolve() for p in glob.glob(os.path.expanduser(data), recursive=True)
                        if _builder(p) and os.path.isfile(p))
         if not files:
-            raise ValueError(f"--data glob {data!r} matches no {kinds} file.")
+            raise DataError(f"--data glob {data!r} matches no {kinds} file.")
         return files
     path = Path(data).expanduser()
     if path.is_dir():
@@ -121,14 +132,14 @@ def resolve_source(data: str | None) -> list[Path] | Path | str:
         files = sorted(p.resolve() for p in path.rglob("*") if p.is_file() and _builder(p)
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
-            raise ValueError(f"--data folder {data!r} holds no {kinds} file.")
+            raise DataError(f"--data folder {data!r} holds no {kinds} file.")
         return files
     if path.is_file():
         if not _builder(path):
-            raise ValueError(f"--data file {data!r} is not {kinds}.")
+            raise DataError(f"--data file {data!r} is not {kinds}.")
         return [path.resolve()]
     if data.startswith((".", "/", "~")) or data.count("/") > 1 or _builder(data):
-        raise ValueError(f"--data path {data!r} does not exist.")
+        raise DataError(f"--data path {data!r} does not exist.")
     return data  # "name" or "org/name" on the Hugging Face Hub
 
 
@@ -138,7 +149,7 @@ def _load_from_disk(path: Path) -> datasets.Dataset:
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
-            raise ValueError(f"--data {str(path)!r} is a DatasetDict without a 'train' split (it has {list(ds)}).")
+            raise DataError(f"--data {str(path)!r} is a DatasetDict without a 'train' split (it has {list(ds)}).")
         ds = ds["train"]
     return ds
 
@@ -150,45 +161,151 @@ def _offline() -> bool:
     return datasets.config.HF_HUB_OFFLINE if flag is None else flag.upper() in {"1", "ON", "YES", "TRUE"}
 
 
+def describe(data: str | None) -> str:
+    """How error messages name a --data value."""
+    return f"--data {data}" if data is not None else f"the embedded corpus {CORPUS}"
+
+
 def load_text_dataset(data: str | None, text_field: str = "text",
                       hf_cache_dir: str | Path | None = None) -> datasets.Dataset:
     """--data as a ``datasets.Dataset`` with one column "text", one row per document (a .txt
     file is one document; a .jsonl/.json/.parquet row's ``text_field`` is one). Files are read
-    in sorted path order; ``hf_cache_dir`` receives their arrow conversion (None: HF's cache)."""
+    in sorted path order; ``hf_cache_dir`` receives their arrow conversion (None: HF's cache).
+    Data that cannot be read, or a text field that is missing or not a string, is a DataError."""
     import datasets
 
     src = resolve_source(data)
     if isinstance(src, list):
-        parts = []
-        for builder, group in itertools.groupby(src, key=_builder):  # runs of one format, in path order
-            files = [str(p) for p in group]
-            kwargs = {"sample_by": "document"} if builder == "text" else {}
-            ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=hf_cache_dir, **kwargs)
-            where = files[0] + (f" (and {len(files) - 1} more files)" if len(files) > 1 else "")
-            parts.append(_text_column(ds, "text" if builder == "text" else text_field, where))
+        parts = [_read_files(builder, list(group), text_field, hf_cache_dir)
+                 for builder, group in itertools.groupby(src, key=_builder)]  # runs of one format, in path order
         return datasets.concatenate_datasets(parts)
     if isinstance(src, Path):
         return _text_column(_load_from_disk(src), text_field, str(src))
     if _offline():
-        raise ValueError(f"--data {src!r} is not a local path, and datasets cannot come from the Hugging Face "
-                         "Hub while HF_DATASETS_OFFLINE=1: pass a local file, folder or glob.")
+        raise DataError(f"--data {src!r} is not a local path, and datasets cannot come from the Hugging Face "
+                        "Hub while HF_DATASETS_OFFLINE=1: pass a local file, folder or glob.")
     try:
         ds = datasets.load_dataset(src, split="train")
     except Exception as e:  # any failure becomes the one-sentence error
-        raise ValueError(f"--data {src!r} is not a local path and did not load from the Hugging Face Hub "
-                         f"({type(e).__name__}: {e}).") from e
+        raise DataError(f"--data {src!r} is not a local path and did not load from the Hugging Face Hub "
+                        f"({type(e).__name__}: {e}).") from e
     return _text_column(ds, text_field, src)
 
 
-def _text_column(ds: datasets.Dataset, field: str, where: str) -> datasets.Dataset:
-    """``ds`` reduced to its column ``field``, renamed "text", typed string (so parts concatenate)."""
+def _read_files(builder: str, files: list[Path], text_field: str, hf_cache_dir: str | Path | None) -> datasets.Dataset:
+    """A run of files of one format through ``datasets.load_dataset``, as a "text" column.
+    datasets does not say which file (or line) it failed on, so a failure is named by
+    reading the files again in plain Python (`_find_problem`); its own log lines about the
+    failure are silenced, so that the DataError is the one message."""
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+
+    field = "text" if builder == "text" else text_field
+    where = f"{files[0]}" + (f" (and {len(files) - 1} more files)" if len(files) > 1 else "")
+    kwargs = {"sample_by": "document"} if builder == "text" else {}
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        ds = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train",
+                                   cache_dir=hf_cache_dir, **kwargs)
+    # StopIteration: the json builder finding no line in any file
+    except (DatasetGenerationError, pa.ArrowException, OSError, EOFError, StopIteration) as e:
+        cause = e.__cause__ or e
+        raise DataError(_find_problem(builder, files, field) or f"--data {where} could not be read "
+                        f"({type(cause).__name__}: {cause}): check that the files are {builder} files.") from e
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+    return _text_column(ds, field, where, locate=lambda: _find_problem(builder, files, field))
+
+
+def _text_column(ds: datasets.Dataset, field: str, where: str,
+                 locate: Callable[[], str | None] = lambda: None) -> datasets.Dataset:
+    """``ds`` reduced to its column ``field``, renamed "text", typed string (so parts concatenate).
+    A missing column, or a value in it that is null or not a string, is a DataError, worded by
+    ``locate()`` (the file and line at fault) where it can."""
     import datasets
 
     if field not in ds.column_names:
-        raise ValueError(f"the data {where} has no --text-field {field!r} (its columns: {ds.column_names}).")
+        raise DataError(f"--data {where} has no --text-field {field!r} (its columns: {', '.join(ds.column_names)}): "
+                        "pass --text-field with the column that holds the text.")
     ds = ds.select_columns([field]).rename_column(field, "text") if field != "text" else ds.select_columns(["text"])
-    string = datasets.Value("string")
-    return ds if ds.features["text"] == string else ds.cast_column("text", string)
+    string, feature, column = datasets.Value("string"), ds.features["text"], ds.data.column("text")
+    if feature not in (string, datasets.Value("large_string")):
+        raise DataError(locate() or f"--text-field {field!r} of --data {where} holds {feature} values, not strings: "
+                                    "pass --text-field with the column that holds the text.")
+    if column.null_count:
+        row = pc.index(pc.is_null(column), True).as_py()
+        raise DataError(locate() or f"row {row} of --data {where} has a null --text-field {field!r} "
+                                    f"(nulls: {column.null_count}): drop those rows or give them text.")
+    return ds if feature == string else ds.cast_column("text", string)
+
+
+def _find_problem(builder: str, files: list[Path], field: str) -> str | None:
+    """The first problem in ``files`` as a sentence naming the file (and line), or None if
+    plain Python reads them fine. Slow on big files; only called once datasets has failed."""
+    for path in files:
+        try:
+            problem = _parquet_problem(path, field) if builder == "parquet" else _lines_problem(path, builder, field)
+        except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile, a truncated .gz, ...
+            problem = f"--data file {path} cannot be read ({e}): replace it or leave it out of --data."
+        if problem:
+            return problem
+    return None
+
+
+def _lines_problem(path: Path, builder: str, field: str) -> str | None:
+    """A .txt file's first non-UTF-8 line; a JSON-lines file's first line that is not JSON or
+    has no string ``field`` (a .json array document is left to datasets' message)."""
+    line = 0
+    with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+        for line, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (f"--data file {path} is not UTF-8 text (line {line} has the byte 0x{raw[e.start]:02x} at "
+                        f"column {e.start + 1}; a binary file?): convert it to UTF-8 or leave it out of --data.")
+            if builder != "json" or not text.strip():
+                continue
+            if line == 1 and text.lstrip().startswith("["):
+                return None  # a JSON array, not JSON lines
+            try:
+                row = json.loads(text.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                what = f"{e.msg.removesuffix(' at')} at column {e.colno}"
+                return f"line {line} of --data file {path} is not valid JSON ({what}): fix or delete that line."
+            if not isinstance(row, dict):
+                wrong = f"is a JSON {type(row).__name__}, not an object with a {field!r} key"
+            elif field not in row:
+                wrong = f"has no {field!r} key (its keys: {', '.join(row)})"
+            elif not isinstance(row[field], str):
+                wrong = f"has {json.dumps(row[field])[:40]} as its {field!r}, not a string"
+            else:
+                continue
+            return f"line {line} of --data file {path} {wrong}: give each line a {field!r} string, or delete the line."
+    if builder == "json" and line == 0:
+        return f"--data file {path} is empty: give it one JSON object per line, with a {field!r} string."
+    return None
+
+
+def _parquet_problem(path: Path, field: str) -> str | None:
+    """A parquet file that pyarrow cannot read, or whose ``field`` column is missing, not
+    strings, or has a null."""
+    try:
+        schema = pq.read_schema(path)
+        if field not in schema.names:
+            return (f"--data file {path} has no --text-field {field!r} (its columns: {', '.join(schema.names)}): "
+                    "pass --text-field with the column that holds the text.")
+        column = pq.read_table(path, columns=[field]).column(field)
+    except pa.ArrowException as e:
+        return f"--data file {path} is not a readable parquet file ({e}): replace it or leave it out of --data."
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        return (f"--text-field {field!r} of --data file {path} holds {column.type} values, not strings: "
+                "pass --text-field with the column that holds the text.")
+    if column.null_count:
+        row = pc.index(pc.is_null(column), True).as_py()
+        return (f"row {row} of --data file {path} has a null --text-field {field!r} (nulls: {column.null_count}): "
+                "drop those rows or give them text.")
+    return None
 
 
 def _cache_key(data: str | None, tokenizer: Tokenizer, text_field: str) -> dict:
@@ -207,7 +324,7 @@ def _build(data: str | None, tokenizer: Tokenizer, text_field: str, key: dict, n
     """Tokenize ``data`` into ``npy`` (uint16 ids if vocab_size <= 2^16, else uint32) and its
     meta json. Everything is written in a scratch folder next to them (arrow conversion, map
     output, the two files) and moved in with os.replace, the meta last: a meta file means a
-    complete cache, and a failed build leaves nothing behind."""
+    complete cache, and a failed build leaves nothing behind. Data without text is a DataError."""
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
 
@@ -221,6 +338,8 @@ def _build(data: str | None, tokenizer: Tokenizer, text_field: str, key: dict, n
                        cache_file_name=os.path.join(scratch, "ids.arrow"), desc="tokenizing")
         chunks = ids.data.column("ids").chunks
         n = sum(len(c.flatten()) for c in chunks)
+        if n == len(docs) * len(eos):
+            raise DataError(f"{describe(data)} holds no text, only empty documents: give it files with text.")
         out = np.lib.format.open_memmap(os.path.join(scratch, "tokens.npy"), mode="w+", dtype=dtype, shape=(n,))
         at = 0
         for c in chunks:
@@ -243,21 +362,27 @@ def load_tokens(data: str | None, tokenizer: Tokenizer, *, text_field: str = "te
 
     Every rank calls it. The first call for a key tokenizes (``Dataset.map(batched=True,
     num_proc=num_proc)``); with torch.distributed initialized only global rank 0 does, the
-    others wait on ``dist.barrier()``. cache_dir (default $ZERO3D_DATA_CACHE or
-    ~/.cache/zero3d/tokens) must be on a filesystem all ranks see."""
+    others wait in `raise_together`, so that rank 0's DataError is raised on every rank (and
+    printed by rank 0 only). cache_dir (default $ZERO3D_DATA_CACHE or ~/.cache/zero3d/tokens)
+    must be on a filesystem all ranks see; a rank that does not see the cache raises DataError."""
     cache_dir = Path(cache_dir or os.environ.get("ZERO3D_DATA_CACHE") or Path.home() / ".cache/zero3d/tokens")
     key = _cache_key(data, tokenizer, text_field)  # every rank: a bad --data fails everywhere alike
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     npy = cache_dir.expanduser() / f"tokens-{digest}.npy"
-    distributed = dist.is_available() and dist.is_initialized()
-    try:
-        if (not distributed or dist.get_rank() == 0) and not npy.with_suffix(".json").exists():
+    meta = npy.with_suffix(".json")
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def build() -> None:
+        if rank == 0 and not meta.exists():
             _build(data, tokenizer, text_field, key, npy, num_proc)
-    finally:
-        if distributed:
-            dist.barrier()
-    if not npy.with_suffix(".json").exists():
-        raise RuntimeError(f"rank 0 did not build the token cache {npy} (see its error; cache_dir must be shared).")
+
+    def check_shared() -> None:
+        if not meta.exists():
+            raise DataError(f"rank {rank} does not see the token cache {meta} that rank 0 built: "
+                            "--data-cache must be a folder that every rank sees.")
+
+    raise_together(build)  # the ranks meet here
+    raise_together(check_shared)
     return np.load(npy, mmap_mode="r")
 
 
@@ -271,14 +396,17 @@ class GlobalBatches:
     token). Epoch e visits them in the order perm_e = randperm(S) drawn from a
     torch.Generator seeded by hash(seed, e); global batch ``step`` is the sequences at
     positions [step*B, (step+1)*B) of perm_0 ‖ perm_1 ‖ ... (B = global_batch_size), so
-    batches run across epoch ends and ``batch(step)`` is a pure function of step."""
+    batches run across epoch ends and ``batch(step)`` is a pure function of step (so a global
+    batch may hold more sequences than the data has). ``source`` names the data in the
+    DataError of a stream shorter than one sequence."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, seed: int) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, seed: int,
+                 source: str = "the data") -> None:
         if seq_len < 1 or global_batch_size < 1:
             raise ValueError(f"seq_len={seq_len} and global_batch_size={global_batch_size} must be >= 1.")
         if len(tokens) < seq_len + 1:
-            raise ValueError(f"the data has {len(tokens)} tokens, but one sequence of seq_len={seq_len} "
-                             f"needs {seq_len + 1}: use more data or a shorter seq_len.")
+            raise DataError(f"{source} has {len(tokens)} tokens, but one sequence of --seq-len={seq_len} "
+                            f"needs {seq_len + 1}: lower --seq-len or give more text.")
         self.tokens, self.seq_len, self.global_batch_size, self.seed = tokens, seq_len, global_batch_size, seed
         self.n_sequences = (len(tokens) - 1) // seq_len
         self._perm: tuple[int, torch.Tensor | None] = (-1, None)

@@ -59,12 +59,14 @@ def lr_multiplier(cfg: RunConfig) -> Callable[[int], float]:
 
 def load_data(cfg: RunConfig) -> tuple[GPTConfig, data.GlobalBatches]:
     """The run's model config with its vocabulary raised to the tokenizer's, and the run's
-    global batches (a collective when torch.distributed is initialized: rank 0 tokenizes)."""
+    global batches (a collective when torch.distributed is initialized: rank 0 tokenizes).
+    Unusable data is a DataError on every rank, printed by the rank that found it."""
     tokenizer = data.load_tokenizer(cfg.data.tokenizer)
     model = dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, tokenizer.vocab_size))
     tokens = data.load_tokens(cfg.data.data, tokenizer, cache_dir=cfg.data.data_cache,
                               num_proc=cfg.data.num_proc, text_field=cfg.data.text_field)
-    return model, data.GlobalBatches(tokens, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.seed)
+    return model, data.GlobalBatches(tokens, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.seed,
+                                     source=data.describe(cfg.data.data))
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
