@@ -13,16 +13,20 @@ On disk (one folder per save, `ROOT/step_00000025/`, and `ROOT/latest` naming th
   layout and config. Its presence marks the checkpoint complete.
 
 A save goes to `step_N.tmp/` and is renamed when complete, so a crash leaves the previous
-checkpoint intact. Nothing is pickled: DCP holds tensors only and is read with
-`weights_only`, RNG files are loaded with `weights_only=True`, the rest is JSON.
+checkpoint intact; a failed save (disk full) removes its `.tmp` and is one sentence, and
+the next successful save removes the `.tmp` of an interrupted one. `meta.json` records
+every file's SHA-256 and is sealed by its own; a load checks them (`checkpoint_files`) and
+reads DCP's pickled `.metadata` with an unpickler that builds DCP metadata types only.
+Tensors are read with `weights_only=True`, the rest is JSON: nothing can run code.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import sys
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -36,10 +40,11 @@ from parallel import comm
 from parallel.dims import ParallelDims
 from parallel.random import get_rng_tracker
 from parallel.tensor import tp_partition_dim
-from research.errors import CheckpointError
+from research import checkpoint_files as files
+from research.errors import CheckpointError, raise_together
 from research.model import GPTConfig
 
-META = "meta.json"
+META = files.META
 LATEST = "latest"
 
 
@@ -95,28 +100,75 @@ def _rng_state() -> dict[str, Any]:
 def save(root: str, step: int, model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims,
          meta: dict[str, Any]) -> str:
     """Write the checkpoint after `step` completed steps to ROOT/step_<step>; a collective.
-    `meta` (JSON-serializable: data position, scheduler, layout, config) goes to meta.json."""
+    `meta` (JSON-serializable: data position, scheduler, layout, config) goes to meta.json
+    with the digest of every file. A failed write (disk full) is a CheckpointError on every
+    rank; the partial folder is removed and ROOT/latest still names the previous checkpoint."""
     final = os.path.join(root, f"step_{step:08d}")
     tmp = final + ".tmp"
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"))
-    dist.barrier()
-    dcp.save(canonical_state(model, opt, dims, saving=True), checkpoint_id=tmp)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
-    dist.barrier()
-    if rank == 0:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        full = {**meta, "step": step, "param_groups": groups,
-                "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None}
-        _write_json(os.path.join(tmp, META), full)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _write_text(os.path.join(root, LATEST), os.path.basename(final))
-    dist.barrier()
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def fail(work: Callable[[], Any]) -> Callable[[], Any]:
+        def guarded() -> Any:
+            try:
+                return work()
+            except OSError as e:
+                reason = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+                raise CheckpointError(_save_failed(root, final, reason)) from None
+        return guarded
+
+    try:
+        raise_together(fail(lambda: _fresh_folder(tmp) if rank == 0 else None))
+        try:
+            dcp.save(canonical_state(model, opt, dims, saving=True), storage_writer=dcp.FileSystemWriter(tmp))
+        except CheckpointException as e:
+            raise CheckpointError(_save_failed(root, final, _reason(e))) from None
+        raise_together(fail(lambda: torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))))
+        names = comm.all_gather_object(files.file_names(tmp) if rank == 0 else None)[0]
+        mine = raise_together(fail(lambda: files.digests(tmp, names[rank::world])))
+        recorded = {k: v for part in comm.all_gather_object(mine) for k, v in part.items()}
+        if rank == 0:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            body = {**meta, "step": step, "param_groups": groups, "files": recorded,
+                    "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None}
+        raise_together(fail(lambda: _publish(root, tmp, final, files.seal(body)) if rank == 0 else None))
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
+
+
+def _save_failed(root: str, final: str, reason: str) -> str:
+    """The sentence for a failed save: why, and which checkpoint still stands."""
+    previous = _read_latest(root)
+    stands = f"{os.path.join(root, LATEST)} still names {previous}" if previous else "there is no earlier checkpoint"
+    return f"saving the checkpoint {final} failed ({reason}); {stands}; free space on the disk or choose another --save"
+
+
+def _fresh_folder(tmp: str) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "rng"))
+
+
+def _publish(root: str, tmp: str, final: str, meta: dict[str, Any]) -> None:
+    """Write meta.json, rename `tmp` to `final`, point ROOT/latest at it, then remove the
+    `.tmp` folders of saves that were interrupted."""
+    _write_json(os.path.join(tmp, META), meta)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _write_text(os.path.join(root, LATEST), os.path.basename(final))
+    for name in os.listdir(root):
+        if name.startswith("step_") and name.endswith(".tmp"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _read_latest(root: str) -> str | None:
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -125,22 +177,34 @@ def _write_json(path: str, obj: Any) -> None:
 
 def _write_text(path: str, text: str) -> None:
     """Atomically: a reader sees the old file or the new one, never a partial one."""
-    with open(path + ".part", "w") as f:
-        f.write(text)
-    os.replace(path + ".part", path)
+    try:
+        with open(path + ".part", "w") as f:
+            f.write(text)
+        os.replace(path + ".part", path)
+    finally:
+        if os.path.exists(path + ".part"):
+            os.remove(path + ".part")
+
+
+def _complete(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, META))
 
 
 def resolve(path: str) -> str:
     """The checkpoint folder `path` names: itself, the one its `latest` file names, or its
-    newest complete step_* folder. CheckpointError when there is none."""
-    if os.path.isfile(os.path.join(path, META)):
+    newest complete step_* folder (also when `latest` names a missing or incomplete one,
+    with a warning). CheckpointError when there is none."""
+    if _complete(path):
         return path
-    latest = os.path.join(path, LATEST)
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            return resolve(os.path.join(path, f.read().strip()))
     steps = sorted(d for d in os.listdir(path) if d.startswith("step_") and not d.endswith(".tmp")
-                   and os.path.isfile(os.path.join(path, d, META))) if os.path.isdir(path) else []
+                   and _complete(os.path.join(path, d))) if os.path.isdir(path) else []
+    named = _read_latest(path)
+    if named is not None:
+        if _complete(os.path.join(path, named)):
+            return os.path.join(path, named)
+        if steps:
+            _warn(f"{os.path.join(path, LATEST)} names {named}, which is missing or incomplete; "
+                  f"loading the newest complete checkpoint, {steps[-1]}")
     if steps:
         return os.path.join(path, steps[-1])
     if os.path.isfile(os.path.join(path, ".metadata")) or path.endswith(".tmp"):
@@ -148,13 +212,39 @@ def resolve(path: str) -> str:
     raise CheckpointError(f"--load={path} holds no checkpoint (no {META}, no {LATEST} file, no step_* folder)")
 
 
+def _warn(message: str) -> None:
+    """One line on stderr, from rank 0 only."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+_META_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "step": int, "data": dict, "scheduler": dict, "layout": dict, "model": dict, "param_groups": list,
+    "files": dict, "loss_scaler": (dict, type(None)),
+}
+
+
 def read_meta(path: str) -> dict[str, Any]:
-    """meta.json of the checkpoint folder `path` (after `resolve`)."""
+    """meta.json of the checkpoint folder `path` (after `resolve`), its seal and fields checked."""
     try:
         with open(os.path.join(path, META)) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+            sealed = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"--load={path}: {META} is unreadable ({e}); the checkpoint is corrupt") from None
+    meta = files.unseal(sealed, path)
+    for key, kind in _META_FIELDS.items():
+        if not isinstance(meta.get(key), kind):
+            raise CheckpointError(f"--load={path}: {META} has no valid {key!r}; the checkpoint is corrupt")
+    return meta
+
+
+def verify_files(path: str, meta: dict[str, Any]) -> None:
+    """Check every file of the checkpoint against the digests recorded at save, each rank a
+    share of them; CheckpointError on every rank naming the first damaged file. A
+    collective when torch.distributed is initialized."""
+    names = sorted(meta["files"])
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    raise_together(lambda: files.verify(path, meta["files"], names[rank::world]))
 
 
 SHAPE_FIELDS = ("vocab_size", "vocab_multiple", "n_layers", "n_heads", "d_model", "d_ff", "max_seq_len",
@@ -168,10 +258,7 @@ def check_compatible(path: str, meta: dict[str, Any], config: GPTConfig, expecte
             if k in saved_cfg and saved_cfg[k] != getattr(config, k)]
     if diff:
         raise CheckpointError(f"--load={path} is of another model shape: {'; '.join(diff)}")
-    try:
-        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception as e:  # noqa: BLE001 - any failure to read DCP metadata means corruption
-        raise CheckpointError(f"--load={path} is corrupt: its DCP metadata cannot be read ({e})") from None
+    stored = files.read_dcp_metadata(path).state_dict_metadata
     for name, shape in expected.items():
         entry = stored.get(f"model.{name}")
         if entry is None:
@@ -186,7 +273,7 @@ def load(path: str, meta: dict[str, Any], model: nn.ModuleList, opt: ZeroOptimiz
     streams; returns whether the RNG streams were restored."""
     state = canonical_state(model, opt, dims, saving=False)
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=files.SafeReader(path))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any DCP failure means bad files
         raise CheckpointError(f"--load={path} is corrupt or incomplete: {_reason(e)}") from None
     names = {canonical_name(n): n for n in opt.names.values()}
@@ -225,7 +312,8 @@ def export(path: str, out_file: str) -> list[str]:
     returns the names written."""
     path = resolve(path)
     meta = read_meta(path)
-    reader = dcp.FileSystemReader(path)
+    files.verify(path, meta["files"], sorted(meta["files"]))
+    reader = files.SafeReader(path)
     stored = reader.read_metadata().state_dict_metadata
     weights = {k.split(".", 1)[1]: torch.empty(list(v.size), dtype=v.properties.dtype)
                for k, v in stored.items() if k.startswith("model.")}

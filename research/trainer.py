@@ -120,6 +120,7 @@ class Trainer:
     def _resume(self, where: str) -> None:
         path = checkpoint.resolve(where)
         meta = checkpoint.read_meta(path)
+        checkpoint.verify_files(path, meta)
         checkpoint.check_compatible(path, meta, self.cfg.model, self._expected_shapes())
         saved_batch = meta["data"]["global_batch_size"]
         if saved_batch != self.cfg.train.global_batch_size:

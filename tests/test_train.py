@@ -260,7 +260,7 @@ def bad_load(base: str, case: str) -> str:
 
 @pytest.mark.parametrize("case, expected", [
     ("incomplete", "is incomplete"),
-    ("corrupt", "is corrupt"),
+    ("corrupt", "__0_0.distcp is damaged"),
     ("shape", r"another model shape: d_model=32 there, 64 here"),
 ])
 def test_bad_checkpoints_are_refused_clearly(runs, case: str, expected: str) -> None:
