@@ -107,7 +107,8 @@ def save(root: str, step: int, model: nn.ModuleList, opt: ZeroOptimizer, dims: P
     tmp = final + ".tmp"
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    def fail(work: Callable[[], Any]) -> Callable[[], Any]:
+    def guard(work: Callable[[], Any]) -> Callable[[], Any]:
+        """`work` with an OSError turned into the failed-save sentence."""
         def guarded() -> Any:
             try:
                 return work()
@@ -117,20 +118,20 @@ def save(root: str, step: int, model: nn.ModuleList, opt: ZeroOptimizer, dims: P
         return guarded
 
     try:
-        raise_together(fail(lambda: _fresh_folder(tmp) if rank == 0 else None))
+        raise_together(guard(lambda: _fresh_folder(tmp) if rank == 0 else None))
         try:
             dcp.save(canonical_state(model, opt, dims, saving=True), storage_writer=dcp.FileSystemWriter(tmp))
         except CheckpointException as e:
             raise CheckpointError(_save_failed(root, final, _reason(e))) from None
-        raise_together(fail(lambda: torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))))
+        raise_together(guard(lambda: torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))))
         names = comm.all_gather_object(files.file_names(tmp) if rank == 0 else None)[0]
-        mine = raise_together(fail(lambda: files.digests(tmp, names[rank::world])))
+        mine = raise_together(guard(lambda: files.digests(tmp, names[rank::world])))
         recorded = {k: v for part in comm.all_gather_object(mine) for k, v in part.items()}
         if rank == 0:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
             body = {**meta, "step": step, "param_groups": groups, "files": recorded,
                     "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None}
-        raise_together(fail(lambda: _publish(root, tmp, final, files.seal(body)) if rank == 0 else None))
+        raise_together(guard(lambda: _publish(root, tmp, final, files.seal(body)) if rank == 0 else None))
     except CheckpointError:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
