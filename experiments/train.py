@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch.distributed as dist
 from parallel import desync
 
 from research.config import parse_args
-from research.errors import RunError
+from research.errors import RunError, report
 from research.trainer import Trainer
 
 
@@ -60,8 +59,7 @@ def main() -> None:
     try:
         run()
     except RunError as e:
-        if e.reported_here():
-            print(f"error: {e}", file=sys.stderr)
+        report(e)
         raise SystemExit(2) from None
     finally:
         if dist.is_initialized():

@@ -4,6 +4,10 @@ A `RunError`'s message is one sentence: what was wrong, where, and what to do. T
 training command prints it once (from the rank that found it, or from rank 0 when every
 rank found it alike) and exits 2 on every rank, with no traceback.
 
+`report(e)` prints it on the reporting rank; the other ranks wait (a few seconds at most)
+until it has, so a launcher that ends the job at the first exit (torchrun) cannot end the
+reporter before the sentence is out.
+
 `raise_together(check)` is the rule for a check that may fail on some ranks only (rank 0
 reading a data file, one rank's checkpoint shard): every rank runs its part, then one
 all-gather tells every rank whether any failed, and every rank raises the first failure
@@ -12,6 +16,8 @@ in a collective.
 """
 from __future__ import annotations
 
+import sys
+from datetime import timedelta
 from typing import Callable, TypeVar
 
 import torch.distributed as dist
@@ -19,6 +25,8 @@ import torch.distributed as dist
 from parallel import comm
 
 T = TypeVar("T")
+REPORTED_KEY = "zero3d/run_error_reported"
+REPORT_WAIT_S = 5.0
 
 
 class RunError(ValueError):
@@ -49,6 +57,22 @@ class DataError(RunError):
 
 class NonFiniteLossError(RunError):
     """The loss stayed NaN/Inf for too many consecutive steps."""
+
+
+def report(e: RunError) -> None:
+    """Print `error: <message>` on the rank that reports `e`; on the others, wait until it
+    has (through the rendezvous store), and print it themselves if it has not within
+    REPORT_WAIT_S (a rank that failed alone must not fail silently)."""
+    store = dist.distributed_c10d._get_default_store() if dist.is_available() and dist.is_initialized() else None
+    if store is not None and not e.reported_here():
+        try:
+            store.wait([REPORTED_KEY], timedelta(seconds=REPORT_WAIT_S))
+            return
+        except RuntimeError:
+            pass
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    if store is not None:
+        store.set(REPORTED_KEY, "1")
 
 
 def raise_together(check: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:
