@@ -32,8 +32,7 @@ from optim.zero import DEFAULT_BUCKET_NUMEL, DEFAULT_UNIT_NUMEL
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import SCHEDULES
 from parallel.pipeline.schedules import validate as validate_schedule
-from research.data import _offline as hub_offline
-from research.data import load_tokenizer, resolve_source
+from research.data import load_tokenizer, require_hub, resolve_source
 from research.errors import ConfigError
 from research.model import GPTConfig
 
@@ -451,12 +450,11 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"--virtual-stages={par.virtual_stages} needs --pp > 1")
     try:
         source = resolve_source(data.data)
+        if isinstance(source, str):
+            require_hub(source)
         tokenizer = load_tokenizer(data.tokenizer)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if isinstance(source, str) and hub_offline():
-        raise ConfigError(f"--data={data.data} is not a local path, and datasets cannot come from the Hugging Face "
-                          "Hub while it is offline (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE): pass a local file, folder or glob")
     real = dataclasses.replace(m, vocab_size=max(m.vocab_size, tokenizer.vocab_size))
     if real.padded_vocab % par.tp:
         raise ConfigError(f"--vocab-multiple={m.vocab_multiple} pads the vocabulary of {real.vocab_size} tokens to "

@@ -154,11 +154,20 @@ def _load_from_disk(path: Path) -> datasets.Dataset:
     return ds
 
 
-def _offline() -> bool:
+def hub_offline() -> bool:
+    """Whether HF_DATASETS_OFFLINE / HF_HUB_OFFLINE (or datasets' own setting) forbid the Hub."""
     import datasets
 
     flag = os.environ.get("HF_DATASETS_OFFLINE", os.environ.get("HF_HUB_OFFLINE"))
     return datasets.config.HF_HUB_OFFLINE if flag is None else flag.upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def require_hub(name: str) -> None:
+    """DataError unless the dataset `name` (not a local path) may come from the Hub."""
+    if hub_offline():
+        raise DataError(f"--data {name!r} is not a local path, and datasets cannot come from the Hugging Face "
+                        "Hub while it is offline (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE): pass a local file, "
+                        "folder or glob.")
 
 
 def describe(data: str | None) -> str:
@@ -181,9 +190,7 @@ def load_text_dataset(data: str | None, text_field: str = "text",
         return datasets.concatenate_datasets(parts)
     if isinstance(src, Path):
         return _text_column(_load_from_disk(src), text_field, str(src))
-    if _offline():
-        raise DataError(f"--data {src!r} is not a local path, and datasets cannot come from the Hugging Face "
-                        "Hub while HF_DATASETS_OFFLINE=1: pass a local file, folder or glob.")
+    require_hub(src)
     try:
         ds = datasets.load_dataset(src, split="train")
     except Exception as e:  # any failure becomes the one-sentence error

@@ -267,7 +267,7 @@ def test_the_vocabulary_check_uses_the_tokenizers_vocabulary(tmp_path) -> None:
 
 def test_a_hub_dataset_while_offline_is_one_sentence(monkeypatch) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(ConfigError, match="^--data=someone/corpus is not a local path, .* while it is offline"):
+    with pytest.raises(ConfigError, match="^--data .someone/corpus. is not a local path, .* while it is offline"):
         parse_args(["--data", "someone/corpus"], 1)
 
 
