@@ -9,12 +9,14 @@
   follows a fixed random bigram permutation), so losses visibly go down.
 - ``model_state_bytes(...)``: bytes of params / grads / optimizer state that exist on a
   rank, each storage counted once (DTensors count their local shard).
+- ``timed(fn, device, repeats)``: median seconds of a call (CUDA events on a GPU).
 - ``median`` / ``percentile`` and ``format_table`` for plain-text result tables.
 """
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -147,8 +149,29 @@ def optimizer_state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------
-# Statistics and tables
+# Timing, statistics and tables
 # ---------------------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` runs after two warm-up runs: between CUDA
+    events (then a synchronize) on a GPU, by the wall clock on the CPU."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return median(times)
 
 
 def percentile(values: list[float], q: float) -> float:

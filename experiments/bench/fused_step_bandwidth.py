@@ -12,11 +12,11 @@ p, g, m, v read, p, m, v written) in the same run, and to the card's HBM peak wh
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+from typing import Any
 
 import torch
 
+from experiments.bench.common import timed
 from optim import fused
 
 # HBM peak bandwidth in GB/s by device-name fragment (vendor data sheets).
@@ -29,26 +29,6 @@ def hbm_peak(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((gbs for key, gbs in HBM_PEAK_GBS.items() if key in name), None)
-
-
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of fn() over `repeats` runs after two warm-up runs."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def ours(backend: str, n: int, grad_dtype: torch.dtype, param_dtype: torch.dtype, device: torch.device,
@@ -75,6 +55,24 @@ def torch_fused_adamw(n: int, device: torch.device, repeats: int) -> tuple[float
     return timed(opt.step, device, repeats), n * 28
 
 
+def measure(n: int, grad_dtype: torch.dtype, device: torch.device, repeats: int) -> list[dict[str, Any]]:
+    """`torch.optim.AdamW(fused=True)` first, then each of our backends that runs on
+    `device`, on an n-element shard (bf16 parameter copies out): per row the label, the
+    backend (None for torch's), median seconds, bytes moved and effective GB/s."""
+    rows = []
+
+    def add(label: str, backend: str | None, seconds: float, nbytes: int) -> None:
+        rows.append({"label": label, "backend": backend, "seconds": seconds, "bytes": nbytes,
+                     "bytes_per_element": nbytes // n, "gbs": nbytes / seconds / 1e9})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    add("torch.optim.AdamW(fused=True), fp32", None, *torch_fused_adamw(n, device, repeats))
+    for backend in fused.available_backends(device):
+        add(f"zero3d {backend}", backend, *ours(backend, n, grad_dtype, torch.bfloat16, device, repeats))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--numel", type=float, default=None, help="shard elements (default: 1e9 on GPU, 4e6 on CPU)")
@@ -88,19 +86,13 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"device: {name}; shard: {n:,} elements; grad {args.grad_dtype}, params out bf16; "
           f"HBM peak {peak or 'unknown'} GB/s; median of {args.repeats}")
-    base_s, base_bytes = torch_fused_adamw(n, device, args.repeats)
-    torch.cuda.empty_cache() if device.type == "cuda" else None
-    rows = [("torch.optim.AdamW(fused=True), fp32", base_s, base_bytes)]
-    for backend in fused.available_backends(device):
-        s, nbytes = ours(backend, n, grad_dtype, torch.bfloat16, device, args.repeats)
-        rows.append((f"zero3d {backend}", s, nbytes))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    rows = measure(n, grad_dtype, device, args.repeats)
+    base_s = rows[0]["seconds"]
     print(f"{'step':40s} {'ms':>9s} {'B/elem':>7s} {'GB/s':>9s} {'% peak':>7s} {'time vs AdamW(fused)':>21s}")
-    for label, s, nbytes in rows:
-        gbs = nbytes / s / 1e9
-        pct = f"{100 * gbs / peak:6.1f}%" if peak else "    n/a"
-        print(f"{label:40s} {1e3 * s:9.2f} {nbytes // n:7d} {gbs:9.1f} {pct:>7s} {s / base_s:21.3f}")
+    for r in rows:
+        pct = f"{100 * r['gbs'] / peak:6.1f}%" if peak else "    n/a"
+        print(f"{r['label']:40s} {1e3 * r['seconds']:9.2f} {r['bytes_per_element']:7d} {r['gbs']:9.1f} {pct:>7s} "
+              f"{r['seconds'] / base_s:21.3f}")
 
 
 if __name__ == "__main__":
