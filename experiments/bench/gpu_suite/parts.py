@@ -1,0 +1,344 @@
+"""The suite's parts: each takes a `Context` and returns its numbers with a `status`."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import importlib.metadata
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from experiments.bench import fused_step_bandwidth, gpu_mfu
+from experiments.bench.common import median, timed
+from experiments.bench.gpu_suite.runner import ROOT, Context
+from optim import ZeroOptimizer, fused
+from research import data, metrics
+from research.config import RunConfig
+from research.config import parse_args as parse_run_args
+from research.costmodel import Layout, predict_memory
+from research.costmodel.memory import RESERVED_BYTES
+from research.model import GPT, GPTConfig
+from research.trainer import DTYPES, weight_decay_groups
+
+MiB = 2**20
+GiB = 2**30
+
+
+def _goal(value: float | None, op: str, target: float) -> dict[str, Any]:
+    """A goal `value op target` (op ">=" or "<="); met is None when value is unknown."""
+    met = None if value is None else (value >= target if op == ">=" else value <= target)
+    return {"value": value, "op": op, "target": target, "met": met}
+
+
+def _single_process_group() -> None:
+    """torch.distributed with this process alone (ZeroOptimizer needs a group): nccl for
+    CUDA tensors, gloo for CPU ones."""
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _model_config(cfg: RunConfig) -> GPTConfig:
+    """The run's model with its vocabulary raised to the tokenizer's, as the Trainer does."""
+    tokenizer = data.load_tokenizer(cfg.data.tokenizer)
+    return dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, tokenizer.vocab_size))
+
+
+def _describe(cfg: RunConfig) -> str:
+    mc = _model_config(cfg)
+    return (f"{mc.n_layers} layers, d_model {mc.d_model}, {mc.num_params() / 1e6:,.1f}M parameters, "
+            f"{cfg.train.precision}")
+
+
+def _build_model(cfg: RunConfig, device: torch.device) -> GPT:
+    with torch.device(device):
+        return GPT(_model_config(cfg))
+
+
+def _build_ours(cfg: RunConfig, device: torch.device) -> tuple[GPT, ZeroOptimizer]:
+    """The GPT and ZeroOptimizer with the Trainer's arguments, for one process (one chunk)."""
+    model = _build_model(cfg, device)
+    par, tr = cfg.parallel, cfg.train
+    opt = ZeroOptimizer(
+        model, torch.optim.AdamW, stage=par.zero, param_groups=weight_decay_groups(model, tr.weight_decay),
+        param_dtype=DTYPES[tr.precision], reduce_dtype=torch.bfloat16 if tr.reduce_dtype == "bf16" else torch.float32,
+        bucket_numel=par.bucket_numel, unit_numel=par.unit_numel, lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps)
+    return model, opt
+
+
+def _tokens(cfg: RunConfig, batch: int, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (ids, labels) [batch, seq] (what the numbers are does not change time or memory)."""
+    x = torch.randint(0, _model_config(cfg).vocab_size, (batch, seq + 1), device=device,
+                      generator=torch.Generator(device).manual_seed(0))
+    return x[:, :-1], x[:, 1:]
+
+
+def _allocated(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+# ---------------------------------------------------------------------------------------
+# The parts
+# ---------------------------------------------------------------------------------------
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def environment(ctx: Context) -> dict[str, Any]:
+    """The machine, its software, and its copy bandwidth and matmul rate measured here."""
+    device = ctx.device
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "triton": _version("triton"), "cpu_cores": os.cpu_count()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        nccl = torch.cuda.nccl.version()
+        info.update(device=props.name, memory_gib=props.total_memory / GiB, sms=props.multi_processor_count,
+                    capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda,
+                    nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl))
+        copy_bytes, n, dtype = 2 * GiB, 8192, torch.bfloat16
+    else:
+        info.update(device=_cpu_name(), memory_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB)
+        copy_bytes, n, dtype = 64 * MiB, 512, torch.float32
+    src = torch.ones(copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_s = timed(functools.partial(dst.copy_, src), device, 20)
+    del src, dst
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    matmul_s = timed(lambda: a @ b, device, 20)
+    peak = metrics.peak_flops(device, dtype)
+    return {"status": "ok", **info, "copy_bytes": copy_bytes, "copy_gbs": 2 * copy_bytes / copy_s / 1e9,
+            "datasheet_gbs": fused_step_bandwidth.hbm_peak(device), "matmul_n": n,
+            "matmul_dtype": str(dtype).removeprefix("torch."), "matmul_tflops": 2 * n**3 / matmul_s / 1e12,
+            "datasheet_tflops": peak / 1e12 if peak else None}
+
+
+PYTEST = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider"]
+_COUNT = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)\b")
+
+
+def _pytest_counts(output: str) -> dict[str, Any]:
+    """The counts of pytest's last summary line ("3 passed, 2 skipped in 4.1s")."""
+    lines = [line for line in output.splitlines() if _COUNT.search(line) and re.search(r" in [\d.]+s", line)]
+    summary = lines[-1].strip(" =") if lines else ""
+    counts = {k: 0 for k in ("passed", "failed", "skipped", "deselected", "errors", "xfailed", "xpassed")}
+    for number, kind in _COUNT.findall(summary):
+        counts["errors" if kind.startswith("error") else kind] = int(number)
+    return {**counts, "summary": summary}
+
+
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+def cuda_tests(ctx: Context) -> dict[str, Any]:
+    """`pytest -m cuda` in a subprocess stopped 10 s before the part's limit."""
+    timeout = max(1.0, ctx.limit_s - 10)
+    try:
+        proc = subprocess.run(PYTEST, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        output, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        output, rc = _text(e.stdout) + _text(e.stderr), None
+    print(output)
+    counts = _pytest_counts(output)
+    result = {"command": " ".join(["python", *PYTEST[1:]]), "returncode": rc, **counts,
+              "tail": output.strip().splitlines()[-40:]}
+    if rc is None:
+        return {**result, "status": "failed", "reason": f"pytest did not finish within {timeout:.0f} s"}
+    if rc not in (0, 5) or counts["failed"] or counts["errors"]:  # 5: no test selected
+        return {**result, "status": "failed", "reason": f"exit code {rc}: {counts['summary']}"}
+    if not counts["passed"]:
+        return {**result, "status": "skipped", "reason": f"no CUDA test ran: {counts['summary'] or 'no summary'}"}
+    return {**result, "status": "ok"}
+
+
+def fused_step(ctx: Context) -> dict[str, Any]:
+    """Effective bandwidth of the fused Adam step backends and AdamW(fused=True), against
+    the copy bandwidth `environment` measured."""
+    device = ctx.device
+    n = 2 * 10**5 if ctx.smoke else 10**9
+    rows = fused_step_bandwidth.measure(n, torch.bfloat16, device, 5 if ctx.smoke else 20)
+    copy = ctx.earlier.get("environment", {}).get("copy_gbs")
+    for r in rows:
+        r["of_copy"] = r["gbs"] / copy if copy else None
+        r["time_vs_adamw"] = r["seconds"] / rows[0]["seconds"]
+    picked = fused.pick_backend(device)
+    of_copy = next(r["of_copy"] for r in rows if r["backend"] == picked)
+    return {"status": "ok", "numel": n, "copy_gbs": copy, "picked_backend": picked, "rows": rows,
+            "goal": _goal(of_copy, ">=", 0.85)}
+
+
+def mfu(ctx: Context) -> dict[str, Any]:
+    """The training command and the plain loop through `gpu_mfu.main`."""
+    argv = ["--config", ctx.config, *(["--quick", "--steps", "2", "--warmup", "1"] if ctx.smoke else
+                                      ["--steps", "10", "--warmup", "3"])]
+    if ctx.data_cache:
+        argv += ["--data-cache", ctx.data_cache]
+    r = gpu_mfu.main(argv)
+    matmul = ctx.earlier.get("environment", {}).get("matmul_tflops")
+    rows = [{"loop": name, **r[name], "of_matmul": r[name]["tflops_per_device"] / matmul if matmul else None}
+            for name in ("ours", "plain")]
+    return {"status": "ok", "argv": argv, "rows": rows, "matmul_tflops": matmul,
+            "goals": {"mfu": _goal(r["ours"]["mfu"], ">=", 0.5),
+                      "ours_vs_plain": _goal(r["ratio_step_time"], "<=", 1.03)}}
+
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _forward_backward_bytes(model: GPT, opt: ZeroOptimizer, batch: tuple[torch.Tensor, torch.Tensor],
+                            device: torch.device) -> tuple[int | None, int]:
+    """(CUDA peak allocated during one forward + backward minus what was allocated before
+    it, None on the CPU; peak bytes saved for backward)."""
+    before = _allocated(device)
+    if before is not None:
+        torch.cuda.reset_peak_memory_stats(device)
+    with metrics.ActivationMeter([model]) as meter:
+        opt.backward(model(*batch))
+    peak = None
+    if before is not None:
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+    opt.zero_grad()
+    return peak, meter.peak_bytes
+
+
+def memory(ctx: Context) -> dict[str, Any]:
+    """Measured model states and activations next to the planner's prediction."""
+    device = ctx.device
+    base = ["--config", ctx.config, *(gpu_mfu.QUICK if ctx.smoke else []), "--micro-batch-size", "1",
+            "--global-batch-size", "1"]
+    seq_lens = (32, 64) if ctx.smoke else (1024, 2048)
+    _single_process_group()
+    rows = []
+    for recompute in RECOMPUTE:
+        argv = [*base, "--recompute", recompute]
+        cfg = parse_run_args(argv, 1)
+        baseline = _allocated(device)
+        model, opt = _build_ours(cfg, device)
+        opt.backward(model(*_tokens(cfg, 1, seq_lens[0], device)))  # the first step creates Adam's m and v
+        opt.step()
+        opt.zero_grad()
+        states_cuda = None if baseline is None else _allocated(device) - baseline
+        states_tensors = sum(opt.memory_breakdown().values())
+        for seq in seq_lens:
+            cfg_s = parse_run_args([*argv, "--seq-len", str(seq)], 1)
+            predicted = predict_memory(_model_config(cfg_s), Layout.from_run_config(cfg_s), seq)
+            acts_cuda, acts_saved = _forward_backward_bytes(model, opt, _tokens(cfg, 1, seq, device), device)
+            rows.append({
+                "seq_len": seq, "recompute": recompute,
+                "states_cuda": states_cuda, "states_tensors": states_tensors,
+                "states_predicted": predicted.model_states.total,
+                "activations_cuda": acts_cuda, "activations_saved": acts_saved,
+                "activations_predicted": predicted.activations,
+                "peak_cuda": None if acts_cuda is None else states_cuda + acts_cuda,
+                "peak_predicted": predicted.total - RESERVED_BYTES,
+            })
+        del model, opt
+        _free(device)
+    return {"status": "ok", "model": f"{_describe(cfg)}, ZeRO stage {cfg.parallel.zero}, micro-batch 1", "rows": rows}
+
+
+def _step_fns(method: str, cfg: RunConfig, device: torch.device) -> tuple[Callable[..., None], Callable[[], None]]:
+    """(forward_backward(ids, labels), optimizer_step()) of "plain" or "zero<stage>"."""
+    tr = cfg.train
+    clip = tr.clip_grad or math.inf
+    if method == "plain":
+        model = _build_model(cfg, device)
+        opt = torch.optim.AdamW(weight_decay_groups(model, tr.weight_decay), lr=tr.lr, betas=(tr.beta1, tr.beta2),
+                                eps=tr.eps, fused=True)
+        dtype = DTYPES[tr.precision]
+
+        def forward_backward(ids: torch.Tensor, labels: torch.Tensor) -> None:
+            with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                loss = model(ids, labels)
+            loss.backward()
+
+        def step() -> None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return forward_backward, step
+
+    model, zero = _build_ours(cfg, device)
+
+    def forward_backward(ids: torch.Tensor, labels: torch.Tensor) -> None:
+        zero.backward(model(ids, labels))
+
+    def step() -> None:
+        zero.clip_grad_norm_(clip)
+        zero.step()
+        zero.zero_grad()
+    return forward_backward, step
+
+
+def zero_stages(ctx: Context) -> dict[str, Any]:
+    """Step times of ZeroOptimizer stages 0-3 and of the plain loop at world size 1."""
+    device = ctx.device
+    argv = ["--config", ctx.config, *(gpu_mfu.QUICK if ctx.smoke else []), "--micro-batch-size", "4",
+            "--global-batch-size", "4"]
+    warmup, steps = (1, 2) if ctx.smoke else (2, 5)
+    _single_process_group()
+    rows = []
+    for method in ("plain", "zero0", "zero1", "zero2", "zero3"):
+        cfg = parse_run_args(argv + ([] if method == "plain" else ["--zero", method[4:]]), 1)
+        forward_backward, step = _step_fns(method, cfg, device)
+        batch = _tokens(cfg, cfg.train.micro_batch_size, cfg.data.seq_len, device)
+        fb_s, step_s = [], []
+        for i in range(warmup + steps):
+            t0 = _clock(device)
+            forward_backward(*batch)
+            t1 = _clock(device)
+            step()
+            t2 = _clock(device)
+            if i >= warmup:
+                fb_s.append(t1 - t0)
+                step_s.append(t2 - t1)
+        rows.append({"method": method, "fwd_bwd_ms": 1e3 * median(fb_s), "step_ms": 1e3 * median(step_s),
+                     "total_ms": 1e3 * median([a + b for a, b in zip(fb_s, step_s)])})
+        del forward_backward, step
+        _free(device)
+    for r in rows:
+        r["total_vs_plain"] = r["total_ms"] / rows[0]["total_ms"]
+        r["step_vs_plain"] = r["step_ms"] / rows[0]["step_ms"]
+    return {"status": "ok", "model": f"{_describe(cfg)}, 4 x {cfg.data.seq_len} tokens per step", "warmup": warmup,
+            "steps": steps, "rows": rows}
+
