@@ -252,6 +252,14 @@ def reset_flight() -> None:
 # ---------------------------------------------------------------------------
 
 
+def _renamed(name: str, old_name: str) -> Any:
+    """``torch.distributed.<name>``, or ``<old_name>`` where torch predates the name: torch
+    2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
+    reduce_scatter_single (same signature) and deprecated the old names, which are all that
+    torch 2.11 has."""
+    return getattr(dist, name, None) or getattr(dist, old_name)
+
+
 def all_reduce(
     tensor: torch.Tensor,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
@@ -277,8 +285,8 @@ def reduce_scatter_tensor(
     """Reduce ``input`` (N·shard) over the group; rank i keeps shard i in ``output``.
     bytes = S_in·(N−1)/N, payload = S_in."""
     _note(group, "reduce_scatter_tensor", _nbytes(input))
-    # torch 2.13 deprecates reduce_scatter_tensor for this same-signature op.
-    work = dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    work = _renamed("reduce_scatter_single", "reduce_scatter_tensor")(output, input, op=op, group=group,
+                                                                      async_op=async_op)
     if _log is not None:
         s = _nbytes(input)
         _record(group, "reduce_scatter_tensor", s, _ring(group, s))
@@ -294,8 +302,7 @@ def all_gather_into_tensor(
     """Concatenate every rank's ``input`` into ``output`` (N·shard).
     bytes = S_out·(N−1)/N, payload = S_out."""
     _note(group, "all_gather_into_tensor", _nbytes(output))
-    # torch 2.13 deprecates all_gather_into_tensor for this same-signature op.
-    work = dist.all_gather_single(output, input, group=group, async_op=async_op)
+    work = _renamed("all_gather_single", "all_gather_into_tensor")(output, input, group=group, async_op=async_op)
     if _log is not None:
         s = _nbytes(output)
         _record(group, "all_gather_into_tensor", s, _ring(group, s))

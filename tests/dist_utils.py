@@ -1,9 +1,12 @@
 """`run_distributed`: a test function on N gloo processes (parallel.launch.run_local), with
-failures and time-outs turned into test failures."""
+failures and time-outs turned into test failures; `run_nccl`: one on a 1-rank NCCL group."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from parallel.launch import DEFAULT_PRELOAD, RankFailure, run_local
 
@@ -23,3 +26,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         if message.startswith("timed out"):
             message = f"distributed test {message}"
         raise AssertionError(message) from None
+
+
+def run_nccl(fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in one fresh process whose default group is a 1-rank NCCL group
+    on cuda:0 (the gloo group `run_distributed` starts it with is replaced); its result."""
+    return run_distributed(_on_nccl, 1, fn, args, kwargs, timeout=timeout)[0]
+
+
+def _on_nccl(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    dist.destroy_process_group()
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    return fn(*args, **kwargs)

@@ -138,6 +138,7 @@ def test_triton_interpreter_matches_torch_optim():
     assert len(json.loads(proc.stdout.strip().splitlines()[-1])) == len(CASES)
 
 
+@pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("backend", ["triton", "torch_fused", "apex", "torch"])
 def test_cuda_backend_matches_torch_optim(backend: str):
@@ -149,6 +150,7 @@ def test_cuda_backend_matches_torch_optim(backend: str):
         run_case(backend, CUDA, *case, tol=NEAR)
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_cuda_triton_matches_torch_fused():
     """Large unaligned shard views (offset 3 into a flat buffer), bf16 grads and bf16 params."""

@@ -64,6 +64,7 @@ class PipelineExecutor:
         weight_grads = [i for i, a in enumerate(self.actions) if a.kind == ("W" if self.split else "B")]
         self._last_weight_grad = weight_grads[-1] if weight_grads else -1
         self.n_stages = self.pp * len(chunks)
+        self.device = _device_of(chunks)
         self.events: list[tuple[int, str, int, int, float, float]] = []
 
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor],
@@ -119,7 +120,7 @@ class PipelineExecutor:
                     ops.append(dist.P2POp(dist.isend, tensor, self._global(a.peer), self.group, TAGS[kind]))
                     recv_keys.append(("free", key) if kind == "F" else None)
             elif a.peer != self.rank:
-                buffer = torch.empty(self._shape, dtype=self._dtype)
+                buffer = torch.empty(self._shape, dtype=self._dtype, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, buffer, self._global(a.peer), self.group, TAGS[kind]))
                 recv_keys.append((kind, a.microbatch, a.chunk))
         if not ops:
@@ -209,3 +210,9 @@ class PipelineExecutor:
             start = time.perf_counter() - self._t0
             self._weight_work.pop(key).run(lambda final: self._deferred(index, a.chunk, final))
         self.events.append((self.rank, a.kind, a.microbatch, a.chunk, start, time.perf_counter() - self._t0))
+
+
+def _device_of(chunks: list[nn.Module]) -> torch.device:
+    """Where the chunks' parameters live, and so where received activations and gradients
+    must land (a chunk without parameters computes on the CPU)."""
+    return next((p.device for chunk in chunks for p in chunk.parameters()), torch.device("cpu"))
