@@ -100,14 +100,15 @@ def make_model(seed: int, vocab: int, dim: int, layers: int, heads: int, seq: in
 
 def batch(step: int, global_batch: int, seq: int, vocab: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
     """Global batch ``step``: (idx, targets), each [global_batch, seq]. Token t is followed
-    by perm[t] for a fixed random permutation, so a model can learn it."""
+    by perm[t] for a fixed random permutation, so a model can learn it. Both are contiguous
+    (torch 2.11's pipelining rejects a stage input whose strides differ from a fresh tensor's)."""
     perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
     start = torch.randint(0, vocab, (global_batch,), generator=torch.Generator().manual_seed(seed + 1 + step))
     tokens = torch.empty(global_batch, seq + 1, dtype=torch.long)
     tokens[:, 0] = start
     for i in range(seq):
         tokens[:, i + 1] = perm[tokens[:, i]]
-    return tokens[:, :-1], tokens[:, 1:]
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 # ---------------------------------------------------------------------------------------
