@@ -76,6 +76,21 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str,
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
+def build_optimizer(cfg: RunConfig, model: nn.Module, dp_group: dist.ProcessGroup | None = None,
+                    mp_group: dist.ProcessGroup | None = None) -> ZeroOptimizer:
+    """The run's ZeroOptimizer over `model`: AdamW with decay on matrices only, the ZeRO
+    stage, precision, reduction dtype, fp16 loss scaling and bucket sizes of `cfg`, sharded
+    over `dp_group` (None: the default group), norms taken over `mp_group` too."""
+    par, tr = cfg.parallel, cfg.train
+    return ZeroOptimizer(
+        model, torch.optim.AdamW, stage=par.zero, process_group=dp_group, model_parallel_group=mp_group,
+        param_groups=weight_decay_groups(model, tr.weight_decay), param_dtype=DTYPES[tr.precision],
+        reduce_dtype=torch.bfloat16 if tr.reduce_dtype == "bf16" else torch.float32,
+        loss_scaler=DynamicLossScaler() if tr.precision == "fp16" else None,
+        bucket_numel=par.bucket_numel, unit_numel=par.unit_numel, lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps,
+    )
+
+
 class Trainer:
     """Builds everything a run needs from a validated `RunConfig` (a collective: every rank
     constructs one), then `train()` runs the steps and returns the summary."""
@@ -95,13 +110,7 @@ class Trainer:
                                  dims.embedding_group, par.sequence_parallel)
         self.model = nn.ModuleList(chunks).to(self.device)
         self.param_dtype = DTYPES[tr.precision]
-        self.opt = ZeroOptimizer(
-            self.model, torch.optim.AdamW, stage=par.zero, process_group=dims.dp_group,
-            model_parallel_group=dims.mp_group, param_groups=weight_decay_groups(self.model, tr.weight_decay),
-            param_dtype=self.param_dtype, reduce_dtype=torch.bfloat16 if tr.reduce_dtype == "bf16" else torch.float32,
-            loss_scaler=DynamicLossScaler() if tr.precision == "fp16" else None,
-            bucket_numel=par.bucket_numel, unit_numel=par.unit_numel, lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps,
-        )
+        self.opt = build_optimizer(cfg, self.model, dims.dp_group, dims.mp_group)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_multiplier(cfg))
         self.executor = PipelineExecutor(chunks, par.schedule, tr.micro_batches, dims.pp_group,
                                          no_sync=self.opt.no_sync, scale_loss=self.opt.scale_loss,

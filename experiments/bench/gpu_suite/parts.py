@@ -28,7 +28,7 @@ from research.config import parse_args as parse_run_args
 from research.costmodel import Layout, predict_memory
 from research.costmodel.memory import RESERVED_BYTES
 from research.model import GPT, GPTConfig
-from research.trainer import DTYPES, weight_decay_groups
+from research.trainer import DTYPES, build_optimizer, weight_decay_groups
 
 MiB = 2**20
 GiB = 2**30
@@ -67,14 +67,9 @@ def _build_model(cfg: RunConfig, device: torch.device) -> GPT:
 
 
 def _build_ours(cfg: RunConfig, device: torch.device) -> tuple[GPT, ZeroOptimizer]:
-    """The GPT and ZeroOptimizer with the Trainer's arguments, for one process (one chunk)."""
+    """The GPT and the Trainer's ZeroOptimizer, for one process (one chunk)."""
     model = _build_model(cfg, device)
-    par, tr = cfg.parallel, cfg.train
-    opt = ZeroOptimizer(
-        model, torch.optim.AdamW, stage=par.zero, param_groups=weight_decay_groups(model, tr.weight_decay),
-        param_dtype=DTYPES[tr.precision], reduce_dtype=torch.bfloat16 if tr.reduce_dtype == "bf16" else torch.float32,
-        bucket_numel=par.bucket_numel, unit_numel=par.unit_numel, lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps)
-    return model, opt
+    return model, build_optimizer(cfg, model)
 
 
 def _tokens(cfg: RunConfig, batch: int, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
