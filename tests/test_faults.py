@@ -121,7 +121,8 @@ def test_a_stalled_rank_is_named_and_the_others_exit(tmp_path: Path) -> None:
     """SIGSTOP one of 4 workers mid-run: within --comm-timeout (+ a few s) the first rank to
     notice prints the report naming the stopped rank and exits 1; torchrun ends the rest."""
     out, log = tmp_path / "run", tmp_path / "log"
-    cmd = ["torchrun", "--standalone", "--nproc_per_node=4", "-m", "experiments.train", *TINY,
+    cmd = [sys.executable, "-m", "torch.distributed.run",  # torchrun, of the Python running the tests
+           "--standalone", "--nproc_per_node=4", "-m", "experiments.train", *TINY,
            "--tp", "2", "--pp", "2", "--micro-batches", "2", "--steps", "10000", "--comm-timeout", "4",
            "--out", str(out), "--data-cache", str(tmp_path / "cache")]
     with open(log, "w") as f:

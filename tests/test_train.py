@@ -279,7 +279,8 @@ def test_the_command_line_fails_with_one_sentence(tmp_path) -> None:
 def test_torchrun_runs_the_tiny_config(tmp_path) -> None:
     """The README's main job, shortened: the tiny 3D config through torchrun, wandb offline."""
     out = tmp_path / "demo"
-    cmd = ["torchrun", "--standalone", "--nproc_per_node=4", "-m", "experiments.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run",  # torchrun, of the Python running the tests
+           "--standalone", "--nproc_per_node=4", "-m", "experiments.train",
            "--config", "experiments/configs/tiny.yaml", "--tp", "2", "--pp", "2", "--zero", "2",
            "--micro-batches", "4", "--steps", "2", "--out", str(out), "--data-cache", str(tmp_path / "cache")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
