@@ -455,7 +455,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         tokenizer = load_tokenizer(data.tokenizer)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    real = dataclasses.replace(m, vocab_size=max(m.vocab_size, tokenizer.vocab_size))
+    real = m.with_vocab_of(tokenizer.vocab_size)
     if real.padded_vocab % par.tp:
         raise ConfigError(f"--vocab-multiple={m.vocab_multiple} pads the vocabulary of {real.vocab_size} tokens to "
                           f"{real.padded_vocab}, which --tp={par.tp} does not divide; make --vocab-multiple a "

@@ -236,15 +236,23 @@ def _text_column(ds: datasets.Dataset, field: str, where: str,
         raise DataError(f"--data {where} has no --text-field {field!r} (its columns: {', '.join(ds.column_names)}): "
                         "pass --text-field with the column that holds the text.")
     ds = ds.select_columns([field]).rename_column(field, "text") if field != "text" else ds.select_columns(["text"])
-    string, feature, column = datasets.Value("string"), ds.features["text"], ds.data.column("text")
-    if feature not in (string, datasets.Value("large_string")):
-        raise DataError(locate() or f"--text-field {field!r} of --data {where} holds {feature} values, not strings: "
-                                    "pass --text-field with the column that holds the text.")
+    problem = _column_problem(ds.data.column("text"), field, f"--data {where}")
+    if problem:
+        raise DataError(locate() or problem)
+    string = datasets.Value("string")
+    return ds if ds.features["text"] == string else ds.cast_column("text", string)
+
+
+def _column_problem(column: pa.ChunkedArray, field: str, where: str) -> str | None:
+    """The sentence for a text column that holds no strings or has a null, else None."""
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        return (f"--text-field {field!r} of {where} holds {column.type} values, not strings: "
+                "pass --text-field with the column that holds the text.")
     if column.null_count:
         row = pc.index(pc.is_null(column), True).as_py()
-        raise DataError(locate() or f"row {row} of --data {where} has a null --text-field {field!r} "
-                                    f"(nulls: {column.null_count}): drop those rows or give them text.")
-    return ds if feature == string else ds.cast_column("text", string)
+        return (f"row {row} of {where} has a null --text-field {field!r} (nulls: {column.null_count}): "
+                "drop those rows or give them text.")
+    return None
 
 
 def _find_problem(builder: str, files: list[Path], field: str) -> str | None:
@@ -305,14 +313,7 @@ def _parquet_problem(path: Path, field: str) -> str | None:
         column = pq.read_table(path, columns=[field]).column(field)
     except pa.ArrowException as e:
         return f"--data file {path} is not a readable parquet file ({e}): replace it or leave it out of --data."
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        return (f"--text-field {field!r} of --data file {path} holds {column.type} values, not strings: "
-                "pass --text-field with the column that holds the text.")
-    if column.null_count:
-        row = pc.index(pc.is_null(column), True).as_py()
-        return (f"row {row} of --data file {path} has a null --text-field {field!r} (nulls: {column.null_count}): "
-                "drop those rows or give them text.")
-    return None
+    return _column_problem(column, field, f"--data file {path}")
 
 
 def _cache_key(data: str | None, tokenizer: Tokenizer, text_field: str) -> dict:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Literal
 
 import torch
@@ -103,6 +103,10 @@ class GPTConfig:
         """Vocabulary rounded up to `vocab_multiple` (independent of tp, so the same seed
         gives the same embedding at every tp; tp must divide it)."""
         return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
+
+    def with_vocab_of(self, tokenizer_vocab: int) -> GPTConfig:
+        """This config with its vocabulary raised to the tokenizer's (a run's real vocabulary)."""
+        return replace(self, vocab_size=max(self.vocab_size, tokenizer_vocab))
 
     def validate_tp(self, tp: int) -> None:
         """One sentence per layout this model cannot be split into."""

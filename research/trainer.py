@@ -62,7 +62,7 @@ def load_data(cfg: RunConfig) -> tuple[GPTConfig, data.GlobalBatches]:
     global batches (a collective when torch.distributed is initialized: rank 0 tokenizes).
     Unusable data is a DataError on every rank, printed by the rank that found it."""
     tokenizer = data.load_tokenizer(cfg.data.tokenizer)
-    model = dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, tokenizer.vocab_size))
+    model = cfg.model.with_vocab_of(tokenizer.vocab_size)
     tokens = data.load_tokens(cfg.data.data, tokenizer, cache_dir=cfg.data.data_cache,
                               num_proc=cfg.data.num_proc, text_field=cfg.data.text_field)
     return model, data.GlobalBatches(tokens, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.seed,

@@ -1,7 +1,6 @@
 """The suite's parts: each takes a `Context` and returns its numbers with a `status`."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
 import importlib.metadata
@@ -51,8 +50,7 @@ def _single_process_group() -> None:
 
 def _model_config(cfg: RunConfig) -> GPTConfig:
     """The run's model with its vocabulary raised to the tokenizer's, as the Trainer does."""
-    tokenizer = data.load_tokenizer(cfg.data.tokenizer)
-    return dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, tokenizer.vocab_size))
+    return cfg.model.with_vocab_of(data.load_tokenizer(cfg.data.tokenizer).vocab_size)
 
 
 def _describe(cfg: RunConfig) -> str:
