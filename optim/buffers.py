@@ -59,6 +59,7 @@ class FlatBucket:
             end = _round_up(end + p.numel(), ALIGN)
         self.numel = _round_up(max(end, 1), self.world * ALIGN)
         self._written = [False] * len(self.params)
+        self.got = [False] * len(self.params)  # parameter i has a gradient (torch: .grad is not None)
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -153,6 +154,23 @@ class FlatBucket:
         else:
             torch.mul(grad.reshape(-1), scale, out=slot)
             self._written[i] = True
+        self.got[i] = True
+
+    def grad_pieces(self, i: int, region: tuple[int, int]) -> list[torch.Tensor]:
+        """Views of `grad_shard` holding parameter i's part of the flat range `region`
+        (`shard_range`: what this rank owns; `opt_range`: what its step updates)."""
+        lo, hi = region
+        base = lo - self.opt_range[0]
+        return [self.grad_shard[base + at : base + at + e - s] for j, s, e, at in self.ranges_of(lo, hi) if j == i]
+
+    def clear_grad(self, i: int) -> None:
+        """Zero parameter i's gradient wherever this rank holds it (its slot in the full buffer,
+        its part of the shard); the other parameters keep theirs."""
+        if self.grad_buffer is not None:
+            off = self.offsets[i]
+            self.grad_buffer[off : off + self.shapes[i].numel()].zero_()
+        for piece in self.grad_pieces(i, self.opt_range):
+            piece.zero_()
 
     def _prepare_grad_buffer(self) -> None:
         if self.grad_buffer is None:
@@ -193,6 +211,7 @@ class FlatBucket:
             self.grad_shard.zero_()
             self._drop_grad_buffer()
         self._written = [False] * len(self.params)
+        self.got = [False] * len(self.params)
         self.needs_carry = False
         self.reduced = False
 

@@ -2,7 +2,10 @@
 
 Each parameter's gradient, as soon as autograd has accumulated it, is added into its
 bucket's slot scaled by 1/N and freed, so the reduction SUM yields the DDP average
-ḡ = (1/N) Σ_r g_r. A bucket whose gradients are all in is reduced asynchronously —
+ḡ = (1/N) Σ_r g_r. `param.grad` then holds the parameter's `GradPlaceholder`
+(optim.grad_placeholder): a further backward adds into it, which hands the new gradient
+to the hook; a `.grad` found plain again (None, then autograd's fresh tensor) means the
+user cleared it (`model.zero_grad()`), so the slot restarts from zero as torch's would. A bucket whose gradients are all in is reduced asynchronously —
 all-reduce at stage 0, reduce-scatter at stages 1-3 — while backward goes on. Buckets
 are launched strictly in bucket order, which every rank shares, so ranks whose autograd
 finishes buckets in a different order still issue the same collectives in the same order.
@@ -37,24 +40,32 @@ MAX_IN_FLIGHT = 2
 class GradReducer:
     """Hooks that accumulate and reduce gradients bucket by bucket (see module docstring).
 
-    `on_bucket_done(i)` runs once all parameters of bucket i have their gradient in a
-    backward (stage 3 frees the gathered parameters there); `on_backward_end()` runs last.
+    `on_backward_start(b, i)` runs at the first gradient of a backward (parameter i of bucket
+    b, whose `.grad` autograd has just set), before it is added: the optimizer forgets the
+    gradients whose `.grad` the user cleared; `on_bucket_done(i)` runs once
+    all parameters of bucket i have their gradient in a backward (stage 3 frees the gathered
+    parameters there); `on_backward_end(synced)` runs last, `synced` telling whether the
+    backward reduced every bucket.
     """
 
     def __init__(
         self,
         buckets: list[FlatBucket],
         group: dist.ProcessGroup | None,
+        placeholders: list[list[torch.Tensor]],
+        on_backward_start: Callable[[int, int], None] | None = None,
         on_bucket_done: Callable[[int], None] | None = None,
-        on_backward_end: Callable[[], None] | None = None,
+        on_backward_end: Callable[[bool], None] | None = None,
     ) -> None:
         self.buckets = buckets
+        self.placeholders = placeholders
         self.group = group
         self.sync = True
         self.unsynced: set[int] = set()  # buckets holding gradients accumulated under no_sync, not reduced yet
         self._scope = list(range(len(buckets)))  # the buckets a synced backward launches, in order
         self._in_scope = set(self._scope)
         self._scale = 1.0 / dist.get_world_size(group)
+        self._on_backward_start = on_backward_start
         self._on_bucket_done = on_bucket_done
         self._on_backward_end = on_backward_end
         self._ready = [0] * len(buckets)
@@ -89,12 +100,19 @@ class GradReducer:
             self._in_scope = set(previous)
 
     def _on_grad(self, b: int, i: int, param: torch.Tensor) -> None:
-        bucket = self.buckets[b]
-        bucket.accumulate(i, param.grad, self._scale)
-        param.grad = None
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            if self._on_backward_start is not None:
+                self._on_backward_start(b, i)
+        bucket = self.buckets[b]
+        grad = param.grad
+        if grad is self.placeholders[b][i]:
+            grad = grad.take()
+        elif bucket.got[i]:
+            bucket.clear_grad(i)
+        bucket.accumulate(i, grad, self._scale)
+        param.grad = self.placeholders[b][i]
         self._ready[b] += 1
         if not self.sync:
             self.unsynced.add(b)
@@ -149,7 +167,7 @@ class GradReducer:
             self._next = 0
         self._ready = [0] * len(self.buckets)
         if self._on_backward_end is not None:
-            self._on_backward_end()
+            self._on_backward_end(self.sync and len(self._scope) == len(self.buckets))
 
     def remove(self) -> None:
         for h in self._handles:

@@ -9,9 +9,12 @@ With N data-parallel ranks, Ψ parameters and K bytes of optimizer state per par
     stage 3  (+ parameters)      params 2Ψ/N grads 2Ψ/N  optimizer KΨ/N
 
 (2 = bytes of the bf16 / fp16 dtype; grads use the reduce dtype). The semantics are
-DDP's: gradients are averaged over the group, several backward calls accumulate, and a
-run on N ranks equals a single-process run of the inner optimizer on the concatenated
-batch. The inner optimizer must be elementwise, so that it is exact on flat shards.
+torch.optim + DDP's: gradients are averaged over the group, several backward calls
+accumulate, and a run on N ranks equals a single-process run of the inner optimizer on the
+concatenated batch. A parameter with no gradient on any rank in a step (unused in forward,
+frozen, its `.grad` cleared) is not stepped: no update, no weight decay, no step count; each
+parameter keeps its own step count, as torch's per-parameter state does. The inner optimizer
+must be elementwise, so that it is exact on flat shards.
 """
 from __future__ import annotations
 
@@ -20,9 +23,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from optim import clip, fused, sharded_state
 from optim.buffers import FlatBucket, arrival_key, assign_buckets
+from optim.grad_placeholder import GradPlaceholder
 from optim.grads import GradReducer
 from optim.scaler import DynamicLossScaler
 from optim.stage3 import ParamGatherer, roots, stage3_units
@@ -32,6 +37,13 @@ NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "Muon", "LAMB", "Lamb", "FusedLAMB", "S
 PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_BUCKET_NUMEL = 2**24
 DEFAULT_UNIT_NUMEL = 2**22
+
+MOVED = ("parameter {name!r} no longer lives in ZeroOptimizer's buffers: it was moved, cast or replaced after the "
+         "optimizer was built (model.to(), .half(), a new nn.Parameter); move and cast the model first, then build ZeroOptimizer")
+NOT_TRAINED = ("parameter {name!r} is trainable but ZeroOptimizer does not train it: it was replaced or unfrozen after the "
+               "optimizer was built; build ZeroOptimizer once the model is final, with every parameter you will train trainable")
+WRAPPED = ("the model runs inside DistributedDataParallel, but ZeroOptimizer reduces gradients itself: train the bare model "
+           "(do not wrap it in DDP; for Lightning and HF Trainer use optim.integrations)")
 
 
 def default_resident_numel(unit_numel: int) -> int:
@@ -67,6 +79,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     stages 2-3 it includes the full-size buckets that exist between a bucket's first
     gradient and its reduction, which under `no_sync()` (gradient accumulation) means all
     of them until the last backward; `memory_breakdown()` shows what exists now.
+
+    `param.grad`: after backward, each parameter with a gradient holds a `GradPlaceholder`
+    (optim.grad_placeholder): `torch.nn.utils.clip_grad_norm_` and `model.zero_grad()` work on
+    it exactly as on a dense gradient; `full_grads()` gathers the values.
     """
 
     def __init__(
@@ -104,6 +120,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         resident = default_resident_numel(unit_numel) if resident_numel is None else resident_numel
         self.buckets = self._build_buckets(group_of, reduce_dtype, bucket_numel, unit_numel, resident)
+        self._param_steps = [[0] * len(b.params) for b in self.buckets]  # torch's per-parameter "step"
+        self._stepping: list[list[bool]] = []  # per bucket: parameter i is stepped by this step()
+        self._param_norms: tuple[float, torch.Tensor] | None = None  # (norm type, per-parameter norms)
+        device = self.buckets[0].master.device
+        self._placeholders = [
+            [GradPlaceholder(self, k, i, shape, self.param_dtype, device) for i, shape in enumerate(b.shapes)]
+            for k, b in enumerate(self.buckets)
+        ]
+        self._bound = [[p.data_ptr() for p in b.params] if b.stage < 3 else [] for b in self.buckets]
+        self._trained = {p for b in self.buckets for p in b.params}
+        self._check_handles = [r.register_forward_pre_hook(self._check_model) for r in roots(model)]
         self.inner = optimizer_class(
             [{**g, "params": [b.master for b in self.buckets if b.group_index == i]} for i, g in enumerate(groups)],
             **optimizer_kwargs,
@@ -113,7 +140,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.state = self.inner.state
         self.defaults = self.inner.defaults
 
-        device = self.buckets[0].master.device
         self.backend = fused.pick_backend(device, step_backend)
         self.scaler = loss_scaler or (DynamicLossScaler() if self.param_dtype == torch.float16 else None)
         self.last_step_skipped = False  # the last step() found an fp16 overflow and changed nothing
@@ -124,8 +150,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reducer = GradReducer(
             self.buckets,
             process_group,
+            self._placeholders,
+            on_backward_start=lambda k, i: self._check_grads(arriving=(k, i)),
             on_bucket_done=(lambda i: self._gatherer.bucket_done(self.buckets[i])) if self._gatherer else None,
-            on_backward_end=self._gatherer.backward_end if self._gatherer else None,
+            on_backward_end=self._backward_end,
         )
         self._end_step()
         self._grad_bytes = self.grad_peak_bytes = self.memory_breakdown()["grads"]
@@ -241,9 +269,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
 
     def _finish_grads(self) -> None:
-        """Once per step, before the norm or the update: check every gradient was reduced,
-        zero the never-reduced ones, and sum tied parameters' gradients over their groups
-        (a bucket holds only parameters tied over the same groups, so the shards align)."""
+        """Once per step, before the norm or the update: check every gradient was reduced and
+        every `.grad` is as the optimizer left it (a cleared one forgets its gradient), zero
+        the never-reduced ones, sum tied parameters' gradients over their groups (a bucket
+        holds only parameters tied over the same groups, so the shards align) and agree on
+        which parameters have a gradient on some rank: those are stepped."""
         if self._grads_finished:
             return
         if self._reducer.unsynced:
@@ -254,22 +284,139 @@ class ZeroOptimizer(torch.optim.Optimizer):
             b.zero_if_never_reduced()
             for group in comm.tied_groups(b.params[0]):
                 comm.all_reduce(b.grad_shard, group=group)
+        self._stepping = self._share_got(tied=True)
         self._grads_finished = True
+
+    def _check_grads(self, arriving: tuple[int, int] | None = None) -> None:
+        """`.grad` set to None since the last backward (model.zero_grad()) clears that
+        gradient; one assigned by hand is refused (the optimizer would never see its values).
+        Runs at the start of each backward (where `arriving` has just got its new gradient)
+        and before each step."""
+        for k, b in enumerate(self.buckets):
+            for i, p in enumerate(b.params):
+                if p.grad is self._placeholders[k][i] or (k, i) == arriving:
+                    continue
+                if p.grad is not None:
+                    raise RuntimeError(
+                        f"param.grad of {self.names[p]!r} was assigned by hand; ZeroOptimizer takes gradients only "
+                        "from backward(), so compute them with loss.backward() and clear them with opt.zero_grad()"
+                    )
+                if b.got[i]:
+                    b.clear_grad(i)
+                    b.got[i] = False
+
+    def _share_got(self, tied: bool) -> list[list[bool]]:
+        """Which parameters have a gradient on any rank of the group (and, with `tied`, of
+        their tie groups: only at the step, which every pipeline stage reaches), as DDP finds
+        them: one max all-reduce of a flag per parameter. Every rank then marks them as
+        having a gradient and shows its placeholder in `.grad`."""
+        self._check_grads()
+        flags = torch.tensor([g for b in self.buckets for g in b.got], dtype=torch.int32, device=self.buckets[0].grad_shard.device)
+        if self.world > 1:
+            comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        start = 0
+        for b in self.buckets:
+            for group in comm.tied_groups(b.params[0]) if tied else ():
+                comm.all_reduce(flags[start : start + len(b.params)], op=dist.ReduceOp.MAX, group=group)
+            start += len(b.params)
+        got, start = [], 0
+        for k, b in enumerate(self.buckets):
+            b.got = [bool(f) for f in flags[start : start + len(b.params)].tolist()]
+            start += len(b.params)
+            for i, p in enumerate(b.params):
+                if b.got[i] and p.grad is None:
+                    p.grad = self._placeholders[k][i]
+            got.append(list(b.got))
+        return got
+
+    def _backward_end(self, synced: bool) -> None:
+        """After every backward: stage 3 frees what it gathered; a backward that reduced every
+        bucket also agrees on which parameters got a gradient, so `.grad` shows the same
+        parameters on every rank (as under DDP) for third-party clipping."""
+        self._param_norms = None
+        if self._gatherer is not None:
+            self._gatherer.backward_end()
+        if synced:
+            self._share_got(tied=False)
+
+    def _check_model(self, module: torch.nn.Module, args: tuple) -> None:
+        """Forward pre-hook: refuse a DDP wrapper and parameters moved, cast, replaced or
+        unfrozen since construction, before they can train silently wrong."""
+        if DistributedDataParallel._get_active_ddp_module() is not None:
+            raise RuntimeError(WRAPPED)
+        for k, b in enumerate(self.buckets):
+            for i, p in enumerate(b.params):
+                same_place = p.dtype == self.param_dtype and p.device == b.param_shard.device
+                if b.stage == 3:
+                    bound = same_place and (p.numel() == 0 or p.shape == b.shapes[i])
+                else:
+                    bound = same_place and p.data_ptr() == self._bound[k][i] and p.shape == b.shapes[i]
+                if not bound:
+                    raise RuntimeError(MOVED.format(name=self.names.get(p, "?")))
+        for name, p in module.named_parameters():
+            if p.requires_grad and p not in self._trained:
+                raise RuntimeError(NOT_TRAINED.format(name=name))
+
+    # ---- param.grad placeholders (optim.grad_placeholder) --------------------------------
+    def _grad_norm_of(self, k: int, i: int, norm_type: float) -> torch.Tensor:
+        """‖ḡ‖_p of parameter i of bucket k, unscaled, over all shards: one all-reduce gives
+        every parameter's norm, reused until the gradients change."""
+        if self._param_norms is None or self._param_norms[0] != norm_type:
+            self._finish_grads()
+            device = self.buckets[0].grad_shard.device
+            local = torch.zeros(sum(len(b.params) for b in self.buckets), dtype=torch.float64, device=device)
+            at = 0
+            for b in self.buckets:
+                for j in range(len(b.params)):
+                    for piece in b.grad_pieces(j, b.shard_range):
+                        part = torch.linalg.vector_norm(piece, norm_type, dtype=torch.float32).double()
+                        local[at] = torch.maximum(local[at], part) if norm_type == float("inf") else local[at] + part**norm_type
+                    at += 1
+            op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+            if self.world > 1:
+                comm.all_reduce(local, op=op, group=self.group)
+            norms = local if norm_type == float("inf") else local ** (1.0 / norm_type)
+            self._param_norms = (norm_type, (norms * self._unscale).float())
+        start = sum(len(b.params) for b in self.buckets[:k])
+        return self._param_norms[1][start + i]
+
+    def _scale_grad_of(self, k: int, i: int, factor: torch.Tensor | float) -> None:
+        self._finish_grads()
+        b = self.buckets[k]
+        for piece in b.grad_pieces(i, b.opt_range):
+            piece.mul_(factor)
+        self._param_norms = self._norm = None
+
+    def _zero_grad_of(self, k: int, i: int) -> None:
+        self.buckets[k].clear_grad(i)
+        self._param_norms = self._norm = None
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """name -> the full reduced (averaged, unscaled) gradient of each trained parameter
+        with a gradient this step, in fp32. A collective: every rank must call it."""
+        self._finish_grads()
+        grads = {}
+        for k, b in enumerate(self.buckets):
+            flat = self._gather_flat(b, b.grad_shard.float() * self._unscale)
+            for i, p in enumerate(b.params):
+                if self._stepping[k][i]:
+                    grads[self.names[p]] = b.param_view(flat, i).clone()
+        return grads
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One optimizer step on this rank's shards, then the updated parameters are
-        published (all-gathered at stages 1-2). With fp16, a non-finite gradient on any
-        rank skips the step on every rank, lowers the loss scale and sets
-        `last_step_skipped` (an LR scheduler should then not advance). With no backward since
-        `zero_grad()` there are no gradients and, as in torch, nothing changes."""
+        published (all-gathered at stages 1-2). Parameters without a gradient on any rank
+        are left alone, as torch.optim does. With fp16, a non-finite gradient on any rank
+        skips the step on every rank, lowers the loss scale and sets `last_step_skipped` (an
+        LR scheduler should then not advance)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._finish_grads()
         self.last_step_skipped = False
-        if not any(b.reduced for b in self.buckets):
+        if not any(any(s) for s in self._stepping):
             self._end_step()
             return loss
         if self.scaler is not None:
@@ -281,36 +428,58 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 return loss
         multiplier = self._unscale * self._clip_coef
         if self._fusable():
-            for i, group in enumerate(self.param_groups):
-                self._fused_step(group, [b for b in self.buckets if b.group_index == i], multiplier)
+            for g, group in enumerate(self.param_groups):
+                self._fused_step(group, [k for k, b in enumerate(self.buckets) if b.group_index == g], multiplier)
         else:
             self._inner_step(multiplier)
+        for steps, stepping in zip(self._param_steps, self._stepping):
+            for i, s in enumerate(stepping):
+                steps[i] += s
         self._publish_params()
         self._end_step()
         return loss
 
+    def _runs(self, k: int) -> list[tuple[int, list[tuple[int, int]]]]:
+        """Bucket k's parameters stepped now, grouped by their step count so far: (count,
+        master ranges [a, b)); one range over the whole master when all are alike."""
+        b, stepping, steps = self.buckets[k], self._stepping[k], self._param_steps[k]
+        if all(stepping) and len(set(steps)) == 1:
+            return [(steps[0], [(0, b.master.numel())])]
+        runs: dict[int, list[tuple[int, int]]] = {}
+        for i, s, e, at in b.ranges_of(*b.opt_range):
+            if stepping[i]:
+                runs.setdefault(steps[i], []).append((at, at + e - s))
+        return sorted(runs.items())
+
     def _fusable(self) -> bool:
         return all(fused.adam_hyperparams(g, self.optimizer_class) is not None for g in self.param_groups)
 
-    def _fused_step(self, group: dict, buckets: list[FlatBucket], multiplier: float) -> None:
-        """Adam/AdamW in one pass per shard, writing the low-precision params too. The
-        state keeps torch's keys and layout, so it is interchangeable with the inner step."""
-        for b in buckets:
+    def _fused_step(self, group: dict, bucket_indices: list[int], multiplier: float) -> None:
+        """Adam/AdamW in one pass per shard (per range of parameters with the same step
+        count), writing the low-precision params too. The state keeps torch's keys and
+        layout, so it is interchangeable with the inner step."""
+        by_count: dict[int, list[tuple[FlatBucket, int, int]]] = {}
+        for k in bucket_indices:
+            b = self.buckets[k]
             self._init_adam_state(b.master)
-        steps = [self.state[b.master]["step"] for b in buckets]
-        for s in steps:
-            s += 1
-        fused.adam_step_(
-            self.backend,
-            [b.master for b in buckets],
-            [b.grad_shard for b in buckets],
-            [self.state[b.master]["exp_avg"] for b in buckets],
-            [self.state[b.master]["exp_avg_sq"] for b in buckets],
-            [b.opt_param if b.opt_param.data_ptr() != b.master.data_ptr() else None for b in buckets],
-            step=int(steps[0]),
-            grad_scale=multiplier,
-            **fused.adam_hyperparams(group, self.optimizer_class),
-        )
+            for count, ranges in self._runs(k):
+                by_count.setdefault(count, []).extend((b, lo, hi) for lo, hi in ranges)
+        hyper = fused.adam_hyperparams(group, self.optimizer_class)
+        for count, pieces in sorted(by_count.items()):
+            state = [self.state[b.master] for b, _, _ in pieces]
+            fused.adam_step_(
+                self.backend,
+                [b.master[lo:hi] for b, lo, hi in pieces],
+                [b.grad_shard[lo:hi] for b, lo, hi in pieces],
+                [s["exp_avg"][lo:hi] for s, (_, lo, hi) in zip(state, pieces)],
+                [s["exp_avg_sq"][lo:hi] for s, (_, lo, hi) in zip(state, pieces)],
+                [b.opt_param[lo:hi] if b.opt_param.data_ptr() != b.master.data_ptr() else None for b, lo, hi in pieces],
+                step=count + 1,
+                grad_scale=multiplier,
+                **hyper,
+            )
+        for k in bucket_indices:
+            self.state[self.buckets[k].master]["step"].fill_(max(self._param_steps[k]) + 1)
 
     def _init_adam_state(self, master: torch.Tensor) -> None:
         state = self.state[master]
@@ -320,14 +489,58 @@ class ZeroOptimizer(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
 
     def _inner_step(self, multiplier: float) -> None:
-        """Any elementwise optimizer: its own step on the fp32 master shards."""
-        for b in self.buckets:
-            grad = b.grad_shard.float()
-            b.master.grad = grad.mul_(multiplier) if multiplier != 1.0 else grad
+        """Any elementwise optimizer: its own step on the fp32 master shards. Buckets whose
+        parameters are stepped alike take one step together; the others one per run."""
+        whole, partial = [], []
+        for k, b in enumerate(self.buckets):
+            runs = self._runs(k)
+            if len(runs) == 1 and runs[0][1] == [(0, b.master.numel())]:
+                whole.append((b, runs[0][0]))
+            elif runs:
+                partial.append((b, runs))
+        for b, count in whole:
+            self._set_inner_count(b.master, count)
+            b.master.grad = b.grad_shard.float().mul_(multiplier)
         self.inner.step()
-        for b in self.buckets:
+        for b, _ in whole:
             b.master.grad = None
+        for b, runs in partial:
+            self._inner_step_runs(b, runs, multiplier)
+        for b in self.buckets:
             b.write_master_to_params()
+
+    def _inner_step_runs(self, b: FlatBucket, runs: list[tuple[int, list[tuple[int, int]]]], multiplier: float) -> None:
+        """The inner step on ranges of one master only: for each run, the step from the state
+        before (a fresh state for parameters never stepped, so first-step rules apply), kept
+        only on the run's ranges; the other ranges keep their values and state."""
+        master = b.master
+        before_master, before_state = master.clone(), _clone_state(self.state[master])
+        result_master, result_state = master.clone(), _clone_state(before_state)
+        for count, ranges in runs:
+            master.copy_(before_master)
+            self.inner.state[master] = _clone_state(before_state) if count > 0 else {}
+            self._set_inner_count(master, count)
+            master.grad = b.grad_shard.float().mul_(multiplier)
+            self.inner.step()
+            master.grad = None
+            after = self.inner.state[master]
+            for key, value in after.items():
+                if isinstance(value, torch.Tensor) and value.shape == master.shape:
+                    target = result_state.setdefault(key, torch.zeros_like(value))
+                    for lo, hi in ranges:
+                        target[lo:hi] = value[lo:hi]
+                elif key not in result_state:
+                    result_state[key] = value
+            for lo, hi in ranges:
+                result_master[lo:hi] = master[lo:hi]
+        master.copy_(result_master)
+        self.inner.state[master] = result_state
+
+    def _set_inner_count(self, master: torch.Tensor, count: int) -> None:
+        """The inner optimizer's scalar "step" set to the parameters' own count."""
+        step = self.state[master].get("step")
+        if isinstance(step, torch.Tensor):
+            step.fill_(count)
 
     def _publish_params(self) -> None:
         """All-gather updated shards into the full parameter buffers (stages 1-2 and
@@ -343,13 +556,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _end_step(self) -> None:
         self._norm = None
+        self._param_norms = None
         self._clip_coef = 1.0
         self._grads_finished = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffers (this optimizer never leaves grads in `param.grad`)."""
-        for b in self.buckets:
+        """Clear the gradients. As in torch, `set_to_none=False` keeps them as zeros, so the
+        parameters that had one are stepped by the next step() even without a backward."""
+        for k, b in enumerate(self.buckets):
+            got = b.got
             b.zero_grad()
+            if not set_to_none:
+                b.got = got
+                continue
+            for i, p in enumerate(b.params):
+                if p.grad is self._placeholders[k][i]:
+                    p.grad = None
         self._reducer.unsynced.clear()
         self._end_step()
 
@@ -390,7 +612,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._materialize_state()
         params: dict[str, Any] = {}
         state: dict[str, dict[str, Any]] = {}
-        for b in self.buckets:
+        for k, b in enumerate(self.buckets):
             for name, sharded in self._sharded_views(b, b.master).items():
                 params[name] = sharded
             for key, value in self.state[b.master].items():
@@ -398,8 +620,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     for name, sharded in self._sharded_views(b, value).items():
                         state.setdefault(name, {})[key] = sharded
                 else:
-                    for p in b.params:
-                        state.setdefault(self.names[p], {})[key] = value
+                    for i, p in enumerate(b.params):
+                        own = torch.tensor(float(self._param_steps[k][i])) if key == "step" else value
+                        state.setdefault(self.names[p], {})[key] = own
         # a tuple is one opaque (pickled) entry for DCP, whose save and load traversals
         # disagree on how to flatten lists of plain dicts
         groups = tuple({k: v for k, v in g.items() if k != "params"} for g in self.param_groups)
@@ -455,6 +678,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         _copy_into(mine["params"], state_dict["params"])
         for name, entries in mine["state"].items():
             _copy_into(entries, state_dict["state"][name])
+        for k, b in enumerate(self.buckets):
+            for i, p in enumerate(b.params):
+                step = state_dict["state"][self.names[p]].get("step")
+                if step is not None:
+                    self._param_steps[k][i] = int(step)
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
@@ -602,6 +830,10 @@ def _copy_into(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
         for dst, src in zip(_local_tensors(target), _local_tensors(source)):
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
+
+
+def _clone_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _local_tensors(value: Any) -> list[torch.Tensor]:

@@ -63,18 +63,22 @@ def measure_comm(stage: int) -> dict:
     one_step(model, opt, torch.float32)  # the first step records the order stage 3 prefetches in
     with comm.tracking() as log:
         one_step(model, opt, torch.float32)
-    return {"padded": sum(b.numel for b in opt.buckets), "log": log.as_dict(), "bytes": log.total_bytes()}
+    return {"padded": sum(b.numel for b in opt.buckets), "log": log.as_dict(), "bytes": log.total_bytes(),
+            "params": sum(len(b.params) for b in opt.buckets)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_comm_bytes_match_theory(stage: int, world: int) -> None:
+    """2Ψ (3Ψ at stage 3) of gradients and parameters, plus which parameters have a gradient:
+    an int32 flag per parameter, max-all-reduced after backward and at the step."""
     for m in run_distributed(measure_comm, world, stage):
         B, N = 4 * m["padded"], world
         factor = 3 if stage == 3 else 2
-        assert m["bytes"] == factor * B * (N - 1) // N, m["log"]
+        flags = 2 * 2 * 4 * m["params"] * (N - 1) // N
+        assert m["bytes"] == factor * B * (N - 1) // N + flags, m["log"]
         ops = set(m["log"]["world"])
-        assert ops == ({"all_reduce"} if stage == 0 else {"reduce_scatter_tensor", "all_gather_into_tensor"}), ops
+        assert ops == ({"all_reduce"} if stage == 0 else {"reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"}), ops
 
 
 def measure_tied_stage3_comm() -> dict:

@@ -1,0 +1,151 @@
+"""ZeroOptimizer under ordinary PyTorch habits, against torch.optim on the same batches:
+parameters without a gradient are not stepped (unused, used on one rank or some steps,
+requires_grad toggled), each keeps its own step count; `model.zero_grad()`,
+`zero_grad(set_to_none=False)` and `torch.nn.utils.clip_grad_norm_` act as in torch; and
+each misuse that would train differently raises one sentence on every rank."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from optim import ZeroOptimizer
+from tests.dist_utils import run_distributed
+
+STEPS = 7
+OPTIMIZERS = {
+    "Adam": (torch.optim.Adam, {"lr": 1e-2}),
+    "AdamW-maximize": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "maximize": True}),
+    "SGD": (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}),
+}
+SMALL = {"bucket_numel": 100, "unit_numel": 60, "resident_numel": 10}
+
+
+class Gated(nn.Module):
+    """`sometimes` runs on rank-dependent steps, `never` never runs, `toggled` is frozen for
+    some steps: the cases where torch leaves a parameter's .grad at None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.sometimes = nn.Linear(8, 8)
+        self.never = nn.Linear(8, 8)
+        self.toggled = nn.Linear(8, 8, bias=False)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, use_sometimes: bool) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if use_sometimes:
+            h = h + torch.tanh(self.sometimes(h))
+        return self.out(h + self.toggled(h))
+
+
+def uses_sometimes(step: int, rank: int) -> bool:
+    """Rank-dependent; stage 3 gathers a module's parameters when it runs, so there (as under
+    FSDP) every rank must run the same modules: `rank` is then 0 for all."""
+    return (step + rank) % 3 == 0
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+def train(model: Gated, opt: torch.optim.Optimizer, rank_batches: list[int], zero: str, clip: float | None,
+          same_modules: bool) -> list[float]:
+    """STEPS steps; each step's loss is the mean over `rank_batches` (one rank's under ZeRO,
+    both ranks' in the single-process reference, as DDP averages them)."""
+    norms = []
+    for step in range(STEPS):
+        model.toggled.weight.requires_grad_(step not in (2, 3, 4))
+        losses = [F.cross_entropy(model(x, uses_sometimes(step, 0 if same_modules else r)), y)
+                  for r in rank_batches for x, y in [batch(step, r)]]
+        (sum(losses) / len(losses)).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        if zero == "model":
+            model.zero_grad()
+        else:
+            opt.zero_grad(set_to_none=zero != "opt-keep")
+    model.toggled.weight.requires_grad_(True)
+    return norms
+
+
+def parity(stage: int, name: str, zero: str, clip: float | None) -> dict:
+    cls, kwargs = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    reference = Gated()
+    torch.manual_seed(0)
+    model = Gated()
+    ref_norms = train(reference, cls(reference.parameters(), **kwargs), [0, 1], zero, clip, stage == 3)
+    opt = ZeroOptimizer(model, cls, stage=stage, **SMALL, **kwargs)
+    norms = train(model, opt, [dist.get_rank()], zero, clip, stage == 3)
+    full = opt.full_state_dict()
+    worst = max(float((full[k] - v).abs().max()) for k, v in reference.state_dict().items())
+    torch.manual_seed(0)
+    never_moved = torch.equal(full["never.weight"], Gated().never.weight)
+    return {"worst": worst, "norms": norms, "ref_norms": ref_norms, "never_moved": never_moved}
+
+
+def parity_cases(stage: int) -> dict:
+    cases = {(name, zero, None) for name in OPTIMIZERS for zero in ("opt", "model", "opt-keep")}
+    cases |= {("AdamW-maximize", "model", 0.05), ("SGD", "opt", 0.05)}
+    return {case: parity(stage, *case) for case in sorted(cases, key=str)}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_parameters_without_gradients_match_torch(stage: int) -> None:
+    results = run_distributed(parity_cases, 2, stage, timeout=240)
+    for case, r in results[0].items():
+        assert r["worst"] < 2e-6, (case, r["worst"])
+        assert r["never_moved"], case
+        assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5), case
+        assert results[1][case] == r, case  # every rank holds the same weights and saw the same norms
+
+
+# ---- misuse: one sentence on every rank, never a hang -----------------------------------
+def misuse(stage: int, what: str) -> str:
+    torch.manual_seed(0)
+    model = Gated()
+    model.never.weight.requires_grad_(what != "unfrozen")
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, **SMALL)
+    x, y = batch(0, dist.get_rank())
+    try:
+        if what == "unfrozen":
+            model.never.weight.requires_grad_(True)
+        elif what == "cast":
+            model.double()
+        elif what == "replaced":
+            model.out.weight = nn.Parameter(model.out.weight.detach().clone())
+        elif what == "added":
+            model.extra = nn.Linear(2, 2)
+        elif what == "ddp":
+            model = nn.parallel.DistributedDataParallel(model)
+        loss = F.cross_entropy(model(x, True), y)
+        loss.backward()
+        if what == "hand-grad":
+            model.never.weight.grad = torch.ones_like(model.never.weight)
+        elif what == "clip-value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("what,sentence", [
+    ("cast", "no longer lives in ZeroOptimizer's buffers"),
+    ("replaced", "is trainable but ZeroOptimizer does not train it"),
+    ("unfrozen", "is trainable but ZeroOptimizer does not train it"),
+    ("added", "is trainable but ZeroOptimizer does not train it"),
+    ("ddp", "do not wrap it in DDP"),
+    ("hand-grad", "was assigned by hand"),
+    ("clip-value", "holds no values"),
+])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_misuse_raises_one_sentence(stage: int, what: str, sentence: str) -> None:
+    messages = run_distributed(misuse, 2, stage, what, timeout=60)
+    assert all(sentence in m for m in messages), messages
