@@ -23,9 +23,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.nn.parallel import DistributedDataParallel
 
-from optim import clip, fused, sharded_state
+from optim import clip, fused, sharded_state, state_formats
 from optim.buffers import FlatBucket, arrival_key, assign_buckets
 from optim.grad_placeholder import GradPlaceholder
 from optim.grads import GradReducer
@@ -42,6 +43,8 @@ MOVED = ("parameter {name!r} no longer lives in ZeroOptimizer's buffers: it was 
          "optimizer was built (model.to(), .half(), a new nn.Parameter); move and cast the model first, then build ZeroOptimizer")
 NOT_TRAINED = ("parameter {name!r} is trainable but ZeroOptimizer does not train it: it was replaced or unfrozen after the "
                "optimizer was built; build ZeroOptimizer once the model is final, with every parameter you will train trainable")
+COMPILED = ("torch.compile cannot trace ZeRO stage 3, whose hooks gather and free the parameters around every "
+            "module; use stage 2 with torch.compile, or stage 3 without it")
 WRAPPED = ("the model runs inside DistributedDataParallel, but ZeroOptimizer reduces gradients itself: train the bare model "
            "(do not wrap it in DDP; for Lightning and HF Trainer use optim.integrations)")
 
@@ -114,6 +117,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.rank = dist.get_rank(process_group)
         self.names = _param_names(model)
         groups, group_of = _user_groups(model, param_groups, optimizer_kwargs)
+        self._torch_order = _torch_order(param_groups, group_of, len(groups))
         _check_same_model_on_all_ranks(model, stage, group_of, process_group)
         self._orig_dtypes = {id(t): t.dtype for t in [*model.parameters(), *model.buffers()]}
         self._cast_untrained(model)
@@ -344,6 +348,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         unfrozen since construction, before they can train silently wrong."""
         if DistributedDataParallel._get_active_ddp_module() is not None:
             raise RuntimeError(WRAPPED)
+        if self.stage == 3 and (torch.compiler.is_compiling() or get_eval_frame_callback() is not None):
+            raise RuntimeError(COMPILED)
         for k, b in enumerate(self.buckets):
             for i, p in enumerate(b.params):
                 same_place = p.dtype == self.param_dtype and p.device == b.param_shard.device
@@ -626,10 +632,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # a tuple is one opaque (pickled) entry for DCP, whose save and load traversals
         # disagree on how to flatten lists of plain dicts
         groups = tuple({k: v for k, v in g.items() if k != "params"} for g in self.param_groups)
-        sd: dict[str, Any] = {"params": params, "state": state, "param_groups": groups}
+        sd = state_formats.ShardedStateDict(params=params, state=state, param_groups=groups)
         if self.scaler is not None:
             sd["loss_scaler"] = self.scaler.state_dict()
+        sd.layout = self._layout()
         return sd
+
+    def _layout(self) -> dict[str, Any]:
+        """This rank's place in the sharding, recorded in a torch.save'd state dict."""
+        names = [(self.names[p], tuple(p.shape if b.stage < 3 else b.shapes[i])) for b in self.buckets for i, p in enumerate(b.params)]
+        buckets = [[self.names[p] for p in b.params] for b in self.buckets]
+        return {"rank": self.rank, "world": self.world, "layout": state_formats.fingerprint(self.stage, names, buckets)}
 
     def _sharded_views(self, bucket: FlatBucket, shard: torch.Tensor) -> dict[str, Any]:
         """name -> sharded tensor whose local pieces view `shard` (master-shaped)."""
@@ -672,8 +685,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state dict filled by `torch.distributed.checkpoint.load` (or one returned
-        by `state_dict()` under the same layout), then republish the parameters."""
+        by `state_dict()` under the same layout, also through torch.save / torch.load on every
+        rank, or a plain torch.optim state dict of the same model), then republish the
+        parameters. A collective: a state dict that does not fit raises on every rank."""
         self._materialize_state()
+        if state_formats.RANK_LOCAL in state_dict:
+            state_formats.check_rank_local(state_dict, self._layout(), self.group)
+            state_dict = self._fill_from_rank_local(state_dict)
+        elif state_formats.is_torch_format(state_dict):
+            self._load_torch_format(state_dict)
+            return
+        else:
+            state_formats.agree(self._canonical_problem(state_dict), self.group)
         mine = self.state_dict()
         _copy_into(mine["params"], state_dict["params"])
         for name, entries in mine["state"].items():
@@ -697,6 +720,61 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for b in self.buckets:
             b.write_master_to_params()
         self._publish_params()
+
+    def _canonical_problem(self, sd: Any) -> str | None:
+        """Why `sd` is not a state dict of this optimizer's parameters; None if it is."""
+        if not isinstance(sd, dict) or not {"params", "state", "param_groups"} <= set(sd):
+            return ("this is not a ZeroOptimizer state dict (it lacks 'params', 'state' or 'param_groups'); load the dict "
+                    "opt.state_dict() returns, filled by dcp.load or saved by torch.save on every rank, or a torch.optim "
+                    "state dict of the same model")
+        for name in (self.names[p] for b in self.buckets for p in b.params):
+            if name not in sd["params"] or name not in sd["state"]:
+                return f"the optimizer state dict has no parameter {name!r}: it was saved for another model or optimizer"
+        return None
+
+    def _fill_from_rank_local(self, local: dict[str, Any]) -> dict[str, Any]:
+        """This optimizer's own state dict with the pieces a torch.save'd one holds copied in."""
+        mine = self.state_dict()
+        for ours, theirs in [(mine["params"], local["params"])] + [
+            (entries, local["state"][name]) for name, entries in mine["state"].items()
+        ]:
+            for key, target in ours.items():
+                pieces = _local_tensors(target)
+                saved = theirs[key] if isinstance(theirs[key], list) else [theirs[key]]
+                for dst, src in zip(pieces, saved):
+                    dst.copy_(src)
+                if not hasattr(target, "local_shards"):
+                    ours[key] = theirs[key]
+        return {**mine, "param_groups": local["param_groups"], **({"loss_scaler": local["loss_scaler"]} if "loss_scaler" in local else {})}
+
+    def _load_torch_format(self, sd: dict[str, Any]) -> None:
+        """A torch.optim state dict of the same model: each parameter's state, numbered as a
+        torch optimizer with the same param groups numbers it, copied into its owned part."""
+        order = [[(self.names[p], p.shape if p.numel() else self._shape_of(p)) for p in group] for group in self._torch_order]
+        problem = state_formats.torch_format_problem(sd, order)
+        keys = {key for b in self.buckets for key in self.state[b.master]}
+        extra = {key for entries in sd["state"].values() for key in entries} - keys
+        extra |= {key for group in sd["param_groups"] for key in group} - {"params", *self.param_groups[0]}
+        if problem is None and extra:
+            problem = (f"the torch optimizer state has entries {sorted(extra)} that {self.optimizer_class.__name__} does not "
+                       "have: it comes from another optimizer class; build ZeroOptimizer with the same one")
+        state_formats.agree(problem, self.group)
+        index_of = {p: index for group, mine in zip(sd["param_groups"], self._torch_order) for index, p in zip(group["params"], mine)}
+        for k, b in enumerate(self.buckets):
+            state = self.state[b.master]
+            for i, p in enumerate(b.params):
+                self._param_steps[k][i] = int(sd["state"].get(index_of[p], {}).get("step", 0))
+            for i, s, e, at in b.ranges_of(*b.opt_range):
+                for key, value in sd["state"].get(index_of[b.params[i]], {}).items():
+                    target = state.get(key)
+                    if key != "step" and isinstance(target, torch.Tensor) and target.shape == b.master.shape:
+                        target[at : at + e - s] = value.reshape(-1)[s:e]
+        for group, saved in zip(self.param_groups, sd["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def _shape_of(self, p: torch.nn.Parameter) -> torch.Size:
+        b = next(b for b in self.buckets if any(p is q for q in b.params))
+        return b.shapes[next(i for i, q in enumerate(b.params) if q is p)]
 
     def _replicate_stage0(self) -> None:
         """Stage 0 loads only its own shard of each replicated tensor; gather the rest."""
@@ -794,6 +872,16 @@ def _user_groups(
         for p in rest:
             assigned[p] = len(groups) - 1
     return groups, {p: assigned[p] for p in trainable}
+
+
+def _torch_order(
+    param_groups: list[dict[str, Any]] | None, group_of: dict[torch.nn.Parameter, int], n_groups: int
+) -> list[list[torch.nn.Parameter]]:
+    """The parameters of each group in the order a torch.optim optimizer built with the same
+    `param_groups` numbers them (the ungrouped rest, last, in registration order)."""
+    listed = [[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]) for g in param_groups or []]
+    rest = [p for p, g in group_of.items() if g == len(listed)]
+    return (listed + [rest])[:n_groups]
 
 
 def _check_same_model_on_all_ranks(

@@ -5,6 +5,8 @@ requires_grad toggled), each keeps its own step count; `model.zero_grad()`,
 each misuse that would train differently raises one sentence on every rank."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -54,11 +56,11 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(model: Gated, opt: torch.optim.Optimizer, rank_batches: list[int], zero: str, clip: float | None,
-          same_modules: bool) -> list[float]:
-    """STEPS steps; each step's loss is the mean over `rank_batches` (one rank's under ZeRO,
-    both ranks' in the single-process reference, as DDP averages them)."""
+          same_modules: bool, steps: range = range(STEPS)) -> list[float]:
+    """The given steps; each step's loss is the mean over `rank_batches` (one rank's under
+    ZeRO, both ranks' in the single-process reference, as DDP averages them)."""
     norms = []
-    for step in range(STEPS):
+    for step in steps:
         model.toggled.weight.requires_grad_(step not in (2, 3, 4))
         losses = [F.cross_entropy(model(x, uses_sometimes(step, 0 if same_modules else r)), y)
                   for r in rank_batches for x, y in [batch(step, r)]]
@@ -149,3 +151,94 @@ def misuse(stage: int, what: str) -> str:
 def test_misuse_raises_one_sentence(stage: int, what: str, sentence: str) -> None:
     messages = run_distributed(misuse, 2, stage, what, timeout=60)
     assert all(sentence in m for m in messages), messages
+
+
+# ---- state dicts users reach for: torch.save per rank, torch.optim's own ----------------
+def state_dict_habits(stage: int, folder: str) -> dict:
+    rank, first, rest = dist.get_rank(), range(3), range(3, STEPS)
+    hyper = {"lr": 1e-2, "weight_decay": 0.1}
+    torch.manual_seed(0)
+    reference = Gated()
+    ref_opt = torch.optim.AdamW(reference.parameters(), **hyper)
+    train(reference, ref_opt, [0, 1], "opt", None, True, first)
+    torch_sd, weights = copy.deepcopy(ref_opt.state_dict()), copy.deepcopy(reference.state_dict())
+    train(reference, ref_opt, [0, 1], "opt", None, True, rest)
+
+    def fresh(from_weights: dict | None = None) -> tuple[Gated, ZeroOptimizer]:
+        torch.manual_seed(0)
+        model = Gated()
+        if from_weights is not None:
+            model.load_state_dict(from_weights)
+        return model, ZeroOptimizer(model, torch.optim.AdamW, stage=stage, **SMALL, **hyper)
+
+    def worst(opt: ZeroOptimizer) -> float:
+        full = opt.full_state_dict()
+        return max(float((full[k] - v).abs().max()) for k, v in reference.state_dict().items())
+
+    out = {}
+    model, opt = fresh(weights)
+    opt.load_state_dict(torch_sd)
+    train(model, opt, [rank], "opt", None, True, rest)
+    out["from torch.optim"] = worst(opt)
+
+    model, opt = fresh()
+    train(model, opt, [rank], "opt", None, True, first)
+    torch.save(opt.state_dict(), f"{folder}/rank{rank}.pt")
+    model, opt = fresh()
+    opt.load_state_dict(torch.load(f"{folder}/rank{rank}.pt"))
+    train(model, opt, [rank], "opt", None, True, rest)
+    out["torch.save per rank"] = worst(opt)
+
+    wrong = {
+        "rank 0's file everywhere": lambda: torch.load(f"{folder}/rank0.pt"),
+        "SGD's state": lambda: torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9).state_dict(),
+        "another dict": lambda: {"weights": 1},
+    }
+    for name, load in wrong.items():
+        try:
+            opt.load_state_dict(load())
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_state_dicts_users_reach_for(stage: int, tmp_path) -> None:
+    for out in run_distributed(state_dict_habits, 2, stage, str(tmp_path), timeout=120):
+        assert out["from torch.optim"] < 2e-6, out
+        assert out["torch.save per rank"] < 2e-6, out
+        assert "torch.save it on every rank to a file of its own" in out["rank 0's file everywhere"], out
+        assert "another optimizer class" in out["SGD's state"] or "param groups" in out["SGD's state"], out
+        assert "not a ZeroOptimizer state dict" in out["another dict"], out
+
+
+# ---- torch.compile ------------------------------------------------------------------------
+def compiled_training(stage: int) -> dict:
+    """Three steps through torch.compile(model, backend="aot_eager") and three eager ones."""
+    out = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Gated()
+        opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=1e-2, **SMALL)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        try:
+            for step in range(3):
+                x, y = batch(step, dist.get_rank())
+                F.cross_entropy(run(x, True), y).backward()
+                opt.step()
+                opt.zero_grad()
+            out[compiled] = opt.full_state_dict()
+        except RuntimeError as e:
+            out[compiled] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_torch_compile_trains_like_eager_or_is_refused_at_stage_3(stage: int) -> None:
+    for out in run_distributed(compiled_training, 2, stage, timeout=180):
+        if stage == 3:
+            assert "torch.compile cannot trace ZeRO stage 3" in out[True], out[True]
+        else:
+            for name, eager in out[False].items():
+                torch.testing.assert_close(out[True][name], eager, rtol=1e-5, atol=1e-6)
