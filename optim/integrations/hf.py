@@ -4,16 +4,15 @@ stages 0-3) in place of DDP + a torch optimizer.
 Trainer's own path does not fit a ZeroOptimizer: accelerate wraps the model in DDP
 (ZeroOptimizer reduces gradients itself, and a stage-3 module's parameters are empty
 between uses), places the optimizer state on a device (it is sharded where the buckets
-are), clips `param.grad` (gradients live in flat buckets), clears gradients with
-`model.zero_grad()` (which does not reach the buckets) and saves `model.state_dict()`
-(empty at stage 3). ZeroTrainer changes exactly these points:
+are), and saves `model.state_dict()` (empty at stage 3). Trainer's `model.zero_grad()`
+clears ZeroOptimizer's gradients as it clears any (see optim.grad_placeholder).
+ZeroTrainer changes exactly these points:
 
     Trainer                                  ZeroTrainer
     create_optimizer: a torch optimizer      ZeroOptimizer over the same decay / no-decay
                                              groups, built once the model is on its device
     accelerator.prepare(model, optimizer)    no DDP (autocast only); accelerate's optimizer
-                                             wrapper without device placement, whose step
-                                             also clears the gradient buckets
+                                             wrapper without device placement
     accelerator.no_sync(model)               optimizer.no_sync() for the micro-batches that
                                              no optimizer step follows
     clip_grad_norm_(model.parameters())      optimizer.clip_grad_norm_: the global norm
@@ -208,19 +207,11 @@ class ZeroTrainer(Trainer):
 
 
 class _AcceleratedZero(AcceleratedOptimizer):
-    """accelerate's optimizer wrapper, which Trainer expects, around a ZeroOptimizer: without
-    device placement (the state is sharded where the buckets are), and whose step also clears
-    the gradient buckets, which Trainer's `model.zero_grad()` does not reach (DeepSpeed's
-    engine clears its gradients in its step likewise)."""
+    """accelerate's optimizer wrapper, which Trainer expects, around a ZeroOptimizer, without
+    device placement (the state is sharded where the buckets are)."""
 
     def __init__(self, optimizer: ZeroOptimizer) -> None:
         super().__init__(optimizer, device_placement=False)
-
-    def step(self, closure: Any = None) -> None:
-        """The optimizer step (on the last micro-batch of a step), then zero_grad()."""
-        super().step(closure)
-        if self.gradient_state.sync_gradients:
-            self.optimizer.zero_grad()
 
 
 def _check_zero_options(stage: Any, zero_kwargs: dict[str, Any]) -> None:

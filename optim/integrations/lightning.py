@@ -71,9 +71,9 @@ _SHARDED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 class ZeroPrecision(pl.plugins.precision.Precision):
     """Lightning precision plugin of ZeroStrategy: fp32 ("32-true") or bf16 autocast
-    ("bf16-mixed"), clipping gradients by ZeroOptimizer's global norm, since a
-    ZeroOptimizer's `param.grad` does not hold the reduced gradient that
-    `torch.nn.utils.clip_grad_norm_` would need."""
+    ("bf16-mixed"), clipping gradients by ZeroOptimizer's global norm: one all-reduce over
+    the shards, where `torch.nn.utils.clip_grad_norm_` on the `.grad` placeholders would
+    gather a norm per parameter."""
 
     def __init__(self, precision: Literal["32-true", "bf16-mixed"] = "32-true", device: str = "cpu") -> None:
         if precision not in ("32-true", "bf16-mixed"):
