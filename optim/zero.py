@@ -127,6 +127,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._param_steps = [[0] * len(b.params) for b in self.buckets]  # torch's per-parameter "step"
         self._stepping: list[list[bool]] = []  # per bucket: parameter i is stepped by this step()
         self._param_norms: tuple[float, torch.Tensor] | None = None  # (norm type, per-parameter norms)
+        self._hand_set = 0  # 1 + index of a parameter whose .grad was assigned by hand (0: none)
         device = self.buckets[0].master.device
         self._placeholders = [
             [GradPlaceholder(self, k, i, shape, self.param_dtype, device) for i, shape in enumerate(b.shapes)]
@@ -293,19 +294,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _check_grads(self, arriving: tuple[int, int] | None = None) -> None:
         """`.grad` set to None since the last backward (model.zero_grad()) clears that
-        gradient; one assigned by hand is refused (the optimizer would never see its values).
-        Runs at the start of each backward (where `arriving` has just got its new gradient)
-        and before each step."""
+        gradient; one assigned by hand is noted (1 + its index in `_hand_set`) and refused on
+        every rank at the next `_share_got`. Runs at the start of each backward (where
+        `arriving` has just got its new gradient) and before each step."""
+        index = 0
         for k, b in enumerate(self.buckets):
             for i, p in enumerate(b.params):
+                index += 1
                 if p.grad is self._placeholders[k][i] or (k, i) == arriving:
                     continue
                 if p.grad is not None:
-                    raise RuntimeError(
-                        f"param.grad of {self.names[p]!r} was assigned by hand; ZeroOptimizer takes gradients only "
-                        "from backward(), so compute them with loss.backward() and clear them with opt.zero_grad()"
-                    )
-                if b.got[i]:
+                    self._hand_set = self._hand_set or index
+                elif b.got[i]:
                     b.clear_grad(i)
                     b.got[i] = False
 
@@ -313,11 +313,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Which parameters have a gradient on any rank of the group (and, with `tied`, of
         their tie groups: only at the step, which every pipeline stage reaches), as DDP finds
         them: one max all-reduce of a flag per parameter. Every rank then marks them as
-        having a gradient and shows its placeholder in `.grad`."""
+        having a gradient and shows its placeholder in `.grad`. A `.grad` assigned by hand on
+        any rank (the last flag) raises on every rank."""
         self._check_grads()
-        flags = torch.tensor([g for b in self.buckets for g in b.got], dtype=torch.int32, device=self.buckets[0].grad_shard.device)
+        flags = torch.tensor([g for b in self.buckets for g in b.got] + [self._hand_set], dtype=torch.int32,
+                             device=self.buckets[0].grad_shard.device)
         if self.world > 1:
             comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        hand_set, self._hand_set = int(flags[-1]), 0
+        if hand_set:
+            name = self.names[[p for b in self.buckets for p in b.params][hand_set - 1]]
+            raise RuntimeError(f"param.grad of {name!r} was assigned by hand; ZeroOptimizer takes gradients only from "
+                               "backward(), so compute them with loss.backward() and clear them with opt.zero_grad()")
         start = 0
         for b in self.buckets:
             for group in comm.tied_groups(b.params[0]) if tied else ():
