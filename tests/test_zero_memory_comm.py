@@ -71,11 +71,12 @@ def measure_comm(stage: int) -> dict:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_comm_bytes_match_theory(stage: int, world: int) -> None:
     """2Ψ (3Ψ at stage 3) of gradients and parameters, plus which parameters have a gradient:
-    an int32 flag per parameter, max-all-reduced after backward and at the step."""
+    an int32 flag per parameter and one for a hand-set .grad, max-all-reduced after backward
+    and at the step."""
     for m in run_distributed(measure_comm, world, stage):
         B, N = 4 * m["padded"], world
         factor = 3 if stage == 3 else 2
-        flags = 2 * 2 * 4 * m["params"] * (N - 1) // N
+        flags = 2 * 2 * 4 * (m["params"] + 1) * (N - 1) // N
         assert m["bytes"] == factor * B * (N - 1) // N + flags, m["log"]
         ops = set(m["log"]["world"])
         assert ops == ({"all_reduce"} if stage == 0 else {"reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"}), ops
