@@ -41,7 +41,7 @@ DEFAULT_UNIT_NUMEL = 2**22
 
 MOVED = ("parameter {name!r} no longer lives in ZeroOptimizer's buffers: it was moved, cast or replaced after the "
          "optimizer was built (model.to(), .half(), a new nn.Parameter); move and cast the model first, then build ZeroOptimizer")
-NOT_TRAINED = ("parameter {name!r} is trainable but ZeroOptimizer does not train it: it was replaced or unfrozen after the "
+NOT_TRAINED = ("parameter {name!r} has a gradient but ZeroOptimizer does not train it: it was replaced or unfrozen after the "
                "optimizer was built; build ZeroOptimizer once the model is final, with every parameter you will train trainable")
 COMPILED = ("torch.compile cannot trace ZeRO stage 3, whose hooks gather and free the parameters around every "
             "module; use stage 2 with torch.compile, or stage 3 without it")
@@ -285,6 +285,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 "gradients accumulated under no_sync() were never reduced: run the last backward before step() outside no_sync()"
             )
+        for name, p in self.model.named_parameters():
+            if p.grad is not None and p not in self._trained:
+                raise RuntimeError(NOT_TRAINED.format(name=name))
         for b in self.buckets:
             b.zero_if_never_reduced()
             for group in comm.tied_groups(b.params[0]):
@@ -351,24 +354,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._share_got(tied=False)
 
     def _check_model(self, module: torch.nn.Module, args: tuple) -> None:
-        """Forward pre-hook: refuse a DDP wrapper and parameters moved, cast, replaced or
-        unfrozen since construction, before they can train silently wrong."""
+        """Forward pre-hook: refuse a DDP wrapper, compilation at stage 3 and parameters moved
+        or cast since construction, before they can train silently wrong."""
         if DistributedDataParallel._get_active_ddp_module() is not None:
             raise RuntimeError(WRAPPED)
         if self.stage == 3 and (torch.compiler.is_compiling() or get_eval_frame_callback() is not None):
             raise RuntimeError(COMPILED)
         for k, b in enumerate(self.buckets):
+            device = b.param_shard.device
             for i, p in enumerate(b.params):
-                same_place = p.dtype == self.param_dtype and p.device == b.param_shard.device
-                if b.stage == 3:
-                    bound = same_place and (p.numel() == 0 or p.shape == b.shapes[i])
-                else:
-                    bound = same_place and p.data_ptr() == self._bound[k][i] and p.shape == b.shapes[i]
+                if b.stage == 3:  # empty between uses; moved or cast, it changes device or dtype
+                    bound = p.dtype == self.param_dtype and p.device == device and (p.numel() == 0 or p.shape == b.shapes[i])
+                else:  # a view of the bucket; moved or cast, it is new storage
+                    bound = p.data_ptr() == self._bound[k][i]
                 if not bound:
                     raise RuntimeError(MOVED.format(name=self.names.get(p, "?")))
-        for name, p in module.named_parameters():
-            if p.requires_grad and p not in self._trained:
-                raise RuntimeError(NOT_TRAINED.format(name=name))
 
     # ---- param.grad placeholders (optim.grad_placeholder) --------------------------------
     def _grad_norm_of(self, k: int, i: int, norm_type: float) -> torch.Tensor:
