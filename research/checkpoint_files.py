@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import io
 import json
@@ -110,10 +111,20 @@ _ALLOWED: dict[str, set[str]] = {
 }
 
 
+def _enum_member(cls: Any, name: str) -> Any:
+    """`getattr(cls, name)` for a member of an allowed enum only: some Pythons (3.11.2, 3.12+)
+    pickle an enum member as getattr(its class, its name), DCP's memory-format enum included."""
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__):
+        raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not an enum member of DCP metadata")
+    return cls[name]
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds DCP metadata objects and plain data, nothing else."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if name not in _ALLOWED.get(module, ()):
             raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata type")
         return super().find_class(module, name)

@@ -6,6 +6,7 @@ at the next save; a save that runs out of space is one sentence, leaves no `.tmp
 keeps the previous checkpoint as `latest`."""
 from __future__ import annotations
 
+import enum
 import json
 import os
 import pickle
@@ -13,9 +14,11 @@ import resource
 import shutil
 import subprocess
 import sys
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 import pytest
+import torch
+import torch.distributed.checkpoint.metadata as dcp_metadata
 
 from research import checkpoint, checkpoint_files
 
@@ -183,3 +186,37 @@ def test_a_save_that_runs_out_of_space_keeps_the_previous_checkpoint(saved: Path
                              "another --save"), sentence
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]
     assert checkpoint.resolve(str(root)) == str(root / "step_00000002")
+
+
+class _ByNamePickler(pickle.Pickler):
+    """Pickles enum members as getattr(class, name), as Python 3.11.2 and 3.12+ do, and a
+    marker object as getattr(PosixPath, "cwd"): a call that is not an enum member."""
+
+    def reducer_override(self, obj: object) -> object:
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        if isinstance(obj, _CallCwd):
+            return getattr, (PosixPath, "cwd")
+        return NotImplemented
+
+
+class _CallCwd:
+    """Stands for a pickled call that the metadata reader must refuse."""
+
+
+def _metadata(extra: object = None) -> dcp_metadata.Metadata:
+    chunk = dcp_metadata.ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([2]))
+    props = dcp_metadata.TensorProperties(dtype=torch.float32)
+    entries = {"w": dcp_metadata.TensorStorageMetadata(properties=props, size=torch.Size([2]), chunks=[chunk])}
+    return dcp_metadata.Metadata(state_dict_metadata=entries, planner_data=extra)
+
+
+def test_metadata_with_enum_members_pickled_by_name_loads_and_other_getattr_calls_are_refused(tmp_path: Path) -> None:
+    for folder, extra in (("enum", None), ("call", _CallCwd())):
+        (tmp_path / folder).mkdir()
+        with open(tmp_path / folder / ".metadata", "wb") as f:
+            _ByNamePickler(f).dump(_metadata(extra))
+    loaded = checkpoint_files.read_dcp_metadata(str(tmp_path / "enum"))
+    assert loaded.state_dict_metadata["w"].properties.memory_format == torch.contiguous_format
+    with pytest.raises(checkpoint.CheckpointError, match="is not an enum member of DCP metadata"):
+        checkpoint_files.read_dcp_metadata(str(tmp_path / "call"))
