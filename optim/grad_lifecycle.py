@@ -1,0 +1,175 @@
+"""What each parameter's gradient is, between backward and the step: ZeroOptimizer's part
+that keeps torch.optim + DDP semantics under other people's habits.
+
+* Which parameters have a gradient: each rank notes them as gradients arrive; after a
+  backward that reduced every bucket, and before each step, one max all-reduce of a flag per
+  parameter makes every rank agree (as DDP's unused-parameter search does). Parameters
+  without a gradient on any rank are not stepped.
+* What `param.grad` holds: the parameter's `GradPlaceholder` (optim.grad_placeholder), whose
+  norm, scaling and zeroing are answered here; a `.grad` found None again (model.zero_grad())
+  forgets that gradient; one assigned by hand is refused on every rank.
+* Whether the model is still the one the buffers were built for: a forward pre-hook refuses
+  moved or cast parameters, a DDP wrapper and compilation at stage 3.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
+from torch.nn.parallel import DistributedDataParallel
+
+from parallel import comm
+
+if TYPE_CHECKING:
+    from optim.buffers import FlatBucket
+    from optim.grad_placeholder import GradPlaceholder
+    from optim.stage3 import ParamGatherer
+
+MOVED = ("parameter {name!r} no longer lives in ZeroOptimizer's buffers: it was moved, cast or replaced after the "
+         "optimizer was built (model.to(), .half(), a new nn.Parameter); move and cast the model first, then build ZeroOptimizer")
+NOT_TRAINED = ("parameter {name!r} has a gradient but ZeroOptimizer does not train it: it was replaced or unfrozen after the "
+               "optimizer was built; build ZeroOptimizer once the model is final, with every parameter you will train trainable")
+COMPILED = ("torch.compile cannot trace ZeRO stage 3, whose hooks gather and free the parameters around every "
+            "module; use stage 2 with torch.compile, or stage 3 without it")
+WRAPPED = ("the model runs inside DistributedDataParallel, but ZeroOptimizer reduces gradients itself: train the bare model "
+           "(do not wrap it in DDP; for Lightning and HF Trainer use optim.integrations)")
+
+
+class GradLifecycle:
+    """ZeroOptimizer's gradient bookkeeping (see module docstring)."""
+
+    buckets: list[FlatBucket]
+    names: dict[torch.nn.Parameter, str]
+    group: dist.ProcessGroup | None
+    world: int
+    stage: int
+    param_dtype: torch.dtype
+    _placeholders: list[list[GradPlaceholder]]
+    _bound: list[list[int]]
+    _gatherer: ParamGatherer | None
+    _hand_set: int
+    _param_norms: tuple[float, torch.Tensor] | None
+    _stepping: list[list[bool]]
+
+    def _check_grads(self, arriving: tuple[int, int] | None = None) -> None:
+        """`.grad` set to None since the last backward (model.zero_grad()) clears that
+        gradient; one assigned by hand is noted (1 + its index in `_hand_set`) and refused on
+        every rank at the next `_share_got`. Runs at the start of each backward (where
+        `arriving` has just got its new gradient) and before each step."""
+        index = 0
+        for k, b in enumerate(self.buckets):
+            for i, p in enumerate(b.params):
+                index += 1
+                if p.grad is self._placeholders[k][i] or (k, i) == arriving:
+                    continue
+                if p.grad is not None:
+                    self._hand_set = self._hand_set or index
+                elif b.got[i]:
+                    b.clear_grad(i)
+                    b.got[i] = False
+
+    def _share_got(self, tied: bool) -> list[list[bool]]:
+        """Which parameters have a gradient on any rank of the group (and, with `tied`, of
+        their tie groups: only at the step, which every pipeline stage reaches), as DDP finds
+        them: one max all-reduce of a flag per parameter. Every rank then marks them as
+        having a gradient and shows its placeholder in `.grad`. A `.grad` assigned by hand on
+        any rank (the last flag) raises on every rank."""
+        self._check_grads()
+        flags = torch.tensor([g for b in self.buckets for g in b.got] + [self._hand_set], dtype=torch.int32,
+                             device=self.buckets[0].grad_shard.device)
+        if self.world > 1:
+            comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        hand_set, self._hand_set = int(flags[-1]), 0
+        if hand_set:
+            name = self.names[[p for b in self.buckets for p in b.params][hand_set - 1]]
+            raise RuntimeError(f"param.grad of {name!r} was assigned by hand; ZeroOptimizer takes gradients only from "
+                               "backward(), so compute them with loss.backward() and clear them with opt.zero_grad()")
+        start = 0
+        for b in self.buckets:
+            for group in comm.tied_groups(b.params[0]) if tied else ():
+                comm.all_reduce(flags[start : start + len(b.params)], op=dist.ReduceOp.MAX, group=group)
+            start += len(b.params)
+        got, start = [], 0
+        for k, b in enumerate(self.buckets):
+            b.got = [bool(f) for f in flags[start : start + len(b.params)].tolist()]
+            start += len(b.params)
+            for i, p in enumerate(b.params):
+                if b.got[i] and p.grad is None:
+                    p.grad = self._placeholders[k][i]
+            got.append(list(b.got))
+        return got
+
+    def _backward_end(self, synced: bool) -> None:
+        """After every backward: stage 3 frees what it gathered; a backward that reduced every
+        bucket also agrees on which parameters got a gradient, so `.grad` shows the same
+        parameters on every rank (as under DDP) for third-party clipping."""
+        self._param_norms = None
+        if self._gatherer is not None:
+            self._gatherer.backward_end()
+        if synced:
+            self._share_got(tied=False)
+
+    def _check_model(self, module: torch.nn.Module, args: tuple) -> None:
+        """Forward pre-hook: refuse a DDP wrapper, compilation at stage 3 and parameters moved
+        or cast since construction, before they can train silently wrong."""
+        if DistributedDataParallel._get_active_ddp_module() is not None:
+            raise RuntimeError(WRAPPED)
+        if self.stage == 3 and (torch.compiler.is_compiling() or get_eval_frame_callback() is not None):
+            raise RuntimeError(COMPILED)
+        for k, b in enumerate(self.buckets):
+            device = b.param_shard.device
+            for i, p in enumerate(b.params):
+                if b.stage == 3:  # empty between uses; moved or cast, it changes device or dtype
+                    bound = p.dtype == self.param_dtype and p.device == device and (p.numel() == 0 or p.shape == b.shapes[i])
+                else:  # a view of the bucket; moved or cast, it is new storage
+                    bound = p.data_ptr() == self._bound[k][i]
+                if not bound:
+                    raise RuntimeError(MOVED.format(name=self.names.get(p, "?")))
+
+    # ---- param.grad placeholders (optim.grad_placeholder) --------------------------------
+    def _grad_norm_of(self, k: int, i: int, norm_type: float) -> torch.Tensor:
+        """‖ḡ‖_p of parameter i of bucket k, unscaled, over all shards: one all-reduce gives
+        every parameter's norm, reused until the gradients change."""
+        if self._param_norms is None or self._param_norms[0] != norm_type:
+            self._finish_grads()
+            device = self.buckets[0].grad_shard.device
+            local = torch.zeros(sum(len(b.params) for b in self.buckets), dtype=torch.float64, device=device)
+            at = 0
+            for b in self.buckets:
+                for j in range(len(b.params)):
+                    for piece in b.grad_pieces(j, b.shard_range):
+                        part = torch.linalg.vector_norm(piece, norm_type, dtype=torch.float32).double()
+                        local[at] = torch.maximum(local[at], part) if norm_type == float("inf") else local[at] + part**norm_type
+                    at += 1
+            op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+            if self.world > 1:
+                comm.all_reduce(local, op=op, group=self.group)
+            norms = local if norm_type == float("inf") else local ** (1.0 / norm_type)
+            self._param_norms = (norm_type, (norms * self._unscale).float())
+        start = sum(len(b.params) for b in self.buckets[:k])
+        return self._param_norms[1][start + i]
+
+    def _scale_grad_of(self, k: int, i: int, factor: torch.Tensor | float) -> None:
+        self._finish_grads()
+        b = self.buckets[k]
+        for piece in b.grad_pieces(i, b.opt_range):
+            piece.mul_(factor)
+        self._param_norms = self._norm = None
+
+    def _zero_grad_of(self, k: int, i: int) -> None:
+        self.buckets[k].clear_grad(i)
+        self._param_norms = self._norm = None
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """name -> the full reduced (averaged, unscaled) gradient of each trained parameter
+        with a gradient this step, in fp32. A collective: every rank must call it."""
+        self._finish_grads()
+        grads = {}
+        for k, b in enumerate(self.buckets):
+            flat = self._gather_flat(b, b.grad_shard.float() * self._unscale)
+            for i, p in enumerate(b.params):
+                if self._stepping[k][i]:
+                    grads[self.names[p]] = b.param_view(flat, i).clone()
+        return grads

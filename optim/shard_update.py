@@ -1,0 +1,147 @@
+"""The optimizer step on this rank's flat shards, exact per parameter: a parameter is
+stepped only if it has a gradient this step, with its own step count. Adam / AdamW run the
+fused step (optim.fused) once per group of ranges whose parameters share a step count;
+any other elementwise optimizer runs its own `step()` on the fp32 master shards, once for all
+buckets whose parameters are stepped alike and once per run of ranges otherwise."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from optim import fused
+from optim.buffers import FlatBucket
+from parallel import comm
+
+
+class ShardUpdate:
+    """ZeroOptimizer's step on its shards (see module docstring)."""
+
+    buckets: list[FlatBucket]
+    inner: torch.optim.Optimizer
+    optimizer_class: type[torch.optim.Optimizer]
+    state: Any
+    backend: str
+    group: dist.ProcessGroup | None
+    _stepping: list[list[bool]]
+    _param_steps: list[list[int]]
+
+    def _runs(self, k: int) -> list[tuple[int, list[tuple[int, int]]]]:
+        """Bucket k's parameters stepped now, grouped by their step count so far: (count,
+        master ranges [a, b)); one range over the whole master when all are alike."""
+        b, stepping, steps = self.buckets[k], self._stepping[k], self._param_steps[k]
+        if all(stepping) and len(set(steps)) == 1:
+            return [(steps[0], [(0, b.master.numel())])]
+        runs: dict[int, list[tuple[int, int]]] = {}
+        for i, s, e, at in b.ranges_of(*b.opt_range):
+            if stepping[i]:
+                runs.setdefault(steps[i], []).append((at, at + e - s))
+        return sorted(runs.items())
+
+    def _fusable(self) -> bool:
+        return all(fused.adam_hyperparams(g, self.optimizer_class) is not None for g in self.param_groups)
+
+    def _fused_step(self, group: dict, bucket_indices: list[int], multiplier: float) -> None:
+        """Adam/AdamW in one pass per shard (per range of parameters with the same step
+        count), writing the low-precision params too. The state keeps torch's keys and
+        layout, so it is interchangeable with the inner step."""
+        by_count: dict[int, list[tuple[FlatBucket, int, int]]] = {}
+        for k in bucket_indices:
+            b = self.buckets[k]
+            self._init_adam_state(b.master)
+            for count, ranges in self._runs(k):
+                by_count.setdefault(count, []).extend((b, lo, hi) for lo, hi in ranges)
+        hyper = fused.adam_hyperparams(group, self.optimizer_class)
+        for count, pieces in sorted(by_count.items()):
+            state = [self.state[b.master] for b, _, _ in pieces]
+            fused.adam_step_(
+                self.backend,
+                [b.master[lo:hi] for b, lo, hi in pieces],
+                [b.grad_shard[lo:hi] for b, lo, hi in pieces],
+                [s["exp_avg"][lo:hi] for s, (_, lo, hi) in zip(state, pieces)],
+                [s["exp_avg_sq"][lo:hi] for s, (_, lo, hi) in zip(state, pieces)],
+                [b.opt_param[lo:hi] if b.opt_param.data_ptr() != b.master.data_ptr() else None for b, lo, hi in pieces],
+                step=count + 1,
+                grad_scale=multiplier,
+                **hyper,
+            )
+        for k in bucket_indices:
+            self.state[self.buckets[k].master]["step"].fill_(max(self._param_steps[k]) + 1)
+
+    def _init_adam_state(self, master: torch.Tensor) -> None:
+        state = self.state[master]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+
+    def _inner_step(self, multiplier: float) -> None:
+        """Any elementwise optimizer: its own step on the fp32 master shards. Buckets whose
+        parameters are stepped alike take one step together; the others one per run."""
+        whole, partial = [], []
+        for k, b in enumerate(self.buckets):
+            runs = self._runs(k)
+            if len(runs) == 1 and runs[0][1] == [(0, b.master.numel())]:
+                whole.append((b, runs[0][0]))
+            elif runs:
+                partial.append((b, runs))
+        for b, count in whole:
+            self._set_inner_count(b.master, count)
+            b.master.grad = b.grad_shard.float().mul_(multiplier)
+        self.inner.step()
+        for b, _ in whole:
+            b.master.grad = None
+        for b, runs in partial:
+            self._inner_step_runs(b, runs, multiplier)
+        for b in self.buckets:
+            b.write_master_to_params()
+
+    def _inner_step_runs(self, b: FlatBucket, runs: list[tuple[int, list[tuple[int, int]]]], multiplier: float) -> None:
+        """The inner step on ranges of one master only: for each run, the step from the state
+        before (a fresh state for parameters never stepped, so first-step rules apply), kept
+        only on the run's ranges; the other ranges keep their values and state."""
+        master = b.master
+        before_master, before_state = master.clone(), _clone_state(self.state[master])
+        result_master, result_state = master.clone(), _clone_state(before_state)
+        for count, ranges in runs:
+            master.copy_(before_master)
+            self.inner.state[master] = _clone_state(before_state) if count > 0 else {}
+            self._set_inner_count(master, count)
+            master.grad = b.grad_shard.float().mul_(multiplier)
+            self.inner.step()
+            master.grad = None
+            after = self.inner.state[master]
+            for key, value in after.items():
+                if isinstance(value, torch.Tensor) and value.shape == master.shape:
+                    target = result_state.setdefault(key, torch.zeros_like(value))
+                    for lo, hi in ranges:
+                        target[lo:hi] = value[lo:hi]
+                elif key not in result_state:
+                    result_state[key] = value
+            for lo, hi in ranges:
+                result_master[lo:hi] = master[lo:hi]
+        master.copy_(result_master)
+        self.inner.state[master] = result_state
+
+    def _set_inner_count(self, master: torch.Tensor, count: int) -> None:
+        """The inner optimizer's scalar "step" set to the parameters' own count."""
+        step = self.state[master].get("step")
+        if isinstance(step, torch.Tensor):
+            step.fill_(count)
+
+    def _publish_params(self) -> None:
+        """All-gather updated shards into the full parameter buffers (stages 1-2 and
+        resident stage-3 units); stage 0 updated everything, stage 3 gathers on use."""
+        works = [
+            comm.all_gather_into_tensor(b.param_buffer, b.param_shard, group=self.group, async_op=True)
+            for b in self.buckets
+            if b.stage in (1, 2)
+        ]
+        for w in works:
+            if w is not None:
+                w.wait()
+
+
+def _clone_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}

@@ -1,0 +1,115 @@
+"""Checks and bookkeeping of ZeroOptimizer's construction: arguments, parameter names,
+param groups (and their torch.optim numbering), the same model on every rank."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallel import comm
+
+NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "Muon", "LAMB", "Lamb", "FusedLAMB", "Shampoo", "SparseAdam", "LARS"}
+PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+DEFAULT_BUCKET_NUMEL = 2**24
+DEFAULT_UNIT_NUMEL = 2**22
+
+
+def default_resident_numel(unit_numel: int) -> int:
+    """Stage-3 units smaller than this stay gathered when `resident_numel` is not given."""
+    return unit_numel // 16
+
+
+def validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, param_dtype: Any) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got {optimizer_class!r}"
+        )
+    if optimizer_class.__name__ in NOT_ELEMENTWISE:
+        raise ValueError(
+            f"{optimizer_class.__name__} is not elementwise (its update of one element depends on others), "
+            "so it is not exact on flat shards; use an elementwise optimizer such as AdamW, SGD or Adagrad"
+        )
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype={param_dtype} is not supported; use None (fp32), torch.bfloat16 or torch.float16")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "ZeroOptimizer needs torch.distributed initialized: launch with torchrun and call "
+            "dist.init_process_group() first (world_size=1 is fine)"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameter (every parameter has requires_grad=False)")
+
+
+def param_names(model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
+    """The first name of each parameter (a tied parameter keeps the first)."""
+    names: dict[torch.nn.Parameter, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(p, name)
+    return names
+
+
+def user_groups(
+    model: torch.nn.Module, param_groups: list[dict[str, Any]] | None, defaults: dict[str, Any]
+) -> tuple[list[dict[str, Any]], dict[torch.nn.Parameter, int]]:
+    """Hyperparameters per group (without "params") and trainable parameter -> group index,
+    in model registration order."""
+    trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    assigned: dict[torch.nn.Parameter, int] = {}
+    groups: list[dict[str, Any]] = []
+    for i, g in enumerate(param_groups or []):
+        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        for p in ps:
+            if p in assigned:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is in param groups {assigned[p]} and {i}; list it once")
+            if not any(p is q for q in trainable):
+                raise ValueError(f"param group {i} lists a tensor of shape {tuple(p.shape)} that is not a trainable parameter of the model")
+            assigned[p] = i
+        groups.append({k: v for k, v in g.items() if k != "params"})
+    rest = [p for p in trainable if p not in assigned]
+    if rest:
+        groups.append({})
+        for p in rest:
+            assigned[p] = len(groups) - 1
+    return groups, {p: assigned[p] for p in trainable}
+
+
+def torch_order(
+    param_groups: list[dict[str, Any]] | None, group_of: dict[torch.nn.Parameter, int], n_groups: int
+) -> list[list[torch.nn.Parameter]]:
+    """The parameters of each group in the order a torch.optim optimizer built with the same
+    `param_groups` numbers them (the ungrouped rest, last, in registration order)."""
+    listed = [[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]) for g in param_groups or []]
+    rest = [p for p, g in group_of.items() if g == len(listed)]
+    return (listed + [rest])[:n_groups]
+
+
+def check_same_model_on_all_ranks(
+    model: torch.nn.Module, stage: int, group_of: dict, group: dist.ProcessGroup | None
+) -> None:
+    """One all_gather_object of each rank's parameter signature; every rank raises the same
+    error when they differ, so a mismatch can never turn into a hang."""
+    signature = (
+        stage,
+        [(name, tuple(p.shape), str(p.dtype), p.requires_grad, group_of.get(p)) for name, p in model.named_parameters()],
+    )
+    everyone = comm.all_gather_object(signature, group=group)
+    for r, other in enumerate(everyone):
+        if other != everyone[0]:
+            diff = first_difference(everyone[0], other)
+            raise ValueError(f"the model differs between group ranks 0 and {r} at construction ({diff}); build the same model on every rank")
+
+
+def first_difference(a: tuple, b: tuple) -> str:
+    if a[0] != b[0]:
+        return f"stage {a[0]} vs {b[0]}"
+    if len(a[1]) != len(b[1]):
+        return f"{len(a[1])} vs {len(b[1])} parameters"
+    for x, y in zip(a[1], b[1]):
+        if x != y:
+            return f"parameter {x[0]}: {x[1:]} vs {y[0]}: {y[1:]}"
+    return "unknown"

@@ -1,0 +1,243 @@
+"""ZeroOptimizer's state dicts: the canonical sharded one for torch.distributed.checkpoint
+(per parameter, in its true shape, loadable under any layout), the full weights, and the
+formats of optim.state_formats (torch.save per rank, plain torch.optim state dicts)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from optim import sharded_state, state_formats
+from optim.buffers import FlatBucket
+from parallel import comm
+
+
+class ShardedStateDicts:
+    """ZeroOptimizer's state_dict / load_state_dict / full_state_dict (see module docstring)."""
+
+    buckets: list[FlatBucket]
+    model: torch.nn.Module
+    names: dict[torch.nn.Parameter, str]
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    stage: int
+    inner: torch.optim.Optimizer
+    optimizer_class: type[torch.optim.Optimizer]
+    state: Any
+    scaler: Any
+    _orig_dtypes: dict[int, torch.dtype]
+    _param_steps: list[list[int]]
+    _torch_order: list[list[torch.nn.Parameter]]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights with the keys and shapes of `model.state_dict()`: trainable
+        parameters from the fp32 masters (in their original dtype), the rest as they are.
+        A collective: every rank must call it; every rank gets the whole dict."""
+        full: dict[torch.nn.Parameter, torch.Tensor] = {}
+        for b in self.buckets:
+            flat = self._gather_flat(b, b.master)
+            for i, p in enumerate(b.params):
+                full[p] = b.param_view(flat, i).to(self._orig_dtypes[id(p)]).clone()
+        return {
+            k: full[v] if v in full else v.detach().to(self._orig_dtypes.get(id(v), v.dtype)).clone()
+            for k, v in self.model.state_dict(keep_vars=True).items()
+        }
+
+    def _gather_flat(self, bucket: FlatBucket, shard: torch.Tensor) -> torch.Tensor:
+        """The full flat tensor of which `shard` (master-shaped) is this rank's part."""
+        if bucket.stage == 0:
+            return shard
+        flat = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
+        comm.all_gather_into_tensor(flat, shard, group=self.group)
+        return flat
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sharded state for `torch.distributed.checkpoint`, canonical per parameter:
+        {"params": {name: fp32 master}, "state": {name: {key: tensor}}, "param_groups":
+        (hyperparameters per group), "loss_scaler"}, each sharded tensor in the parameter's true shape. It loads under
+        any other data-parallel size and stage: `sd = opt.state_dict(); dcp.load(sd, ...);
+        opt.load_state_dict(sd)`. Entries are views of the optimizer's own storage."""
+        self._materialize_state()
+        params: dict[str, Any] = {}
+        state: dict[str, dict[str, Any]] = {}
+        for k, b in enumerate(self.buckets):
+            for name, sharded in self._sharded_views(b, b.master).items():
+                params[name] = sharded
+            for key, value in self.state[b.master].items():
+                if value.numel() == b.master.numel():
+                    for name, sharded in self._sharded_views(b, value).items():
+                        state.setdefault(name, {})[key] = sharded
+                else:
+                    for i, p in enumerate(b.params):
+                        own = torch.tensor(float(self._param_steps[k][i])) if key == "step" else value
+                        state.setdefault(self.names[p], {})[key] = own
+        # a tuple is one opaque (pickled) entry for DCP, whose save and load traversals
+        # disagree on how to flatten lists of plain dicts
+        groups = tuple({k: v for k, v in g.items() if k != "params"} for g in self.param_groups)
+        sd = state_formats.ShardedStateDict(params=params, state=state, param_groups=groups)
+        if self.scaler is not None:
+            sd["loss_scaler"] = self.scaler.state_dict()
+        sd.layout = self._layout()
+        return sd
+
+    def _layout(self) -> dict[str, Any]:
+        """This rank's place in the sharding, recorded in a torch.save'd state dict."""
+        names = [(self.names[p], tuple(p.shape if b.stage < 3 else b.shapes[i])) for b in self.buckets for i, p in enumerate(b.params)]
+        buckets = [[self.names[p] for p in b.params] for b in self.buckets]
+        return {"rank": self.rank, "world": self.world, "layout": state_formats.fingerprint(self.stage, names, buckets)}
+
+    def _sharded_views(self, bucket: FlatBucket, shard: torch.Tensor) -> dict[str, Any]:
+        """name -> sharded tensor whose local pieces view `shard` (master-shaped)."""
+        lo, hi = bucket.shard_range
+        base = lo - bucket.opt_range[0]
+        all_ranges = [
+            {i: (s, e) for i, s, e, _ in bucket.shard_ranges(r)} for r in range(self.world)
+        ]
+        out = {}
+        for i, p in enumerate(bucket.params):
+            pieces = [(s, shard[base + at : base + at + e - s]) for j, s, e, at in bucket.ranges_of(lo, hi) if j == i]
+            ranges = [[rs[i]] if i in rs else [] for rs in all_ranges]
+            out[self.names[p]] = sharded_state.sharded_tensor_from_flat(bucket.shapes[i], pieces, ranges, self.group)
+        return out
+
+    def _materialize_state(self) -> None:
+        """Create the inner optimizer's state before its first step, so a checkpoint can be
+        loaded into it: one step with zero gradients and lr 0, after which the masters are
+        restored and every state tensor is zeroed (a fresh state for Adam-like optimizers)."""
+        if all(self.state[b.master] for b in self.buckets):
+            return
+        if self._fusable():
+            for b in self.buckets:
+                self._init_adam_state(b.master)
+            return
+        saved = [b.master.clone() for b in self.buckets]
+        lrs = [g["lr"] for g in self.param_groups]
+        for g in self.param_groups:
+            g["lr"] = 0.0
+        for b in self.buckets:
+            b.master.grad = torch.zeros_like(b.master)
+        self.inner.step()
+        for b, m, g, lr in zip(self.buckets, saved, self.param_groups, lrs):
+            b.master.copy_(m)
+            b.master.grad = None
+            g["lr"] = lr
+            for value in self.state[b.master].values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state dict filled by `torch.distributed.checkpoint.load` (or one returned
+        by `state_dict()` under the same layout, also through torch.save / torch.load on every
+        rank, or a plain torch.optim state dict of the same model), then republish the
+        parameters. A collective: a state dict that does not fit raises on every rank."""
+        self._materialize_state()
+        if state_formats.RANK_LOCAL in state_dict:
+            state_formats.check_rank_local(state_dict, self._layout(), self.group)
+            state_dict = self._fill_from_rank_local(state_dict)
+        elif state_formats.is_torch_format(state_dict):
+            self._load_torch_format(state_dict)
+            return
+        else:
+            state_formats.agree(self._canonical_problem(state_dict), self.group)
+        mine = self.state_dict()
+        _copy_into(mine["params"], state_dict["params"])
+        for name, entries in mine["state"].items():
+            _copy_into(entries, state_dict["state"][name])
+        for k, b in enumerate(self.buckets):
+            for i, p in enumerate(b.params):
+                step = state_dict["state"][self.names[p]].get("step")
+                if step is not None:
+                    self._param_steps[k][i] = int(step)
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"the checkpoint has {len(saved_groups)} param groups and this optimizer {len(self.param_groups)}; build the optimizer with the same param_groups"
+            )
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update(saved)
+        if self.scaler is not None and "loss_scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])
+        if self.stage == 0:
+            self._replicate_stage0()
+        for b in self.buckets:
+            b.write_master_to_params()
+        self._publish_params()
+
+    def _canonical_problem(self, sd: Any) -> str | None:
+        """Why `sd` is not a state dict of this optimizer's parameters; None if it is."""
+        if not isinstance(sd, dict) or not {"params", "state", "param_groups"} <= set(sd):
+            return ("this is not a ZeroOptimizer state dict (it lacks 'params', 'state' or 'param_groups'); load the dict "
+                    "opt.state_dict() returns, filled by dcp.load or saved by torch.save on every rank, or a torch.optim "
+                    "state dict of the same model")
+        for name in (self.names[p] for b in self.buckets for p in b.params):
+            if name not in sd["params"] or name not in sd["state"]:
+                return f"the optimizer state dict has no parameter {name!r}: it was saved for another model or optimizer"
+        return None
+
+    def _fill_from_rank_local(self, local: dict[str, Any]) -> dict[str, Any]:
+        """This optimizer's own state dict with the pieces a torch.save'd one holds copied in."""
+        mine = self.state_dict()
+        for ours, theirs in [(mine["params"], local["params"])] + [
+            (entries, local["state"][name]) for name, entries in mine["state"].items()
+        ]:
+            for key, target in ours.items():
+                pieces = _local_tensors(target)
+                saved = theirs[key] if isinstance(theirs[key], list) else [theirs[key]]
+                for dst, src in zip(pieces, saved):
+                    dst.copy_(src)
+                if not hasattr(target, "local_shards"):
+                    ours[key] = theirs[key]
+        return {**mine, "param_groups": local["param_groups"], **({"loss_scaler": local["loss_scaler"]} if "loss_scaler" in local else {})}
+
+    def _load_torch_format(self, sd: dict[str, Any]) -> None:
+        """A torch.optim state dict of the same model: each parameter's state, numbered as a
+        torch optimizer with the same param groups numbers it, copied into its owned part."""
+        order = [[(self.names[p], p.shape if p.numel() else self._shape_of(p)) for p in group] for group in self._torch_order]
+        problem = state_formats.torch_format_problem(sd, order)
+        keys = {key for b in self.buckets for key in self.state[b.master]}
+        extra = {key for entries in sd["state"].values() for key in entries} - keys
+        extra |= {key for group in sd["param_groups"] for key in group} - {"params", *self.param_groups[0]}
+        if problem is None and extra:
+            problem = (f"the torch optimizer state has entries {sorted(extra)} that {self.optimizer_class.__name__} does not "
+                       "have: it comes from another optimizer class; build ZeroOptimizer with the same one")
+        state_formats.agree(problem, self.group)
+        index_of = {p: index for group, mine in zip(sd["param_groups"], self._torch_order) for index, p in zip(group["params"], mine)}
+        for k, b in enumerate(self.buckets):
+            state = self.state[b.master]
+            for i, p in enumerate(b.params):
+                self._param_steps[k][i] = int(sd["state"].get(index_of[p], {}).get("step", 0))
+            for i, s, e, at in b.ranges_of(*b.opt_range):
+                for key, value in sd["state"].get(index_of[b.params[i]], {}).items():
+                    target = state.get(key)
+                    if key != "step" and isinstance(target, torch.Tensor) and target.shape == b.master.shape:
+                        target[at : at + e - s] = value.reshape(-1)[s:e]
+        for group, saved in zip(self.param_groups, sd["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def _shape_of(self, p: torch.nn.Parameter) -> torch.Size:
+        b = next(b for b in self.buckets if any(p is q for q in b.params))
+        return b.shapes[next(i for i, q in enumerate(b.params) if q is p)]
+
+    def _replicate_stage0(self) -> None:
+        """Stage 0 loads only its own shard of each replicated tensor; gather the rest."""
+        for b in self.buckets:
+            lo, hi = b.shard_range
+            for t in [b.master, *(v for v in self.state[b.master].values() if v.numel() == b.master.numel())]:
+                comm.all_gather_into_tensor(t, t[lo:hi].clone(), group=self.group)
+
+
+def _copy_into(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Copy loaded values into the optimizer's own views, unless they are the same storage."""
+    for key, target in mine.items():
+        source = theirs[key]
+        for dst, src in zip(_local_tensors(target), _local_tensors(source)):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+
+
+def _local_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor) and hasattr(value, "local_shards"):
+        return [s.tensor for s in value.local_shards()]
+    return [value]
