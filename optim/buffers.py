@@ -5,15 +5,16 @@ elements. Each parameter starts at a multiple of `ALIGN` elements and the total 
 padded to a multiple of `N·ALIGN` (N = data-parallel size), so the buffer splits into
 N equal shards; rank r owns elements [r·S/N, (r+1)·S/N).
 
-    stage | full param buffer   | param shard         | fp32 master     | grads (reduce dtype)
-    ------+---------------------+---------------------+-----------------+---------------------------
-      0   | persistent          | view of the buffer  | covers S        | persistent full buffer
-      1   | persistent          | view of the buffer  | covers S/N      | persistent full buffer
-      2   | persistent          | view of the buffer  | covers S/N      | full buffer only in backward
-      3   | only while gathered | persistent S/N      | covers S/N      | full buffer only in backward
+    sharding (stage)           | full param buffer   | param shard        | fp32 master | grads (reduce dtype)
+    ---------------------------+---------------------+--------------------+-------------+-----------------------------
+    REPLICATED (0)             | persistent          | view of the buffer | covers S    | persistent full buffer
+    SHARD_OPTIMIZER_STATE (1)  | persistent          | view of the buffer | covers S/N  | persistent full buffer
+    SHARD_GRADIENTS (2)        | persistent          | view of the buffer | covers S/N  | full buffer only in backward
+    SHARD_PARAMETERS (3)       | only while gathered | persistent S/N     | covers S/N  | full buffer only in backward
 
-The master is the param shard itself when params are fp32 (no copy). Stage 0 updates
-the whole buffer (`opt_range` = [0, S)); stages 1-3 update their own shard.
+(`optim.sharding`.) The master is the param shard itself when params are fp32 (no copy).
+A replicated bucket updates the whole buffer (`opt_range` = [0, S)); the others their own
+shard.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from optim.sharding import Sharding
 
 ALIGN = 16  # elements; keeps every parameter view 64-byte aligned in fp32
 
@@ -35,7 +38,7 @@ class FlatBucket:
 
     params: list[torch.nn.Parameter]
     group_index: int
-    stage: int
+    sharding: Sharding
     rank: int
     world: int
     param_dtype: torch.dtype
@@ -74,7 +77,7 @@ class FlatBucket:
     @property
     def opt_range(self) -> tuple[int, int]:
         """[lo, hi) of the flat buffer this rank's optimizer updates: all of it at stage 0."""
-        return (0, self.numel) if self.stage == 0 else self.shard_range
+        return self.shard_range if self.sharding.optimizer_state else (0, self.numel)
 
     def ranges_of(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
         """Per parameter i overlapping flat [lo, hi): (i, start, end, at) where [start, end) is
@@ -96,7 +99,7 @@ class FlatBucket:
         point each parameter at its view (or at an empty tensor at stage 3)."""
         lo, hi = self.shard_range
         full = flat_fp32.to(self.param_dtype)
-        if self.stage == 3:
+        if self.sharding.parameters:
             self.param_shard = full[lo:hi].clone()
             self.release_params()
         else:
@@ -105,10 +108,10 @@ class FlatBucket:
             self.bind_params(self.param_buffer)
         olo, ohi = self.opt_range
         if self.param_dtype == torch.float32:
-            self.master = self.param_buffer if self.stage == 0 else self.param_shard
+            self.master = self.param_shard if self.sharding.optimizer_state else self.param_buffer
         else:
             self.master = flat_fp32[olo:ohi].clone()
-        if self.stage in (0, 1):
+        if not self.sharding.gradients:
             self.grad_buffer = torch.zeros(self.numel, dtype=self.reduce_dtype, device=flat_fp32.device)
             self.grad_shard = self.grad_buffer[olo:ohi]
         else:
@@ -200,14 +203,14 @@ class FlatBucket:
 
     def after_reduction(self) -> None:
         """The reduced sum now lives in `grad_shard`; stages 2-3 drop the full buffer."""
-        if self.stage >= 2:
+        if self.sharding.gradients:
             self._drop_grad_buffer()
         self.needs_carry = True
         self.reduced = True
 
     def zero_grad(self) -> None:
         """Forget the gradients: stages 0-1 only mark their slots unwritten (see above)."""
-        if self.stage >= 2:
+        if self.sharding.gradients:
             self.grad_shard.zero_()
             self._drop_grad_buffer()
         self._written = [False] * len(self.params)
@@ -227,14 +230,14 @@ class FlatBucket:
 
     def zero_if_never_reduced(self) -> None:
         """With no backward since zero_grad the gradient is zero (stages 0-1 zero lazily)."""
-        if not self.reduced and self.stage < 2:
+        if not self.reduced and not self.sharding.gradients:
             self.grad_shard.zero_()
 
     # ---- parameters after the step --------------------------------------------------------
     @property
     def opt_param(self) -> torch.Tensor:
         """The low-precision parameter region the optimizer updates (full buffer at stage 0)."""
-        return self.param_buffer if self.stage == 0 else self.param_shard
+        return self.param_shard if self.sharding.optimizer_state else self.param_buffer
 
     def write_master_to_params(self) -> None:
         """Copy the updated fp32 master into the low-precision params (no-op when they alias)."""

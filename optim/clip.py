@@ -25,7 +25,7 @@ def counts_in_norm(params: list[torch.nn.Parameter]) -> bool:
 
 def owned_grad(bucket: FlatBucket) -> torch.Tensor:
     """This rank's owned part of the reduced gradient (stage 0 holds all of it)."""
-    if bucket.stage == 0:
+    if not bucket.sharding.optimizer_state:
         lo, hi = bucket.shard_range
         return bucket.grad_shard[lo:hi]
     return bucket.grad_shard

@@ -24,6 +24,7 @@ from parallel import comm
 
 if TYPE_CHECKING:
     from optim.buffers import FlatBucket
+    from optim.sharding import Sharding
     from optim.grad_placeholder import GradPlaceholder
     from optim.stage3 import ParamGatherer
 
@@ -44,7 +45,7 @@ class GradLifecycle:
     names: dict[torch.nn.Parameter, str]
     group: dist.ProcessGroup | None
     world: int
-    stage: int
+    sharding: Sharding
     param_dtype: torch.dtype
     _placeholders: list[list[GradPlaceholder]]
     _bound: list[list[int]]
@@ -116,12 +117,12 @@ class GradLifecycle:
         or cast since construction, before they can train silently wrong."""
         if DistributedDataParallel._get_active_ddp_module() is not None:
             raise RuntimeError(WRAPPED)
-        if self.stage == 3 and (torch.compiler.is_compiling() or get_eval_frame_callback() is not None):
+        if self.sharding.parameters and (torch.compiler.is_compiling() or get_eval_frame_callback() is not None):
             raise RuntimeError(COMPILED)
         for k, b in enumerate(self.buckets):
             device = b.param_shard.device
             for i, p in enumerate(b.params):
-                if b.stage == 3:  # empty between uses; moved or cast, it changes device or dtype
+                if b.sharding.parameters:  # empty between uses; moved or cast, it changes device or dtype
                     bound = p.dtype == self.param_dtype and p.device == device and (p.numel() == 0 or p.shape == b.shapes[i])
                 else:  # a view of the bucket; moved or cast, it is new storage
                     bound = p.data_ptr() == self._bound[k][i]

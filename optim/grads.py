@@ -151,11 +151,11 @@ class GradReducer:
     def _launch(self, bucket: FlatBucket) -> None:
         self._retire(keep=MAX_IN_FLIGHT - 1)
         full = bucket.grads_for_reduction()
-        if bucket.stage == 0:
+        if not bucket.sharding.optimizer_state:
             work = comm.all_reduce(full, group=self.group, async_op=True)
         else:
             lo, hi = bucket.shard_range
-            out = full[lo:hi] if bucket.stage == 1 else bucket.grad_shard
+            out = bucket.grad_shard if bucket.sharding.gradients else full[lo:hi]
             work = comm.reduce_scatter_tensor(out, full, group=self.group, async_op=True)
         self._works.append((work, bucket))
 

@@ -136,7 +136,7 @@ class ShardUpdate:
         works = [
             comm.all_gather_into_tensor(b.param_buffer, b.param_shard, group=self.group, async_op=True)
             for b in self.buckets
-            if b.stage in (1, 2)
+            if b.sharding.optimizer_state and not b.sharding.parameters
         ]
         for w in works:
             if w is not None:

@@ -31,6 +31,7 @@ from optim.grad_placeholder import GradPlaceholder
 from optim.grads import GradReducer
 from optim.scaler import DynamicLossScaler
 from optim.shard_update import ShardUpdate
+from optim.sharding import SHARD_GRADIENTS, SHARD_PARAMETERS, Sharding
 from optim.stage3 import ParamGatherer, roots, stage3_units
 from optim.zero_setup import (
     DEFAULT_BUCKET_NUMEL,
@@ -108,6 +109,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         self.model = model
         self.optimizer_class = optimizer_class
         self.stage = stage
+        self.sharding = Sharding.of_zero_stage(stage)
         self.group = process_group
         self.param_dtype = param_dtype or torch.float32
         self.model_parallel_group = model_parallel_group
@@ -131,7 +133,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             [GradPlaceholder(self, k, i, shape, self.param_dtype, device) for i, shape in enumerate(b.shapes)]
             for k, b in enumerate(self.buckets)
         ]
-        self._bound = [[p.data_ptr() for p in b.params] if b.stage < 3 else [] for b in self.buckets]
+        self._bound = [[p.data_ptr() for p in b.params] if not b.sharding.parameters else [] for b in self.buckets]
         self._trained = {p for b in self.buckets for p in b.params}
         self._check_handles = [r.register_forward_pre_hook(self._check_model) for r in roots(model)]
         self.inner = optimizer_class(
@@ -148,7 +150,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         self.last_step_skipped = False  # the last step() found an fp16 overflow and changed nothing
         self._gatherer = None
         self._scopes: dict[torch.nn.Module, list[int]] = {}  # sync_only: module -> its bucket indices
-        if stage == 3:
+        if self.sharding.parameters:
             self._gatherer = ParamGatherer(model, units, process_group)
         self._reducer = GradReducer(
             self.buckets,
@@ -197,20 +199,21 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             marks = (*comm.replicated_groups(p), *comm.tied_groups(p))
             return (group_of[p], root_of.get(p), tuple(id(g) for g in marks))
 
-        def make(params: list, stage: int) -> FlatBucket:
-            return FlatBucket(params, group_of[params[0]], stage, self.rank, self.world, self.param_dtype, reduce_dtype,
+        def make(params: list, sharding: Sharding) -> FlatBucket:
+            return FlatBucket(params, group_of[params[0]], sharding, self.rank, self.world, self.param_dtype, reduce_dtype,
                               on_grad_bytes=self._grad_bytes_changed)
 
         units: list[tuple[torch.nn.Module, list[FlatBucket]]] = []
-        if self.stage < 3:
-            buckets = [make(ps, self.stage) for ps in assign_buckets(arrival, key, bucket_numel)]
+        if not self.sharding.parameters:
+            buckets = [make(ps, self.sharding) for ps in assign_buckets(arrival, key, bucket_numel)]
         else:
             buckets = []
             for module, params in reversed(stage3_units(self.model, set(group_of), unit_numel)):
-                stage = 2 if sum(p.numel() for p in params) < resident_numel else 3
-                unit = [make(ps, stage) for ps in assign_buckets(sorted(params, key=position.get), key, float("inf"))]
+                resident = sum(p.numel() for p in params) < resident_numel
+                sharding = SHARD_GRADIENTS if resident else SHARD_PARAMETERS
+                unit = [make(ps, sharding) for ps in assign_buckets(sorted(params, key=position.get), key, float("inf"))]
                 buckets += unit
-                if stage == 3:
+                if not resident:
                     units.append((module, unit))
             last_arrival = arrival_key(position)
             buckets.sort(key=lambda b: last_arrival(b.params))

@@ -47,7 +47,7 @@ class ShardedStateDicts:
 
     def _gather_flat(self, bucket: FlatBucket, shard: torch.Tensor) -> torch.Tensor:
         """The full flat tensor of which `shard` (master-shaped) is this rank's part."""
-        if bucket.stage == 0:
+        if not bucket.sharding.optimizer_state:
             return shard
         flat = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
         comm.all_gather_into_tensor(flat, shard, group=self.group)
@@ -84,7 +84,7 @@ class ShardedStateDicts:
 
     def _layout(self) -> dict[str, Any]:
         """This rank's place in the sharding, recorded in a torch.save'd state dict."""
-        names = [(self.names[p], tuple(p.shape if b.stage < 3 else b.shapes[i])) for b in self.buckets for i, p in enumerate(b.params)]
+        names = [(self.names[p], tuple(b.shapes[i])) for b in self.buckets for i, p in enumerate(b.params)]
         buckets = [[self.names[p] for p in b.params] for b in self.buckets]
         return {"rank": self.rank, "world": self.world, "layout": state_formats.fingerprint(self.stage, names, buckets)}
 
@@ -159,7 +159,7 @@ class ShardedStateDicts:
             group.update(saved)
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
-        if self.stage == 0:
+        if not self.sharding.optimizer_state:
             self._replicate_stage0()
         for b in self.buckets:
             b.write_master_to_params()

@@ -133,6 +133,29 @@ def missing_ranks(mine: dict[str, Any], records: dict[int, dict[str, Any]]) -> t
     return None, []
 
 
+def stalled_ranks(behind: list[int], records: dict[int, dict[str, Any]]) -> tuple[list[int], dict[int, int]]:
+    """Follow the waits from the ranks that did not arrive: a rank that itself waits for
+    another in an earlier collective is blocked, not stalled. Returns (the ranks at the ends
+    of those waits, in order; blocked rank -> the rank it waits for). Ranks that wait for each
+    other in a cycle have no end: then `behind` itself is returned."""
+    blocked: dict[int, int] = {}
+    stalled: list[int] = []
+    pending, seen = list(behind), set()
+    while pending:
+        r = pending.pop(0)
+        if r in seen:
+            continue
+        seen.add(r)
+        _, waits_for = missing_ranks(records[r], records) if r in records else (None, [])
+        waits_for = [w for w in waits_for if w != r]
+        if waits_for:
+            blocked[r] = waits_for[0]
+            pending += waits_for
+        else:
+            stalled.append(r)
+    return (sorted(stalled), blocked) if stalled else (behind, {})
+
+
 def _members(channel: str) -> list[int]:
     return [int(r) for r in re.split(r",|->", channel)]
 
@@ -149,12 +172,16 @@ def report(rank: int, records: dict[int, dict[str, Any]], world: int, timeout_s:
     mine = records.get(rank, comm.recent())
     waited = f" after {timeout_s:g} s" if timeout_s else ""
     entry, behind = missing_ranks(mine, records)
+    blocked: dict[int, int] = {}
     if entry is None:
         head = (f"a collective timed out{waited} on rank {rank}, but every rank issued its recent collectives: "
                 "the ranks are waiting in different collectives (see the order below)")
     else:
+        behind, blocked = stalled_ranks(behind, records)
         last = [f"rank {r} last issued {_describe(records[r]['last'][-1], now)}" if records.get(r, {}).get("last")
                 else f"rank {r} never reported" for r in behind]
+        last += [f"rank {r} waits for rank {w} in {_describe(missing_ranks(records[r], records)[0], now)}"
+                 for r, w in sorted(blocked.items())]
         head = (f"a collective timed out{waited}: rank(s) {', '.join(map(str, behind))} did not arrive at "
                 f"{entry['op']} #{entry['seq']} on {entry['group']} [{entry['channel']}] that rank {rank} waits in; "
                 + "; ".join(last))
@@ -164,7 +191,7 @@ def report(rank: int, records: dict[int, dict[str, Any]], world: int, timeout_s:
         if r not in records:
             lines.append(f"  rank {r}: nothing published (stalled before its first collective, or the store is gone)")
             continue
-        tag = " (did not arrive)" if r in behind else ""
+        tag = " (did not arrive)" if r in behind else f" (waits for rank {blocked[r]})" if r in blocked else ""
         ops = " | ".join(_describe(e, now) for e in records[r]["last"][-REPORT_LENGTH:]) or "none"
         lines.append(f"  rank {r}{tag}: {ops}")
     return "\n".join(lines)

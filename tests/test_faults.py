@@ -50,6 +50,22 @@ def test_the_report_names_the_rank_behind_and_what_it_issued_last() -> None:
     assert "  rank 2 (did not arrive): broadcast #4" in text
 
 
+def test_a_rank_blocked_behind_the_stalled_one_is_not_blamed() -> None:
+    """Rank 2 stalls; rank 0 waits for it on their tie group, so neither reaches the mp
+    all-reduce rank 1 waits in: the report names rank 2 and says rank 0 waits for it."""
+    records = {
+        1: {"last": [_entry("all_reduce", "mp", "0,1,2,3", 9)], "issued": {"0,1,2,3": 9}},
+        3: {"last": [_entry("all_reduce", "mp", "0,1,2,3", 9)], "issued": {"0,1,2,3": 9}},
+        0: {"last": [_entry("all_reduce", "embedding", "0,2", 11)], "issued": {"0,1,2,3": 8, "0,2": 11}},
+        2: {"last": [_entry("all_reduce", "embedding", "0,2", 10)], "issued": {"0,1,2,3": 8, "0,2": 10}},
+    }
+    text = desync.report(1, records, 4, 4.0, now=104.0)
+    head = text.splitlines()[0]
+    assert "rank(s) 2 did not arrive at all_reduce #9 on mp" in head and "rank 2 last issued" in head, head
+    assert "rank 0 waits for rank 2 in all_reduce #11 on embedding [0,2]" in head, head
+    assert "  rank 0 (waits for rank 2):" in text and "  rank 2 (did not arrive):" in text
+
+
 def test_a_rank_that_never_published_is_reported_missing() -> None:
     records = {0: {"last": [_entry("barrier", "world", "0,1", 1)], "issued": {"0,1": 1}}}
     entry, behind = desync.missing_ranks(records[0], records)
