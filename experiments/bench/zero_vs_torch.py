@@ -96,7 +96,7 @@ class Config:
     seed: int = 0
     bucket_numel: int | None = None  # None: ZeroOptimizer's default (see zero_options)
     unit_numel: int | None = None  # None: one transformer block's numel
-    resident_numel: int = 2**16  # ZeroOptimizer's default; --quick lowers it so stage 3 really shards
+    resident_numel: int = 2**16  # fixed here so runs compare (ZeroOptimizer defaults to unit_numel // 16); --quick lowers it
     step_backend: str | None = None  # ZeroOptimizer's fused step backend (None: its auto pick)
     torch_adam: str = "match"  # the baselines' torch.optim.AdamW: match (ours' kernel), default, foreach, fused
 
