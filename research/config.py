@@ -31,6 +31,7 @@ import yaml
 from optim.zero import DEFAULT_BUCKET_NUMEL, DEFAULT_UNIT_NUMEL
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import SCHEDULES
+from parallel.pipeline.schedules import ScheduleError
 from parallel.pipeline.schedules import validate as validate_schedule
 from research.data import load_tokenizer, require_hub, resolve_source
 from research.errors import ConfigError
@@ -442,10 +443,10 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     m, par, tr, data, ck = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.checkpoint
     try:
         validate_schedule(par.schedule, par.pp, tr.micro_batches, par.virtual_stages)
-    except ValueError as e:
-        flag = "--virtual-stages" if "virtual_stages" in str(e) else "--micro-batches"
-        value = par.virtual_stages if flag == "--virtual-stages" else tr.micro_batches
-        raise ConfigError(f"{flag}={value}: {e}") from None
+    except ScheduleError as e:
+        field = "micro_batches" if e.field == "microbatches" else e.field
+        value = getattr(tr, field) if field == "micro_batches" else getattr(par, field)
+        raise ConfigError(f"{_flag(field)}={value}: {e}") from None
     if par.virtual_stages > 1 and par.pp == 1:
         raise ConfigError(f"--virtual-stages={par.virtual_stages} needs --pp > 1")
     try:

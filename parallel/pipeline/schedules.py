@@ -136,21 +136,30 @@ def _zb_h1(pp: int, rank: int, m: int, v: int) -> list[Action]:
 # ---------------------------------------------------------------------------
 
 
+class ScheduleError(ValueError):
+    """A (schedule, pp, micro-batches, virtual stages) that cannot run; `field` names the
+    argument at fault: "schedule", "pp", "microbatches" or "virtual_stages"."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def validate(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> None:
-    """Raise ValueError with one sentence if (name, pp, m, v) cannot run."""
+    """Raise ScheduleError with one sentence if (name, pp, m, v) cannot run."""
     for key, val in (("pp", pp), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-            raise ValueError(f"{key}={val!r} must be a positive integer.")
+            raise ScheduleError(key, f"{key}={val!r} must be a positive integer.")
     if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; known schedules: {', '.join(SCHEDULES)}.")
+        raise ScheduleError("schedule", f"unknown pipeline schedule {name!r}; known schedules: {', '.join(SCHEDULES)}.")
     fn, m, v = SCHEDULES[name], microbatches, virtual_stages
     if v > 1 and not fn.interleaved:
-        raise ValueError(f"{name} does not interleave, so virtual_stages must be 1, got {v} "
-                         f"(use {', '.join(k for k, f in SCHEDULES.items() if f.interleaved)}).")
+        raise ScheduleError("virtual_stages", f"{name} does not interleave, so virtual_stages must be 1, got {v} "
+                            f"(use {', '.join(k for k, f in SCHEDULES.items() if f.interleaved)}).")
     if fn.needs_m_ge_pp and m < pp:
-        raise ValueError(f"{name} with pp={pp} needs at least {pp} micro-batches, got {m}.")
+        raise ScheduleError("microbatches", f"{name} with pp={pp} needs at least {pp} micro-batches, got {m}.")
     if fn.needs_m_div_pp and m % pp:
-        raise ValueError(f"{name} with pp={pp} needs micro-batches divisible by {pp}, got {m}.")
+        raise ScheduleError("microbatches", f"{name} with pp={pp} needs micro-batches divisible by {pp}, got {m}.")
 
 
 def _with_comms(compute: list[Action], pp: int, rank: int, v: int) -> list[Action]:
