@@ -48,6 +48,7 @@ from typing import Any
 
 import yaml
 
+from experiments import process_tree
 from experiments.sweep_results import (
     CONFIG_COLUMNS,
     REPO,
@@ -231,9 +232,9 @@ def run_point(point: Point, folder: Path) -> dict[str, Any]:
             proc.wait(timeout=point.timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            _stop(proc)
+            process_tree.stop(proc)
         except BaseException:
-            _stop(proc)
+            process_tree.stop(proc)
             raise
     elapsed = time.monotonic() - started
     if status_of(folder) == "ok":
@@ -275,54 +276,6 @@ def failure_reason(returncode: int, log: str, timed_out: bool, timeout: float | 
     if "out of memory" in message.lower():
         kind = "oom"
     return {"exit_code": code, "kind": kind, "reason": f"{head}: {message}" if message and not timed_out else head}
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """End a job we started: SIGTERM to torchrun (it stops its workers), then SIGKILL to
-    whatever of its process tree (as seen before) is still alive after 10 s. torchrun
-    starts each worker in its own session, so a process-group kill would miss them."""
-    tree = _descendants(proc.pid)
-    try:
-        proc.terminate()
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-    for pid, start in tree.items():
-        if _start_time(pid) == start:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
-def _start_time(pid: int) -> str | None:
-    """Field 22 of /proc/PID/stat (start time; tells a process from a later one with its pid)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _descendants(root: int) -> dict[int, str]:
-    """{pid: start time} of every process below `root` (Linux /proc; {} elsewhere)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            ppid = int(Path(entry, "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        parents.setdefault(ppid, []).append(int(entry.name))
-    out, todo = {}, [root]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            start = _start_time(child)
-            if start is not None and child not in out:
-                out[child] = start
-                todo.append(child)
-    return out
 
 
 def check_point(point: Point) -> str | None:
