@@ -116,7 +116,15 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
             raise ValueError(f"ZERO3D_PEAK_TFLOPS={override!r} is not a number of TFLOP/s") from None
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device).lower()
+    tf32 = torch.backends.cuda.matmul.fp32_precision == "tf32"
+    return gpu_peak_flops(torch.cuda.get_device_name(device), dtype, tf32)
+
+
+def gpu_peak_flops(name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
+    """Dense peak FLOP/s of the GPU called `name` (a CUDA device name, or a key of the table)
+    for matmuls in `dtype` (fp32 as TF32 when `tf32`); None if unlisted. The one GPU table:
+    the planner's GPUs take their peaks from it."""
+    name = name.lower()
     peak = next((p for key, p in _PEAKS if re.search(rf"\b{re.escape(key)}\b", name)), None)
     if peak is None:
         return None
@@ -125,7 +133,6 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     elif dtype is torch.float16:
         tflops = peak.fp16
     elif dtype is torch.float32:
-        tf32 = torch.backends.cuda.matmul.fp32_precision == "tf32"
         tflops = peak.tf32 if tf32 and peak.tf32 is not None else peak.fp32
     else:
         return None

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    pass
+import torch
+
+from research.metrics import gpu_peak_flops
 
 MiB, GiB = 2**20, 2**30
 
@@ -24,14 +24,22 @@ class GPU:
     inter_node_bandwidth: float
 
 
-# Memory as nvidia-smi reports it; peaks and bandwidths from NVIDIA's datasheets (NVLink:
+# Memory as nvidia-smi reports it; bandwidths from NVIDIA's datasheets (NVLink:
 # half the bidirectional figure); networks of DGX nodes: 8 × HDR 200 Gb/s (A100),
 # 8 × NDR 400 Gb/s (H100, H200).
+def _bf16_peak(name: str) -> float:
+    """The bf16 peak from research.metrics' GPU table (the one source of peak FLOP/s)."""
+    peak = gpu_peak_flops(name, torch.bfloat16)
+    if peak is None:
+        raise KeyError(f"{name} is not in research.metrics' GPU table; add it there")
+    return peak
+
+
 GPUS: dict[str, GPU] = {
-    "a100-40gb": GPU("a100-40gb", 40960 * MiB, 312e12, 1.555e12, 300e9, 25e9),
-    "a100-80gb": GPU("a100-80gb", 81920 * MiB, 312e12, 2.039e12, 300e9, 25e9),
-    "h100": GPU("h100", 81559 * MiB, 989.4e12, 3.35e12, 450e9, 50e9),
-    "h200": GPU("h200", 143771 * MiB, 989.4e12, 4.8e12, 450e9, 50e9),
+    "a100-40gb": GPU("a100-40gb", 40960 * MiB, _bf16_peak("a100"), 1.555e12, 300e9, 25e9),
+    "a100-80gb": GPU("a100-80gb", 81920 * MiB, _bf16_peak("a100"), 2.039e12, 300e9, 25e9),
+    "h100": GPU("h100", 81559 * MiB, _bf16_peak("h100"), 3.35e12, 450e9, 50e9),
+    "h200": GPU("h200", 143771 * MiB, _bf16_peak("h200"), 4.8e12, 450e9, 50e9),
 }
 
 
