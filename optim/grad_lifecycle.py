@@ -24,8 +24,8 @@ from parallel import comm
 
 if TYPE_CHECKING:
     from optim.buffers import FlatBucket
-    from optim.sharding import Sharding
     from optim.grad_placeholder import GradPlaceholder
+    from optim.sharding import Sharding
     from optim.stage3 import ParamGatherer
 
 MOVED = ("parameter {name!r} no longer lives in ZeroOptimizer's buffers: it was moved, cast or replaced after the "
@@ -52,26 +52,25 @@ class GradLifecycle:
     _gatherer: ParamGatherer | None
     _hand_set: int
     _param_norms: tuple[float, torch.Tensor] | None
-    _stepping: list[list[bool]]
+    _first_index: list[int]
+    _all_params: list[torch.nn.Parameter]
 
     def _check_grads(self, arriving: tuple[int, int] | None = None) -> None:
         """`.grad` set to None since the last backward (model.zero_grad()) clears that
         gradient; one assigned by hand is noted (1 + its index in `_hand_set`) and refused on
         every rank at the next `_share_got`. Runs at the start of each backward (where
         `arriving` has just got its new gradient) and before each step."""
-        index = 0
         for k, b in enumerate(self.buckets):
             for i, p in enumerate(b.params):
-                index += 1
                 if p.grad is self._placeholders[k][i] or (k, i) == arriving:
                     continue
                 if p.grad is not None:
-                    self._hand_set = self._hand_set or index
+                    self._hand_set = self._hand_set or self._first_index[k] + i + 1
                 elif b.got[i]:
                     b.clear_grad(i)
                     b.got[i] = False
 
-    def _share_got(self, tied: bool) -> list[list[bool]]:
+    def _share_got(self, tied: bool) -> None:
         """Which parameters have a gradient on any rank of the group (and, with `tied`, of
         their tie groups: only at the step, which every pipeline stage reaches), as DDP finds
         them: one max all-reduce of a flag per parameter. Every rank then marks them as
@@ -84,23 +83,20 @@ class GradLifecycle:
             comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         hand_set, self._hand_set = int(flags[-1]), 0
         if hand_set:
-            name = self.names[[p for b in self.buckets for p in b.params][hand_set - 1]]
+            name = self.names[self._all_params[hand_set - 1]]
             raise RuntimeError(f"param.grad of {name!r} was assigned by hand; ZeroOptimizer takes gradients only from "
                                "backward(), so compute them with loss.backward() and clear them with opt.zero_grad()")
-        start = 0
-        for b in self.buckets:
-            for group in comm.tied_groups(b.params[0]) if tied else ():
-                comm.all_reduce(flags[start : start + len(b.params)], op=dist.ReduceOp.MAX, group=group)
-            start += len(b.params)
-        got, start = [], 0
         for k, b in enumerate(self.buckets):
-            b.got = [bool(f) for f in flags[start : start + len(b.params)].tolist()]
-            start += len(b.params)
+            for group in comm.tied_groups(b.params[0]) if tied else ():
+                start = self._first_index[k]
+                comm.all_reduce(flags[start : start + len(b.params)], op=dist.ReduceOp.MAX, group=group)
+        everyone = flags.tolist()
+        for k, b in enumerate(self.buckets):
+            start = self._first_index[k]
+            b.got = [bool(f) for f in everyone[start : start + len(b.params)]]
             for i, p in enumerate(b.params):
                 if b.got[i] and p.grad is None:
                     p.grad = self._placeholders[k][i]
-            got.append(list(b.got))
-        return got
 
     def _backward_end(self, synced: bool) -> None:
         """After every backward: stage 3 frees what it gathered; a backward that reduced every
@@ -136,7 +132,7 @@ class GradLifecycle:
         if self._param_norms is None or self._param_norms[0] != norm_type:
             self._finish_grads()
             device = self.buckets[0].grad_shard.device
-            local = torch.zeros(sum(len(b.params) for b in self.buckets), dtype=torch.float64, device=device)
+            local = torch.zeros(len(self._all_params), dtype=torch.float64, device=device)
             at = 0
             for b in self.buckets:
                 for j in range(len(b.params)):
@@ -149,8 +145,7 @@ class GradLifecycle:
                 comm.all_reduce(local, op=op, group=self.group)
             norms = local if norm_type == float("inf") else local ** (1.0 / norm_type)
             self._param_norms = (norm_type, (norms * self._unscale).float())
-        start = sum(len(b.params) for b in self.buckets[:k])
-        return self._param_norms[1][start + i]
+        return self._param_norms[1][self._first_index[k] + i]
 
     def _scale_grad_of(self, k: int, i: int, factor: torch.Tensor | float) -> None:
         self._finish_grads()
@@ -171,6 +166,6 @@ class GradLifecycle:
         for k, b in enumerate(self.buckets):
             flat = self._gather_flat(b, b.grad_shard.float() * self._unscale)
             for i, p in enumerate(b.params):
-                if self._stepping[k][i]:
+                if b.got[i]:
                     grads[self.names[p]] = b.param_view(flat, i).clone()
         return grads

@@ -24,13 +24,12 @@ class ShardUpdate:
     state: Any
     backend: str
     group: dist.ProcessGroup | None
-    _stepping: list[list[bool]]
     _param_steps: list[list[int]]
 
     def _runs(self, k: int) -> list[tuple[int, list[tuple[int, int]]]]:
         """Bucket k's parameters stepped now, grouped by their step count so far: (count,
         master ranges [a, b)); one range over the whole master when all are alike."""
-        b, stepping, steps = self.buckets[k], self._stepping[k], self._param_steps[k]
+        b, stepping, steps = self.buckets[k], self.buckets[k].got, self._param_steps[k]
         if all(stepping) and len(set(steps)) == 1:
             return [(steps[0], [(0, b.master.numel())])]
         runs: dict[int, list[tuple[int, int]]] = {}
@@ -104,11 +103,12 @@ class ShardUpdate:
         master = b.master
         before_master, before_state = master.clone(), _clone_state(self.state[master])
         result_master, result_state = master.clone(), _clone_state(before_state)
+        grad = b.grad_shard.float().mul_(multiplier)
         for count, ranges in runs:
             master.copy_(before_master)
             self.inner.state[master] = _clone_state(before_state) if count > 0 else {}
             self._set_inner_count(master, count)
-            master.grad = b.grad_shard.float().mul_(multiplier)
+            master.grad = grad
             self.inner.step()
             master.grad = None
             after = self.inner.state[master]

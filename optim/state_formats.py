@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 from typing import Any
 
@@ -35,8 +36,6 @@ class ShardedStateDict(dict):
         return restore_rank_local, ({**self.layout, "state": _local(dict(self))},)
 
     def __deepcopy__(self, memo: dict) -> dict:
-        import copy
-
         return copy.deepcopy(dict(self), memo)
 
 

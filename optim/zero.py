@@ -125,7 +125,8 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         resident = default_resident_numel(unit_numel) if resident_numel is None else resident_numel
         self.buckets, units = self._build_buckets(group_of, reduce_dtype, bucket_numel, unit_numel, resident)
         self._param_steps = [[0] * len(b.params) for b in self.buckets]  # torch's per-parameter "step"
-        self._stepping: list[list[bool]] = []  # per bucket: parameter i is stepped by this step()
+        self._all_params = [p for b in self.buckets for p in b.params]  # flat index order of the gradient flags
+        self._first_index = [sum(len(b.params) for b in self.buckets[:k]) for k in range(len(self.buckets))]
         self._param_norms: tuple[float, torch.Tensor] | None = None  # (norm type, per-parameter norms)
         self._hand_set = 0  # 1 + index of a parameter whose .grad was assigned by hand (0: none)
         device = self.buckets[0].master.device
@@ -134,7 +135,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             for k, b in enumerate(self.buckets)
         ]
         self._bound = [[p.data_ptr() for p in b.params] if not b.sharding.parameters else [] for b in self.buckets]
-        self._trained = {p for b in self.buckets for p in b.params}
+        self._trained = set(self._all_params)
         self._check_handles = [r.register_forward_pre_hook(self._check_model) for r in roots(model)]
         self.inner = optimizer_class(
             [{**g, "params": [b.master for b in self.buckets if b.group_index == i]} for i, g in enumerate(groups)],
@@ -295,7 +296,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             b.zero_if_never_reduced()
             for group in comm.tied_groups(b.params[0]):
                 comm.all_reduce(b.grad_shard, group=group)
-        self._stepping = self._share_got(tied=True)
+        self._share_got(tied=True)  # after it, b.got[i]: parameter i is stepped
         self._grads_finished = True
 
 
@@ -312,7 +313,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
                 loss = closure()
         self._finish_grads()
         self.last_step_skipped = False
-        if not any(any(s) for s in self._stepping):
+        if not any(any(b.got) for b in self.buckets):
             self._end_step()
             return loss
         if self.scaler is not None:
@@ -328,9 +329,9 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
                 self._fused_step(group, [k for k, b in enumerate(self.buckets) if b.group_index == g], multiplier)
         else:
             self._inner_step(multiplier)
-        for steps, stepping in zip(self._param_steps, self._stepping):
-            for i, s in enumerate(stepping):
-                steps[i] += s
+        for steps, b in zip(self._param_steps, self.buckets):
+            for i, got in enumerate(b.got):
+                steps[i] += got
         self._publish_params()
         self._end_step()
         return loss

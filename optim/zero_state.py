@@ -194,7 +194,8 @@ class ShardedStateDicts:
     def _load_torch_format(self, sd: dict[str, Any]) -> None:
         """A torch.optim state dict of the same model: each parameter's state, numbered as a
         torch optimizer with the same param groups numbers it, copied into its owned part."""
-        order = [[(self.names[p], p.shape if p.numel() else self._shape_of(p)) for p in group] for group in self._torch_order]
+        shape_of = {p: shape for b in self.buckets for p, shape in zip(b.params, b.shapes)}  # true shapes, also at stage 3
+        order = [[(self.names[p], shape_of[p]) for p in group] for group in self._torch_order]
         problem = state_formats.torch_format_problem(sd, order)
         keys = {key for b in self.buckets for key in self.state[b.master]}
         extra = {key for entries in sd["state"].values() for key in entries} - keys
@@ -215,10 +216,6 @@ class ShardedStateDicts:
                         target[at : at + e - s] = value.reshape(-1)[s:e]
         for group, saved in zip(self.param_groups, sd["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
-
-    def _shape_of(self, p: torch.nn.Parameter) -> torch.Size:
-        b = next(b for b in self.buckets if any(p is q for q in b.params))
-        return b.shapes[next(i for i, q in enumerate(b.params) if q is p)]
 
     def _replicate_stage0(self) -> None:
         """Stage 0 loads only its own shard of each replicated tensor; gather the rest."""
