@@ -548,10 +548,17 @@ class WandbRun:
             self._run.summary.update(_jsonable(dict(values)))
 
     def finish(self, exit_code: int = 0) -> None:
-        """Close the run (a non-zero ``exit_code`` marks it failed); idempotent."""
+        """Close the run (a non-zero ``exit_code`` marks it failed) and, when no other wandb run
+        is open in this process, wait for wandb's service to write everything to disk
+        (``run.finish`` alone may return before the offline ``.wandb`` file is flushed); idempotent.
+        """
         if self._run is not None:
+            import wandb
+
             self._run.finish(exit_code=exit_code)
             self._run = None
+            if wandb.run is None:
+                wandb.teardown()
 
     def __enter__(self) -> WandbRun:
         return self
