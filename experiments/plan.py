@@ -9,6 +9,7 @@ sequence 2048, their global batch and GPU count as defaults) or the `model` sect
 zero3d YAML config (with its `data.seq_len` and `train.global_batch_size`). Memory and time
 come from `research.costmodel` (bf16 parameters, fp32 gradient reduction, AdamW).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,14 @@ class Preset:
     global_batch_size: int
 
     def model(self) -> GPTConfig:
-        return GPTConfig(vocab_size=51200, n_layers=self.n_layers, n_heads=self.n_heads, d_model=self.d_model,
-                         max_seq_len=2048, qkv_bias=True)
+        return GPTConfig(
+            vocab_size=51200,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            d_model=self.d_model,
+            max_seq_len=2048,
+            qkv_bias=True,
+        )
 
 
 # Narayanan et al. 2021, Table 1 (tests/data/ptdp_table1.csv).
@@ -50,8 +57,9 @@ PRESETS = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m experiments.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", choices=list(PRESETS), help="a Table 1 model")
     source.add_argument("--config", help="a zero3d YAML config (its model, seq_len and global batch)")
@@ -85,52 +93,74 @@ def from_config(path: str) -> tuple[GPTConfig, int, int | None]:
 
 def cluster_of(args: argparse.Namespace, gpus: int) -> Cluster:
     gpu = costmodel.GPUS[args.gpu]
-    overrides = {"memory_bytes": args.memory_gib and int(args.memory_gib * GiB),
-                 "peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
-                 "intra_node_bandwidth": args.intra_node_gbs and args.intra_node_gbs * 1e9,
-                 "inter_node_bandwidth": args.inter_node_gbs and args.inter_node_gbs * 1e9}
+    overrides = {
+        "memory_bytes": args.memory_gib and int(args.memory_gib * GiB),
+        "peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
+        "intra_node_bandwidth": args.intra_node_gbs and args.intra_node_gbs * 1e9,
+        "inter_node_bandwidth": args.inter_node_gbs and args.inter_node_gbs * 1e9,
+    }
     gpu = dataclasses.replace(gpu, **{k: v for k, v in overrides.items() if v})
     return Cluster(gpu, gpus, args.gpus_per_node)
 
 
 def _count(n: int) -> str:
-    return next(f"{n / scale:.3g}{unit}" for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
-                if n >= scale or unit == "")
+    return next(
+        f"{n / scale:.3g}{unit}"
+        for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
+        if n >= scale or unit == ""
+    )
 
 
 def _gib(n: float) -> str:
     return f"{round(n / GiB, 1):g} GiB"
 
 
-def report(plan: Plan, name: str, model: GPTConfig, cluster: Cluster, global_batch_size: int, seq_len: int,
-           top: int) -> str:
+def report(
+    plan: Plan, name: str, model: GPTConfig, cluster: Cluster, global_batch_size: int, seq_len: int, top: int
+) -> str:
     """The table of the `top` fastest fitting layouts, the best one's breakdown, and the
     rejected layouts by reason with one example each."""
     gpu = cluster.gpu
-    lines = [(f"{name}: {_count(model.num_params())} parameters, seq {seq_len}, global batch {global_batch_size} "
-              f"on {cluster.gpus} × {gpu.name} ({_gib(gpu.memory_bytes)}, {gpu.peak_flops / 1e12:g} TFLOP/s, "
-              f"{cluster.gpus_per_node} per node)")]
+    lines = [
+        (
+            f"{name}: {_count(model.num_params())} parameters, seq {seq_len}, global batch {global_batch_size} "
+            f"on {cluster.gpus} × {gpu.name} ({_gib(gpu.memory_bytes)}, {gpu.peak_flops / 1e12:g} TFLOP/s, "
+            f"{cluster.gpus_per_node} per node)"
+        )
+    ]
     rejected = sum(count for count, _ in plan.rejected.values())
     lines.append(f"{len(plan.ranked) + rejected} layouts: {len(plan.ranked)} fit, {rejected} do not")
-    header = (f"{'#':>3} {'tp':>3} {'pp':>4} {'dp':>5} {'v':>2} {'zero':>4} {'mbs':>4} {'recompute':>9} {'sp':>2} {'sync':>5} "
-              f"{'mem GiB':>8} {'step s':>9} {'TFLOP/s/GPU':>11} {'MFU':>6}")
+    header = (
+        f"{'#':>3} {'tp':>3} {'pp':>4} {'dp':>5} {'v':>2} {'zero':>4} {'mbs':>4} {'recompute':>9} {'sp':>2} {'sync':>5} "
+        f"{'mem GiB':>8} {'step s':>9} {'TFLOP/s/GPU':>11} {'MFU':>6}"
+    )
     if plan.ranked:
         lines += ["", header]
     for i, e in enumerate(plan.ranked[:top], 1):
         lo = e.layout
-        lines.append(f"{i:>3} {lo.tp:>3} {lo.pp:>4} {lo.dp:>5} {lo.virtual_stages:>2} {lo.zero:>4} "
-                     f"{lo.micro_batch_size:>4} {lo.recompute:>9} {int(lo.sp):>2} {lo.grad_sync:>5} {e.memory.total / GiB:>8.1f} "
-                     f"{e.time.total:>9.3g} {e.tflops_per_gpu:>11.1f} {e.mfu:>6.1%}")
+        lines.append(
+            f"{i:>3} {lo.tp:>3} {lo.pp:>4} {lo.dp:>5} {lo.virtual_stages:>2} {lo.zero:>4} "
+            f"{lo.micro_batch_size:>4} {lo.recompute:>9} {int(lo.sp):>2} {lo.grad_sync:>5} {e.memory.total / GiB:>8.1f} "
+            f"{e.time.total:>9.3g} {e.tflops_per_gpu:>11.1f} {e.mfu:>6.1%}"
+        )
     if plan.ranked:
         best = plan.ranked[0]
         mem, t = best.memory, best.time
-        lines += ["",
-                  ("TFLOP/s/GPU: model FLOPs (no recomputation) per second per GPU, as the trainer reports; "
-                   "MFU = that / peak."),
-                  (f"#1 memory (pipeline rank {mem.pp_rank}): model states {_gib(mem.model_states.total)} + "
-                   f"activations {_gib(mem.activations)} + buffers {_gib(mem.buffers)}"),
-                  (f"#1 step: {t.pipeline:.3g} s pipeline (bubble {t.bubble:.3g}, TP comm {t.tp_comm:.3g}, "
-                   f"PP comm {t.pp_comm:.3g}) + {t.dp_comm:.3g} s exposed DP comm + {t.optimizer:.3g} s optimizer")]
+        lines += [
+            "",
+            (
+                "TFLOP/s/GPU: model FLOPs (no recomputation) per second per GPU, as the trainer reports; "
+                "MFU = that / peak."
+            ),
+            (
+                f"#1 memory (pipeline rank {mem.pp_rank}): model states {_gib(mem.model_states.total)} + "
+                f"activations {_gib(mem.activations)} + buffers {_gib(mem.buffers)}"
+            ),
+            (
+                f"#1 step: {t.pipeline:.3g} s pipeline (bubble {t.bubble:.3g}, TP comm {t.tp_comm:.3g}, "
+                f"PP comm {t.pp_comm:.3g}) + {t.dp_comm:.3g} s exposed DP comm + {t.optimizer:.3g} s optimizer"
+            ),
+        ]
     else:
         lines += ["", "No layout fits."]
     if plan.rejected:

@@ -1,5 +1,6 @@
 """Ending a job's whole process tree on Linux: torchrun starts each worker in its own
 session, so a process-group kill misses them; the tree is read from /proc."""
+
 from __future__ import annotations
 
 import os

@@ -28,6 +28,7 @@ Afterwards OUT holds `results.csv`, `results.md` and the plots of `experiments.s
 each point is a wandb run in the group named after the sweep, and a report run in that group
 logs the results table and the plots.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -144,8 +145,9 @@ def _find(path: str, sweep_file: Path) -> Path:
     raise SweepError(f"base: {path} does not exist (tried the current folder, {sweep_file.parent} and {REPO})")
 
 
-def load_sweep(path: str | Path, out: str | None = None, timeout: float | None = None,
-               wandb: str | None = None) -> tuple[dict[str, Any], list[Point]]:
+def load_sweep(
+    path: str | Path, out: str | None = None, timeout: float | None = None, wandb: str | None = None
+) -> tuple[dict[str, Any], list[Point]]:
     """The sweep's settings (name, base, out, wandb mode, project, group) and its points,
     validated: unknown keys, duplicate point names and missing sizes are errors here,
     before anything runs. `out`, `timeout` and `wandb` override the file's."""
@@ -169,10 +171,15 @@ def load_sweep(path: str | Path, out: str | None = None, timeout: float | None =
     mode = wandb or common.pop("wandb", None) or spec.get("wandb") or wandb_mode_from_env()
     if mode not in ("offline", "online", "disabled"):
         raise SweepError(f"{path}: wandb: {mode!r} is not one of offline, online, disabled")
-    settings = {"name": name, "description": spec.get("description"), "base": str(base),
-                "out": str(Path(out or Path("runs", "sweeps", name)).resolve()), "wandb": mode,
-                "project": common.get("wandb_project", defaults["wandb_project"]),
-                "group": common.pop("wandb_group", None) or name}
+    settings = {
+        "name": name,
+        "description": spec.get("description"),
+        "base": str(base),
+        "out": str(Path(out or Path("runs", "sweeps", name)).resolve()),
+        "wandb": mode,
+        "project": common.get("wandb_project", defaults["wandb_project"]),
+        "group": common.pop("wandb_group", None) or name,
+    }
     default_timeout = timeout if timeout is not None else spec.get("timeout")
     points: list[Point] = []
     for own in expand(spec):
@@ -193,21 +200,34 @@ def load_sweep(path: str | Path, out: str | None = None, timeout: float | None =
         requested = {**{k: setting.get(k) for k in CONFIG_COLUMNS}, "nproc": int(nproc)}
         if requested["dp"] is None and nproc % model_parallel == 0:
             requested["dp"] = nproc // model_parallel
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   "-m", "experiments.train", "--config", str(base), *flags(overrides),
-                   "--out", str(Path(settings["out"], pname)), "--wandb", mode,
-                   "--wandb-group", settings["group"], "--wandb-name", pname]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "experiments.train",
+            "--config",
+            str(base),
+            *flags(overrides),
+            "--out",
+            str(Path(settings["out"], pname)),
+            "--wandb",
+            mode,
+            "--wandb-group",
+            settings["group"],
+            "--wandb-name",
+            pname,
+        ]
         limit = own.get("timeout", default_timeout)
         points.append(Point(pname, overrides, int(nproc), float(limit) if limit else None, command, requested))
     return settings, points
 
 
-
 # ---------------------------------------------------------------------------
 # Running points
 # ---------------------------------------------------------------------------
-
-
 
 
 def run_point(point: Point, folder: Path) -> dict[str, Any]:
@@ -217,17 +237,27 @@ def run_point(point: Point, folder: Path) -> dict[str, Any]:
     (folder / "failed.json").unlink(missing_ok=True)
     meta_file = folder / "point.json"
     attempts = json.loads(meta_file.read_text()).get("attempts", 0) if meta_file.exists() else 0
-    meta = {"name": point.name, "overrides": point.overrides, "nproc": point.nproc, "attempts": attempts + 1,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": point.command}
+    meta = {
+        "name": point.name,
+        "overrides": point.overrides,
+        "nproc": point.nproc,
+        "attempts": attempts + 1,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "command": point.command,
+    }
     meta_file.write_text(json.dumps(meta, indent=2) + "\n")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
     started, timed_out = time.monotonic(), False
     with open(folder / "train.log", "w") as log:
         log.write("$ " + shlex.join(point.command) + "\n")
         log.flush()
-        proc = subprocess.Popen(point.command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # Ctrl-C reaches us only; we stop the job
+        proc = subprocess.Popen(
+            point.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )  # Ctrl-C reaches us only; we stop the job
         try:
             proc.wait(timeout=point.timeout)
         except subprocess.TimeoutExpired:
@@ -240,9 +270,14 @@ def run_point(point: Point, folder: Path) -> dict[str, Any]:
     if status_of(folder) == "ok":
         return {}
     text = (folder / "train.log").read_text(errors="replace")
-    failure = {"name": point.name, "returncode": proc.returncode,
-               **failure_reason(proc.returncode, text, timed_out, point.timeout),
-               "elapsed_s": round(elapsed, 1), "log_tail": text.splitlines()[-30:], "command": point.command}
+    failure = {
+        "name": point.name,
+        "returncode": proc.returncode,
+        **failure_reason(proc.returncode, text, timed_out, point.timeout),
+        "elapsed_s": round(elapsed, 1),
+        "log_tail": text.splitlines()[-30:],
+        "command": point.command,
+    }
     (folder / "failed.json").write_text(json.dumps(failure, indent=2) + "\n")
     return failure
 
@@ -258,8 +293,13 @@ def failure_reason(returncode: int, log: str, timed_out: bool, timeout: float | 
         code = int(root.group(1))
     lines = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in log.splitlines()]
     errors = [line for line in lines if line.startswith("error:")]
-    exceptions = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", line)
-                  and "ChildFailedError" not in line and "SignalException" not in line]
+    exceptions = [
+        line
+        for line in lines
+        if re.match(r"^[\w.]*(Error|Exception)\b.*:", line)
+        and "ChildFailedError" not in line
+        and "SignalException" not in line
+    ]
     message = (errors or exceptions or [""])[-1]
     if timed_out:
         kind, head = "timeout", f"timeout: stopped after {timeout:g} s"
@@ -283,7 +323,7 @@ def check_point(point: Point) -> str | None:
     for its process count), or None; what `--dry-run` shows. Nothing is launched."""
     from research.config import ConfigError, parse_args
 
-    argv = point.command[point.command.index("experiments.train") + 1:]
+    argv = point.command[point.command.index("experiments.train") + 1 :]
     try:
         parse_args(argv, point.nproc)
     except ConfigError as e:
@@ -293,14 +333,22 @@ def check_point(point: Point) -> str | None:
     return None
 
 
-def run_sweep(settings: dict[str, Any], points: list[Point], retry_failed: bool = True, dry_run: bool = False,
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_sweep(
+    settings: dict[str, Any],
+    points: list[Point],
+    retry_failed: bool = True,
+    dry_run: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Run the points not yet done (and the failed ones, with `retry_failed`), one after
     another, then write the tables and plots and the wandb report run.
     Returns {"launched": [names], "failed": [names], "rows": results rows}."""
     out = Path(settings["out"])
-    todo = [p for p in points if status_of(out / p.name) == "missing"
-            or (retry_failed and status_of(out / p.name) == "failed")]
+    todo = [
+        p
+        for p in points
+        if status_of(out / p.name) == "missing" or (retry_failed and status_of(out / p.name) == "failed")
+    ]
     done = sum(status_of(out / p.name) == "ok" for p in points)
     log(f"sweep {settings['name']}: {len(points)} points, {done} done, {len(todo)} to run -> {out}")
     if dry_run:
@@ -325,8 +373,14 @@ def run_sweep(settings: dict[str, Any], points: list[Point], retry_failed: bool 
             log(f"[{i}/{len(todo)}] {p.name} FAILED after {took}: {failure['reason']}")
         else:
             row = point_row(json.loads((out / p.name / "summary.json").read_text()), p.name, "ok")
-            brief = [f"{format_value(c, row[c])} {unit}" for c, unit in
-                     (("tokens_per_s", "tok/s"), ("mem_per_rank_bytes", "per rank"), ("final_loss", "final loss"))]
+            brief = [
+                f"{format_value(c, row[c])} {unit}"
+                for c, unit in (
+                    ("tokens_per_s", "tok/s"),
+                    ("mem_per_rank_bytes", "per rank"),
+                    ("final_loss", "final loss"),
+                )
+            ]
             log(f"[{i}/{len(todo)}] {p.name} ok in {took} | " + " | ".join(brief))
     rows = report(out, settings["wandb"], log=log)
     failed = [r["name"] for r in rows if r["status"] != "ok"]
@@ -338,24 +392,42 @@ def _warn_if_changed(point: Point, folder: Path, log: Callable[[str], None]) -> 
     if status_of(folder) == "ok" and meta.exists():
         old = json.loads(meta.read_text())
         if old.get("overrides") != point.overrides or old.get("nproc") != point.nproc:
-            log(f"note: {point.name} finished with other settings ({old.get('overrides')}, nproc "
-                f"{old.get('nproc')}); it is kept. Delete {folder} to run it again.")
+            log(
+                f"note: {point.name} finished with other settings ({old.get('overrides')}, nproc "
+                f"{old.get('nproc')}); it is kept. Delete {folder} to run it again."
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("sweep", nargs="?", help="sweep YAML file")
     parser.add_argument("--out", help="output folder (default: runs/sweeps/<name>)")
     parser.add_argument("--dry-run", action="store_true", help="print each point's command and state; run nothing")
-    parser.add_argument("--timeout", type=float, help="seconds per point before it is stopped and recorded as failed "
-                        "(default: the sweep file's timeout; a point's own timeout wins)")
-    parser.add_argument("--wandb", choices=("offline", "online", "disabled"),
-                        help="wandb mode of the points and the report run (default: the sweep's, $WANDB_MODE, offline)")
-    parser.add_argument("--retry-failed", action=argparse.BooleanOptionalAction, default=True,
-                        help="run failed points again (finished points are never run again)")
-    parser.add_argument("--report", metavar="DIR", help="only rebuild results.csv/.md and the plots of a sweep "
-                        "folder (and, with --wandb offline/online, log a report run)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds per point before it is stopped and recorded as failed "
+        "(default: the sweep file's timeout; a point's own timeout wins)",
+    )
+    parser.add_argument(
+        "--wandb",
+        choices=("offline", "online", "disabled"),
+        help="wandb mode of the points and the report run (default: the sweep's, $WANDB_MODE, offline)",
+    )
+    parser.add_argument(
+        "--retry-failed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run failed points again (finished points are never run again)",
+    )
+    parser.add_argument(
+        "--report",
+        metavar="DIR",
+        help="only rebuild results.csv/.md and the plots of a sweep "
+        "folder (and, with --wandb offline/online, log a report run)",
+    )
     args = parser.parse_args(argv)
     if args.report:
         if not Path(args.report, "sweep.json").exists():

@@ -11,6 +11,7 @@
 A plot is made only when the finished points have what it needs; otherwise it is skipped
 and the log says why.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -18,10 +19,27 @@ from pathlib import Path
 from typing import Any
 
 MiB = 2**20
-PARTS = (("params", "params", "#4c72b0"), ("grads", "grads", "#55a868"),
-         ("master_and_optimizer", "master + optimizer", "#c44e52"), ("activations", "activations", "#8172b2"))
-LAYOUT_KEYS = ("nproc", "tp", "pp", "dp", "zero", "schedule", "virtual_stages", "micro_batches",
-               "micro_batch_size", "precision", "recompute", "sequence_parallel", "grad_sync")
+PARTS = (
+    ("params", "params", "#4c72b0"),
+    ("grads", "grads", "#55a868"),
+    ("master_and_optimizer", "master + optimizer", "#c44e52"),
+    ("activations", "activations", "#8172b2"),
+)
+LAYOUT_KEYS = (
+    "nproc",
+    "tp",
+    "pp",
+    "dp",
+    "zero",
+    "schedule",
+    "virtual_stages",
+    "micro_batches",
+    "micro_batch_size",
+    "precision",
+    "recompute",
+    "sequence_parallel",
+    "grad_sync",
+)
 
 
 def _pyplot():
@@ -49,7 +67,7 @@ def _varying(rows: list[dict[str, Any]], exclude: tuple[str, ...] = ()) -> list[
 
 
 def _label(row: dict[str, Any], keys: list[str], sep: str = " ") -> str:
-    """"schedule=1f1b v=2 m=8" for the keys given ("ZeRO 3" for zero)."""
+    """ "schedule=1f1b v=2 m=8" for the keys given ("ZeRO 3" for zero)."""
     short = {"virtual_stages": "v", "micro_batches": "m", "micro_batch_size": "mbs", "sequence_parallel": "sp"}
     return sep.join(f"ZeRO {row[k]}" if k == "zero" else f"{short.get(k, k)}={row[k]}" for k in keys)
 
@@ -64,16 +82,31 @@ def memory_vs_throughput(rows: list[dict[str, Any]], path: Path, swept: set[str]
     front = pareto_front(xy)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.scatter([t for _, t in xy], [m for m, _ in xy], color="#4c72b0", zorder=3, label="point")
-    ax.plot([xy[i][1] for i in front], [xy[i][0] for i in front], "o-", color="#c44e52", mfc="none", ms=12,
-            zorder=2, label="Pareto front (less memory, more tok/s)")
+    ax.plot(
+        [xy[i][1] for i in front],
+        [xy[i][0] for i in front],
+        "o-",
+        color="#c44e52",
+        mfc="none",
+        ms=12,
+        zorder=2,
+        label="Pareto front (less memory, more tok/s)",
+    )
     labels: dict[tuple[float, float], list[str]] = {}
     for r, at in zip(ok, xy):
         labels.setdefault(at, []).append(r["name"])  # points at the same place share one label
     for (m, t), names in labels.items():
         ax.annotate(", ".join(names), (t, m), xytext=(4, 4), textcoords="offset points", fontsize=7)
     ax.margins(x=0.15, y=0.1)  # room for the labels
-    _finish(plt, fig, ax, path, "throughput (tokens/s, median over steps)",
-            "memory per rank (MiB): model states + activations", "memory vs throughput")
+    _finish(
+        plt,
+        fig,
+        ax,
+        path,
+        "throughput (tokens/s, median over steps)",
+        "memory per rank (MiB): model states + activations",
+        "memory vs throughput",
+    )
     return None
 
 
@@ -88,8 +121,14 @@ def memory_breakdown(rows: list[dict[str, Any]], path: Path, swept: set[str]) ->
     derived = {"nproc", "micro_batches", "micro_batch_size"} - swept  # follow from other settings
     others = _varying(ok, exclude=("dp", *derived))
     widths = [max(1.5, sum(r["dp"] == dp for r in ok)) for dp in panels]
-    fig, axes = plt.subplots(1, len(panels), figsize=(2.2 + 1.1 * sum(widths), 4.8), sharey=True, squeeze=False,
-                             gridspec_kw={"width_ratios": widths})
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(2.2 + 1.1 * sum(widths), 4.8),
+        sharey=True,
+        squeeze=False,
+        gridspec_kw={"width_ratios": widths},
+    )
     for ax, dp in zip(axes[0], panels):
         bars = sorted((r for r in ok if r["dp"] == dp), key=lambda r: r["zero"])  # stable: sweep order otherwise
         bottom = [0.0] * len(bars)
@@ -98,11 +137,20 @@ def memory_breakdown(rows: list[dict[str, Any]], path: Path, swept: set[str]) ->
             ax.bar(range(len(bars)), values, bottom=bottom, color=color, label=label, width=0.7)
             bottom = [b + v for b, v in zip(bottom, values)]
         transient = [max(0, r["mem_grads_peak_bytes"] - r["mem_grads_bytes"]) / MiB for r in bars]
-        ax.bar(range(len(bars)), transient, bottom=bottom, color="none", edgecolor=PARTS[1][2], hatch="///",
-               width=0.7, label="full grad buckets during backward (peak)")
+        ax.bar(
+            range(len(bars)),
+            transient,
+            bottom=bottom,
+            color="none",
+            edgecolor=PARTS[1][2],
+            hatch="///",
+            width=0.7,
+            label="full grad buckets during backward (peak)",
+        )
         for i, (total, extra) in enumerate(zip(bottom, transient)):
-            ax.annotate(f"{total:.2f}", (i, total + extra), xytext=(0, 2), textcoords="offset points", ha="center",
-                        fontsize=7)
+            ax.annotate(
+                f"{total:.2f}", (i, total + extra), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=7
+            )
         ticks = [_label(r, others, "\n") if others else r["name"] for r in bars]
         if any(len(line) > 14 for t in ticks for line in t.split("\n")):
             ax.set_xticks(range(len(bars)), ticks, fontsize=7, rotation=30, ha="right")
@@ -143,8 +191,15 @@ def throughput_vs_micro_batches(rows: list[dict[str, Any]], path: Path, swept: s
     ticks = sorted({r["micro_batches"] for r in ok})
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.minorticks_off()
-    _finish(plt, fig, ax, path, "micro-batches per step", "throughput (tokens/s)",
-            "throughput vs micro-batches (pipeline bubble)")
+    _finish(
+        plt,
+        fig,
+        ax,
+        path,
+        "micro-batches per step",
+        "throughput (tokens/s)",
+        "throughput vs micro-batches (pipeline bubble)",
+    )
     return None
 
 
@@ -160,12 +215,16 @@ def _finish(plt: Any, fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, t
     plt.close(fig)
 
 
-PLOTS = (("memory_vs_throughput.png", memory_vs_throughput), ("memory_breakdown.png", memory_breakdown),
-         ("throughput_vs_micro_batches.png", throughput_vs_micro_batches))
+PLOTS = (
+    ("memory_vs_throughput.png", memory_vs_throughput),
+    ("memory_breakdown.png", memory_breakdown),
+    ("throughput_vs_micro_batches.png", throughput_vs_micro_batches),
+)
 
 
-def make_plots(rows: list[dict[str, Any]], out: Path, swept: set[str] = frozenset(),
-               log: Callable[[str], None] = print) -> list[Path]:
+def make_plots(
+    rows: list[dict[str, Any]], out: Path, swept: set[str] = frozenset(), log: Callable[[str], None] = print
+) -> list[Path]:
     """Write every plot the rows allow into `out` (removing stale ones that no longer apply);
     `swept`: the config keys the sweep's points set to different values. The paths written."""
     ok = [r for r in rows if r["status"] == "ok"]

@@ -1,5 +1,6 @@
 """The results of a sweep: one row per point from its run folder, results.csv, results.md,
 the plots (`experiments.sweep_plots`) and a wandb report run."""
+
 from __future__ import annotations
 
 import csv
@@ -13,18 +14,47 @@ from research import costmodel
 
 REPO = Path(__file__).resolve().parent.parent
 
-CONFIG_COLUMNS = ("nproc", "tp", "pp", "dp", "zero", "schedule", "virtual_stages", "micro_batches",
-                  "micro_batch_size", "precision", "recompute", "sequence_parallel", "grad_sync")
-RESULT_COLUMNS = ("tokens_per_s", "tflops_per_device", "mfu", "mem_per_rank_bytes", "mem_model_states_bytes",
-                  "mem_params_bytes", "mem_grads_bytes", "mem_master_and_optimizer_bytes", "mem_activations_bytes",
-                  "mem_grads_peak_bytes", "mem_peak_bytes", "comm_tp_bytes", "comm_pp_bytes", "comm_dp_bytes", "comm_total_bytes",
-                  "model_states_predicted_error", "final_loss", "wall_time_s")
+CONFIG_COLUMNS = (
+    "nproc",
+    "tp",
+    "pp",
+    "dp",
+    "zero",
+    "schedule",
+    "virtual_stages",
+    "micro_batches",
+    "micro_batch_size",
+    "precision",
+    "recompute",
+    "sequence_parallel",
+    "grad_sync",
+)
+RESULT_COLUMNS = (
+    "tokens_per_s",
+    "tflops_per_device",
+    "mfu",
+    "mem_per_rank_bytes",
+    "mem_model_states_bytes",
+    "mem_params_bytes",
+    "mem_grads_bytes",
+    "mem_master_and_optimizer_bytes",
+    "mem_activations_bytes",
+    "mem_grads_peak_bytes",
+    "mem_peak_bytes",
+    "comm_tp_bytes",
+    "comm_pp_bytes",
+    "comm_dp_bytes",
+    "comm_total_bytes",
+    "model_states_predicted_error",
+    "final_loss",
+    "wall_time_s",
+)
 COLUMNS = ("name", "status", *CONFIG_COLUMNS, *RESULT_COLUMNS, "error")
 MEMORY_PARTS = ("params", "grads", "master_and_optimizer", "activations")
 
 
 def status_of(folder: Path) -> str:
-    """"ok" (summary.json exists), "failed" (failed.json) or "missing"."""
+    """ "ok" (summary.json exists), "failed" (failed.json) or "missing"."""
     if (folder / "summary.json").exists():
         return "ok"
     return "failed" if (folder / "failed.json").exists() else "missing"
@@ -63,9 +93,14 @@ def point_row(summary: dict[str, Any], name: str, status: str) -> dict[str, Any]
     row.update({f"comm_{g}_bytes": comm(busiest, g) for g in ("tp", "pp", "dp")})
     row["comm_total_bytes"] = sum(comm(busiest, g) for g in busiest["comm_per_step"])
     row["model_states_predicted_error"] = planner_error(summary)
-    row.update(tokens_per_s=summary.get("median_tokens_per_s"), mfu=summary.get("median_mfu"),
-               tflops_per_device=summary.get("median_tflops_per_device"), mem_peak_bytes=summary.get("mem_peak_bytes"),
-               final_loss=summary.get("final_loss"), wall_time_s=summary.get("wall_time_s"))
+    row.update(
+        tokens_per_s=summary.get("median_tokens_per_s"),
+        mfu=summary.get("median_mfu"),
+        tflops_per_device=summary.get("median_tflops_per_device"),
+        mem_peak_bytes=summary.get("mem_peak_bytes"),
+        final_loss=summary.get("final_loss"),
+        wall_time_s=summary.get("wall_time_s"),
+    )
     return row
 
 
@@ -115,11 +150,23 @@ def format_value(column: str, value: Any) -> str:
     return str(value)
 
 
-MD_HEADERS = {"tokens_per_s": "tok/s", "tflops_per_device": "TFLOP/s/dev", "mfu": "MFU",
-              "mem_per_rank_bytes": "mem/rank", "mem_params_bytes": "params", "mem_grads_bytes": "grads",
-              "mem_master_and_optimizer_bytes": "master+opt", "mem_activations_bytes": "activations",
-              "mem_grads_peak_bytes": "grads peak", "mem_peak_bytes": "peak mem", "comm_tp_bytes": "comm tp", "comm_pp_bytes": "comm pp",
-              "comm_dp_bytes": "comm dp", "model_states_predicted_error": "planner err", "final_loss": "loss"}
+MD_HEADERS = {
+    "tokens_per_s": "tok/s",
+    "tflops_per_device": "TFLOP/s/dev",
+    "mfu": "MFU",
+    "mem_per_rank_bytes": "mem/rank",
+    "mem_params_bytes": "params",
+    "mem_grads_bytes": "grads",
+    "mem_master_and_optimizer_bytes": "master+opt",
+    "mem_activations_bytes": "activations",
+    "mem_grads_peak_bytes": "grads peak",
+    "mem_peak_bytes": "peak mem",
+    "comm_tp_bytes": "comm tp",
+    "comm_pp_bytes": "comm pp",
+    "comm_dp_bytes": "comm dp",
+    "model_states_predicted_error": "planner err",
+    "final_loss": "loss",
+}
 
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -133,13 +180,18 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"# Sweep {meta['name']}", ""]
     if meta.get("description"):
         lines += [meta["description"].strip(), ""]
-    legend = (f"Base `{os.path.relpath(meta['base'], REPO)}`; every point: {', '.join(fixed)}. "
-              "mem/rank: model states + activations of the rank with the most (its breakdown follows); "
-              "peak mem: measured (CUDA allocated, or process RSS on CPU); comm: bytes per step of the busiest "
-              "rank; tok/s, TFLOP/s/dev, MFU: medians over the steps.")
-    lines += [legend, "",
-              "| " + " | ".join(MD_HEADERS.get(c, c) for c in columns) + " |",
-              "|" + "|".join("---" if c in ("name", "status", *varying) else "---:" for c in columns) + "|"]
+    legend = (
+        f"Base `{os.path.relpath(meta['base'], REPO)}`; every point: {', '.join(fixed)}. "
+        "mem/rank: model states + activations of the rank with the most (its breakdown follows); "
+        "peak mem: measured (CUDA allocated, or process RSS on CPU); comm: bytes per step of the busiest "
+        "rank; tok/s, TFLOP/s/dev, MFU: medians over the steps."
+    )
+    lines += [
+        legend,
+        "",
+        "| " + " | ".join(MD_HEADERS.get(c, c) for c in columns) + " |",
+        "|" + "|".join("---" if c in ("name", "status", *varying) else "---:" for c in columns) + "|",
+    ]
     lines += ["| " + " | ".join(format_value(c, r[c]) for c in columns) + " |" for r in rows]
     failed = [r for r in rows if r["status"] == "failed"]
     if failed:
@@ -168,22 +220,29 @@ def report(out: str | Path, wandb_mode: str | None = "disabled", log: Callable[[
     (out / "results.md").write_text(markdown(meta, rows))
     made = sweep_plots.make_plots(rows, out, swept_keys(meta["points"]), log=log)
     counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "failed", "missing")}
-    log(f"{counts['ok']} ok, {counts['failed']} failed, {counts['missing']} missing; wrote results.csv, results.md"
-        + "".join(f", {p.name}" for p in made))
+    log(
+        f"{counts['ok']} ok, {counts['failed']} failed, {counts['missing']} missing; wrote results.csv, results.md"
+        + "".join(f", {p.name}" for p in made)
+    )
     if wandb_mode and wandb_mode != "disabled":
         _wandb_report(meta, rows, made, wandb_mode, out)
     return rows
 
 
-def _wandb_report(meta: dict[str, Any], rows: list[dict[str, Any]], plots: list[Path], mode: str,
-                  out: Path) -> None:
+def _wandb_report(meta: dict[str, Any], rows: list[dict[str, Any]], plots: list[Path], mode: str, out: Path) -> None:
     """One run named "<sweep>-report" in the sweep's group: the results table and the plots."""
     import wandb
 
     from research.metrics import WandbRun
 
-    with WandbRun(mode, meta["project"], meta["group"], f"{meta['name']}-report", out,
-                  {"sweep": meta["name"], "base": meta["base"], "points": len(rows)}) as run:
+    with WandbRun(
+        mode,
+        meta["project"],
+        meta["group"],
+        f"{meta['name']}-report",
+        out,
+        {"sweep": meta["name"], "base": meta["base"], "points": len(rows)},
+    ) as run:
         table = wandb.Table(columns=list(COLUMNS), data=[[r[c] for c in COLUMNS] for r in rows])
         run.log({"results": table, **{f"plots/{p.stem}": wandb.Image(str(p)) for p in plots}}, step=0)
         run.summary({s: sum(r["status"] == s for r in rows) for s in ("ok", "failed", "missing")})

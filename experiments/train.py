@@ -9,6 +9,7 @@ them and the command line overrides it. Without torchrun it runs as one process.
 Writes OUT/config.yaml, OUT/metrics.jsonl (a line per step), OUT/summary.json and, unless
 `--wandb disabled`, a wandb run under OUT/wandb (offline by default; `wandb sync` it).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,14 @@ def _world_size() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
     return int(os.environ["WORLD_SIZE"])
 
 

@@ -16,6 +16,7 @@ N equal shards; rank r owns elements [r·S/N, (r+1)·S/N).
 A replicated bucket updates the whole buffer (`opt_range` = [0, S)); the others their own
 shard.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

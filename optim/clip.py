@@ -9,6 +9,7 @@ those marked replicated with `parallel.comm.mark_replicated(param, group)` (norm
 row-parallel biases under TP, tied embeddings across pipeline stages): their bucket
 counts only on the rank that is rank 0 of every group it is replicated over (w_e ∈ {0, 1}).
 """
+
 from __future__ import annotations
 
 import torch

@@ -22,6 +22,7 @@ Backends, all updating masters, exp_avgs and exp_avg_sqs in place:
 Bias corrections and step sizes are computed on the host in float64, like torch's
 non-capturable path, and handed to the kernels as fp32 scalars.
 """
+
 from __future__ import annotations
 
 import functools

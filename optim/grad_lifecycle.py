@@ -11,6 +11,7 @@ that keeps torch.optim + DDP semantics under other people's habits.
 * Whether the model is still the one the buffers were built for: a forward pre-hook refuses
   moved or cast parameters, a DDP wrapper and compilation at stage 3.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -28,14 +29,22 @@ if TYPE_CHECKING:
     from optim.sharding import Sharding
     from optim.stage3 import ParamGatherer
 
-MOVED = ("parameter {name!r} no longer lives in ZeroOptimizer's buffers: it was moved, cast or replaced after the "
-         "optimizer was built (model.to(), .half(), a new nn.Parameter); move and cast the model first, then build ZeroOptimizer")
-NOT_TRAINED = ("parameter {name!r} has a gradient but ZeroOptimizer does not train it: it was replaced or unfrozen after the "
-               "optimizer was built; build ZeroOptimizer once the model is final, with every parameter you will train trainable")
-COMPILED = ("torch.compile cannot trace ZeRO stage 3, whose hooks gather and free the parameters around every "
-            "module; use stage 2 with torch.compile, or stage 3 without it")
-WRAPPED = ("the model runs inside DistributedDataParallel, but ZeroOptimizer reduces gradients itself: train the bare model "
-           "(do not wrap it in DDP; for Lightning and HF Trainer use optim.integrations)")
+MOVED = (
+    "parameter {name!r} no longer lives in ZeroOptimizer's buffers: it was moved, cast or replaced after the "
+    "optimizer was built (model.to(), .half(), a new nn.Parameter); move and cast the model first, then build ZeroOptimizer"
+)
+NOT_TRAINED = (
+    "parameter {name!r} has a gradient but ZeroOptimizer does not train it: it was replaced or unfrozen after the "
+    "optimizer was built; build ZeroOptimizer once the model is final, with every parameter you will train trainable"
+)
+COMPILED = (
+    "torch.compile cannot trace ZeRO stage 3, whose hooks gather and free the parameters around every "
+    "module; use stage 2 with torch.compile, or stage 3 without it"
+)
+WRAPPED = (
+    "the model runs inside DistributedDataParallel, but ZeroOptimizer reduces gradients itself: train the bare model "
+    "(do not wrap it in DDP; for Lightning and HF Trainer use optim.integrations)"
+)
 
 
 class GradLifecycle:
@@ -77,15 +86,20 @@ class GradLifecycle:
         having a gradient and shows its placeholder in `.grad`. A `.grad` assigned by hand on
         any rank (the last flag) raises on every rank."""
         self._check_grads()
-        flags = torch.tensor([g for b in self.buckets for g in b.got] + [self._hand_set], dtype=torch.int32,
-                             device=self.buckets[0].grad_shard.device)
+        flags = torch.tensor(
+            [g for b in self.buckets for g in b.got] + [self._hand_set],
+            dtype=torch.int32,
+            device=self.buckets[0].grad_shard.device,
+        )
         if self.world > 1:
             comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         hand_set, self._hand_set = int(flags[-1]), 0
         if hand_set:
             name = self.names[self._all_params[hand_set - 1]]
-            raise RuntimeError(f"param.grad of {name!r} was assigned by hand; ZeroOptimizer takes gradients only from "
-                               "backward(), so compute them with loss.backward() and clear them with opt.zero_grad()")
+            raise RuntimeError(
+                f"param.grad of {name!r} was assigned by hand; ZeroOptimizer takes gradients only from "
+                "backward(), so compute them with loss.backward() and clear them with opt.zero_grad()"
+            )
         for k, b in enumerate(self.buckets):
             for group in comm.tied_groups(b.params[0]) if tied else ():
                 start = self._first_index[k]
@@ -119,7 +133,11 @@ class GradLifecycle:
             device = b.param_shard.device
             for i, p in enumerate(b.params):
                 if b.sharding.parameters:  # empty between uses; moved or cast, it changes device or dtype
-                    bound = p.dtype == self.param_dtype and p.device == device and (p.numel() == 0 or p.shape == b.shapes[i])
+                    bound = (
+                        p.dtype == self.param_dtype
+                        and p.device == device
+                        and (p.numel() == 0 or p.shape == b.shapes[i])
+                    )
                 else:  # a view of the bucket; moved or cast, it is new storage
                     bound = p.data_ptr() == self._bound[k][i]
                 if not bound:
@@ -138,7 +156,9 @@ class GradLifecycle:
                 for j in range(len(b.params)):
                     for piece in b.grad_pieces(j, b.shard_range):
                         part = torch.linalg.vector_norm(piece, norm_type, dtype=torch.float32).double()
-                        local[at] = torch.maximum(local[at], part) if norm_type == float("inf") else local[at] + part**norm_type
+                        local[at] = (
+                            torch.maximum(local[at], part) if norm_type == float("inf") else local[at] + part**norm_type
+                        )
                     at += 1
             op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
             if self.world > 1:

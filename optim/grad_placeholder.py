@@ -16,6 +16,7 @@ so `torch.nn.utils.clip_grad_norm_` clips exactly and `model.zero_grad()` (which
 to None, or zeroes it) clears exactly what it clears in torch. Any other operation raises
 one sentence saying what to use instead.
 """
+
 from __future__ import annotations
 
 from typing import Any, Protocol
@@ -51,8 +52,9 @@ class GradPlaceholder(torch.Tensor):
     pending: torch.Tensor | None
 
     @staticmethod
-    def __new__(cls, owner: GradOwner, k: int, i: int, shape: torch.Size, dtype: torch.dtype,
-                device: torch.device) -> GradPlaceholder:
+    def __new__(
+        cls, owner: GradOwner, k: int, i: int, shape: torch.Size, dtype: torch.dtype, device: torch.device
+    ) -> GradPlaceholder:
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
         self.owner, self.k, self.i, self.pending = owner, k, i, None
         return self
@@ -84,8 +86,9 @@ def _add_(self: GradPlaceholder, other: torch.Tensor, alpha: float = 1) -> GradP
     return self
 
 
-def _norm(self: GradPlaceholder, ord: float = 2, dim: Any = None, keepdim: bool = False, *,
-          dtype: torch.dtype | None = None) -> torch.Tensor:
+def _norm(
+    self: GradPlaceholder, ord: float = 2, dim: Any = None, keepdim: bool = False, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     if dim is not None:
         raise RuntimeError(UNSUPPORTED.format(op="a norm over some dims"))
     norm = self.owner._grad_norm_of(self.k, self.i, float(ord))
@@ -93,8 +96,10 @@ def _norm(self: GradPlaceholder, ord: float = 2, dim: Any = None, keepdim: bool 
 
 
 def _foreach_norm(tensors: list[torch.Tensor], ord: float = 2, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    return [_norm(t, ord, dtype=dtype) if isinstance(t, GradPlaceholder) else torch.linalg.vector_norm(t, ord, dtype=dtype)
-            for t in tensors]
+    return [
+        _norm(t, ord, dtype=dtype) if isinstance(t, GradPlaceholder) else torch.linalg.vector_norm(t, ord, dtype=dtype)
+        for t in tensors
+    ]
 
 
 def _mul_(self: GradPlaceholder, factor: torch.Tensor | float) -> GradPlaceholder:

@@ -22,6 +22,7 @@ soon as it has completed, checked whenever a bucket is launched, and at most
 `MAX_IN_FLIGHT` reductions stay unretired: launching one more first waits for the oldest.
 So during backward a stage-2 rank holds its shards plus a few full buckets, not all of them.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -13,6 +13,7 @@ update. After each step `update(found_inf)` adjusts the scale:
 
 With hysteresis=1 this is torch.amp.GradScaler's rule (plus the min_scale floor).
 """
+
 from __future__ import annotations
 
 from typing import Any

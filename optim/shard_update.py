@@ -3,6 +3,7 @@ stepped only if it has a gradient this step, with its own step count. Adam / Ada
 fused step (optim.fused) once per group of ranges whose parameters share a step count;
 any other elementwise optimizer runs its own `step()` on the fp32 master shards, once for all
 buckets whose parameters are stepped alike and once per run of ranges otherwise."""
+
 from __future__ import annotations
 
 from typing import Any

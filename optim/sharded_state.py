@@ -167,8 +167,9 @@ def _piece_view(local_pieces: list[tuple[int, torch.Tensor]], lo: int, sizes: li
     raise AssertionError(f"no local piece holds flat [{lo}, {lo + n})")
 
 
-def tile_sharded_tensor(st: ShardedTensor, dim: int, parts: int, index: int,
-                        placement_of: Callable[[int, int], int]) -> ShardedTensor:
+def tile_sharded_tensor(
+    st: ShardedTensor, dim: int, parts: int, index: int, placement_of: Callable[[int, int], int]
+) -> ShardedTensor:
     """``st`` as block ``index`` of a tensor ``parts`` times larger along ``dim``.
 
     The full tensor is the concatenation along ``dim`` of ``parts`` blocks shaped like
@@ -195,6 +196,7 @@ def tile_sharded_tensor(st: ShardedTensor, dim: int, parts: int, index: int,
 
     metas = [shifted(m, p) for p in range(parts) for m in st.metadata().shards_metadata]
     local = [Shard(s.tensor, shifted(s.metadata, index)) for s in st.local_shards()]
-    st_meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(full),
-                                    tensor_properties=st.metadata().tensor_properties)
+    st_meta = ShardedTensorMetadata(
+        shards_metadata=metas, size=torch.Size(full), tensor_properties=st.metadata().tensor_properties
+    )
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, st_meta)

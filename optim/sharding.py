@@ -9,6 +9,7 @@
 The code asks the policy what is sharded rather than comparing stage numbers. A stage-3
 optimizer keeps its small "resident" units gathered: their buckets follow SHARD_GRADIENTS.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

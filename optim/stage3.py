@@ -17,6 +17,7 @@ previous backward is recorded; the first gather of unit u in a pass also starts 
 asynchronous gather of the unit that followed u last time. If the order changed, the prefetched unit is freed
 unused at the end of the pass: ranks still agree, since they share the same history.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -64,8 +65,10 @@ def stage3_units(
 
     leftover = visit(model)
     if leftover:
-        raise ValueError("stage 3 found trainable parameters held only by modules that are never called; "
-                         "put them in a module with a forward")
+        raise ValueError(
+            "stage 3 found trainable parameters held only by modules that are never called; "
+            "put them in a module with a forward"
+        )
     return units
 
 
@@ -219,4 +222,3 @@ class ParamGatherer:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
-

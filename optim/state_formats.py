@@ -12,6 +12,7 @@
   with the same param groups numbers them, each tensor is checked against its parameter's
   shape and its owned part copied in.
 """
+
 from __future__ import annotations
 
 import copy

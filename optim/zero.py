@@ -16,6 +16,7 @@ frozen, its `.grad` cleared) is not stepped: no update, no weight decay, no step
 parameter keeps its own step count, as torch's per-parameter state does. The inner optimizer
 must be elementwise, so that it is exact on flat shards.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -201,8 +202,16 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             return (group_of[p], root_of.get(p), tuple(id(g) for g in marks))
 
         def make(params: list, sharding: Sharding) -> FlatBucket:
-            return FlatBucket(params, group_of[params[0]], sharding, self.rank, self.world, self.param_dtype, reduce_dtype,
-                              on_grad_bytes=self._grad_bytes_changed)
+            return FlatBucket(
+                params,
+                group_of[params[0]],
+                sharding,
+                self.rank,
+                self.world,
+                self.param_dtype,
+                reduce_dtype,
+                on_grad_bytes=self._grad_bytes_changed,
+            )
 
         units: list[tuple[torch.nn.Module, list[FlatBucket]]] = []
         if not self.sharding.parameters:
@@ -212,7 +221,9 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             for module, params in reversed(stage3_units(self.model, set(group_of), unit_numel)):
                 resident = sum(p.numel() for p in params) < resident_numel
                 sharding = SHARD_GRADIENTS if resident else SHARD_PARAMETERS
-                unit = [make(ps, sharding) for ps in assign_buckets(sorted(params, key=position.get), key, float("inf"))]
+                unit = [
+                    make(ps, sharding) for ps in assign_buckets(sorted(params, key=position.get), key, float("inf"))
+                ]
                 buckets += unit
                 if not resident:
                     units.append((module, unit))
@@ -299,7 +310,6 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         self._share_got(tied=True)  # after it, b.got[i]: parameter i is stepped
         self._grads_finished = True
 
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One optimizer step on this rank's shards, then the updated parameters are
@@ -336,7 +346,6 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         self._end_step()
         return loss
 
-
     def _end_step(self) -> None:
         self._norm = None
         self._param_norms = None
@@ -360,9 +369,10 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_constructed", False):
-            raise NotImplementedError("ZeroOptimizer cannot add parameters after construction; pass every group in param_groups=")
+            raise NotImplementedError(
+                "ZeroOptimizer cannot add parameters after construction; pass every group in param_groups="
+            )
         super().add_param_group(param_group)
-
 
     # ---- introspection --------------------------------------------------------------------
     def _grad_bytes_changed(self, delta: int) -> None:
@@ -387,10 +397,14 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             return total
 
         return {
-            "params": size([b.param_buffer for b in self.buckets] + [b.param_shard for b in self.buckets]
-                           + [p for p in self.model.parameters()]),
+            "params": size(
+                [b.param_buffer for b in self.buckets]
+                + [b.param_shard for b in self.buckets]
+                + [p for p in self.model.parameters()]
+            ),
             "grads": size([b.grad_buffer for b in self.buckets] + [b.grad_shard for b in self.buckets]),
             "master": size([b.master for b in self.buckets]),
-            "optimizer": size([v for b in self.buckets for v in self.state[b.master].values()
-                               if isinstance(v, torch.Tensor)]),
+            "optimizer": size(
+                [v for b in self.buckets for v in self.state[b.master].values() if isinstance(v, torch.Tensor)]
+            ),
         }

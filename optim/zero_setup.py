@@ -1,5 +1,6 @@
 """Checks and bookkeeping of ZeroOptimizer's construction: arguments, parameter names,
 param groups (and their torch.optim numbering), the same model on every rank."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -35,7 +36,9 @@ def validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, param_dty
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
     if param_dtype not in PARAM_DTYPES:
-        raise ValueError(f"param_dtype={param_dtype} is not supported; use None (fp32), torch.bfloat16 or torch.float16")
+        raise ValueError(
+            f"param_dtype={param_dtype} is not supported; use None (fp32), torch.bfloat16 or torch.float16"
+        )
     if not dist.is_initialized():
         raise RuntimeError(
             "ZeroOptimizer needs torch.distributed initialized: launch with torchrun and call "
@@ -65,9 +68,13 @@ def user_groups(
         ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
         for p in ps:
             if p in assigned:
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} is in param groups {assigned[p]} and {i}; list it once")
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is in param groups {assigned[p]} and {i}; list it once"
+                )
             if not any(p is q for q in trainable):
-                raise ValueError(f"param group {i} lists a tensor of shape {tuple(p.shape)} that is not a trainable parameter of the model")
+                raise ValueError(
+                    f"param group {i} lists a tensor of shape {tuple(p.shape)} that is not a trainable parameter of the model"
+                )
             assigned[p] = i
         groups.append({k: v for k, v in g.items() if k != "params"})
     rest = [p for p in trainable if p not in assigned]
@@ -95,13 +102,18 @@ def check_same_model_on_all_ranks(
     error when they differ, so a mismatch can never turn into a hang."""
     signature = (
         stage,
-        [(name, tuple(p.shape), str(p.dtype), p.requires_grad, group_of.get(p)) for name, p in model.named_parameters()],
+        [
+            (name, tuple(p.shape), str(p.dtype), p.requires_grad, group_of.get(p))
+            for name, p in model.named_parameters()
+        ],
     )
     everyone = comm.all_gather_object(signature, group=group)
     for r, other in enumerate(everyone):
         if other != everyone[0]:
             diff = first_difference(everyone[0], other)
-            raise ValueError(f"the model differs between group ranks 0 and {r} at construction ({diff}); build the same model on every rank")
+            raise ValueError(
+                f"the model differs between group ranks 0 and {r} at construction ({diff}); build the same model on every rank"
+            )
 
 
 def first_difference(a: tuple, b: tuple) -> str:

@@ -1,6 +1,7 @@
 """ZeroOptimizer's state dicts: the canonical sharded one for torch.distributed.checkpoint
 (per parameter, in its true shape, loadable under any layout), the full weights, and the
 formats of optim.state_formats (torch.save per rank, plain torch.optim state dicts)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -92,9 +93,7 @@ class ShardedStateDicts:
         """name -> sharded tensor whose local pieces view `shard` (master-shaped)."""
         lo, hi = bucket.shard_range
         base = lo - bucket.opt_range[0]
-        all_ranges = [
-            {i: (s, e) for i, s, e, _ in bucket.shard_ranges(r)} for r in range(self.world)
-        ]
+        all_ranges = [{i: (s, e) for i, s, e, _ in bucket.shard_ranges(r)} for r in range(self.world)]
         out = {}
         for i, p in enumerate(bucket.params):
             pieces = [(s, shard[base + at : base + at + e - s]) for j, s, e, at in bucket.ranges_of(lo, hi) if j == i]
@@ -168,12 +167,16 @@ class ShardedStateDicts:
     def _canonical_problem(self, sd: Any) -> str | None:
         """Why `sd` is not a state dict of this optimizer's parameters; None if it is."""
         if not isinstance(sd, dict) or not {"params", "state", "param_groups"} <= set(sd):
-            return ("this is not a ZeroOptimizer state dict (it lacks 'params', 'state' or 'param_groups'); load the dict "
-                    "opt.state_dict() returns, filled by dcp.load or saved by torch.save on every rank, or a torch.optim "
-                    "state dict of the same model")
+            return (
+                "this is not a ZeroOptimizer state dict (it lacks 'params', 'state' or 'param_groups'); load the dict "
+                "opt.state_dict() returns, filled by dcp.load or saved by torch.save on every rank, or a torch.optim "
+                "state dict of the same model"
+            )
         for name in (self.names[p] for b in self.buckets for p in b.params):
             if name not in sd["params"] or name not in sd["state"]:
-                return f"the optimizer state dict has no parameter {name!r}: it was saved for another model or optimizer"
+                return (
+                    f"the optimizer state dict has no parameter {name!r}: it was saved for another model or optimizer"
+                )
         return None
 
     def _fill_from_rank_local(self, local: dict[str, Any]) -> dict[str, Any]:
@@ -189,22 +192,34 @@ class ShardedStateDicts:
                     dst.copy_(src)
                 if not hasattr(target, "local_shards"):
                     ours[key] = theirs[key]
-        return {**mine, "param_groups": local["param_groups"], **({"loss_scaler": local["loss_scaler"]} if "loss_scaler" in local else {})}
+        return {
+            **mine,
+            "param_groups": local["param_groups"],
+            **({"loss_scaler": local["loss_scaler"]} if "loss_scaler" in local else {}),
+        }
 
     def _load_torch_format(self, sd: dict[str, Any]) -> None:
         """A torch.optim state dict of the same model: each parameter's state, numbered as a
         torch optimizer with the same param groups numbers it, copied into its owned part."""
-        shape_of = {p: shape for b in self.buckets for p, shape in zip(b.params, b.shapes)}  # true shapes, also at stage 3
+        shape_of = {
+            p: shape for b in self.buckets for p, shape in zip(b.params, b.shapes)
+        }  # true shapes, also at stage 3
         order = [[(self.names[p], shape_of[p]) for p in group] for group in self._torch_order]
         problem = state_formats.torch_format_problem(sd, order)
         keys = {key for b in self.buckets for key in self.state[b.master]}
         extra = {key for entries in sd["state"].values() for key in entries} - keys
         extra |= {key for group in sd["param_groups"] for key in group} - {"params", *self.param_groups[0]}
         if problem is None and extra:
-            problem = (f"the torch optimizer state has entries {sorted(extra)} that {self.optimizer_class.__name__} does not "
-                       "have: it comes from another optimizer class; build ZeroOptimizer with the same one")
+            problem = (
+                f"the torch optimizer state has entries {sorted(extra)} that {self.optimizer_class.__name__} does not "
+                "have: it comes from another optimizer class; build ZeroOptimizer with the same one"
+            )
         state_formats.agree(problem, self.group)
-        index_of = {p: index for group, mine in zip(sd["param_groups"], self._torch_order) for index, p in zip(group["params"], mine)}
+        index_of = {
+            p: index
+            for group, mine in zip(sd["param_groups"], self._torch_order)
+            for index, p in zip(group["params"], mine)
+        }
         for k, b in enumerate(self.buckets):
             state = self.state[b.master]
             for i, p in enumerate(b.params):

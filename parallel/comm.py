@@ -225,8 +225,9 @@ def _note(group: Group, op: str, nbytes: int, channel: str | None = None) -> Non
     """Append one issued collective to the flight recorder (``channel``: a p2p pair's)."""
     channel = channel or _channel(group)
     seq = _issued[channel] = _issued.get(channel, 0) + 1
-    _flight.append({"op": op, "group": group_name(group), "channel": channel, "seq": seq,
-                    "bytes": nbytes, "time": time.time()})
+    _flight.append(
+        {"op": op, "group": group_name(group), "channel": channel, "seq": seq, "bytes": nbytes, "time": time.time()}
+    )
 
 
 def _p2p(src: int, dst: int) -> str:
@@ -285,8 +286,9 @@ def reduce_scatter_tensor(
     """Reduce ``input`` (N·shard) over the group; rank i keeps shard i in ``output``.
     bytes = S_in·(N−1)/N, payload = S_in."""
     _note(group, "reduce_scatter_tensor", _nbytes(input))
-    work = _renamed("reduce_scatter_single", "reduce_scatter_tensor")(output, input, op=op, group=group,
-                                                                      async_op=async_op)
+    work = _renamed("reduce_scatter_single", "reduce_scatter_tensor")(
+        output, input, op=op, group=group, async_op=async_op
+    )
     if _log is not None:
         s = _nbytes(input)
         _record(group, "reduce_scatter_tensor", s, _ring(group, s))
@@ -309,9 +311,7 @@ def all_gather_into_tensor(
     return work
 
 
-def broadcast(
-    tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False
-) -> dist.Work | None:
+def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False) -> dist.Work | None:
     """Copy ``tensor`` from global rank ``src`` to the group.
     bytes = S on src (N > 1), 0 elsewhere; payload = S on every rank."""
     _note(group, "broadcast", _nbytes(tensor))

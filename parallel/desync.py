@@ -18,6 +18,7 @@ this catches. NCCL's watchdog aborts the process itself (see torch's
 TORCH_NCCL_DUMP_ON_TIMEOUT flight recorder); the published records still tell which
 rank stalled, through `collect()`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -81,8 +82,9 @@ def report_timeouts(timeout_s: float | None = None) -> Iterator[None]:
     store = dist.PrefixStore(f"{_PREFIX}/{_generation}/", dist.distributed_c10d._get_default_store())
     rank, world = dist.get_rank(), dist.get_world_size()
     stop = threading.Event()
-    thread = threading.Thread(target=_publish_until, args=(store, rank, stop), daemon=True,
-                              name="zero3d-flight-recorder")
+    thread = threading.Thread(
+        target=_publish_until, args=(store, rank, stop), daemon=True, name="zero3d-flight-recorder"
+    )
     thread.start()
     try:
         yield
@@ -91,8 +93,10 @@ def report_timeouts(timeout_s: float | None = None) -> Iterator[None]:
             stop.set()
             _report_and_exit(store, rank, world, timeout_s)
         if is_peer_lost(error):
-            _exit(f"rank {rank}: {_waiting_in()}lost its connection to another rank, which exited "
-                  "(its own message above says why)")
+            _exit(
+                f"rank {rank}: {_waiting_in()}lost its connection to another rank, which exited "
+                "(its own message above says why)"
+            )
         raise
     finally:
         stop.set()
@@ -161,12 +165,15 @@ def _members(channel: str) -> list[int]:
 
 
 def _describe(entry: dict[str, Any], now: float) -> str:
-    return (f"{entry['op']} #{entry['seq']} on {entry['group']} [{entry['channel']}] "
-            f"({entry['bytes']} B, {now - entry['time']:.1f} s ago)")
+    return (
+        f"{entry['op']} #{entry['seq']} on {entry['group']} [{entry['channel']}] "
+        f"({entry['bytes']} B, {now - entry['time']:.1f} s ago)"
+    )
 
 
-def report(rank: int, records: dict[int, dict[str, Any]], world: int, timeout_s: float | None,
-           now: float | None = None) -> str:
+def report(
+    rank: int, records: dict[int, dict[str, Any]], world: int, timeout_s: float | None, now: float | None = None
+) -> str:
     """The desync report as `rank` sees it: one sentence, then each rank's last collectives."""
     now = time.time() if now is None else now
     mine = records.get(rank, comm.recent())
@@ -174,19 +181,31 @@ def report(rank: int, records: dict[int, dict[str, Any]], world: int, timeout_s:
     entry, behind = missing_ranks(mine, records)
     blocked: dict[int, int] = {}
     if entry is None:
-        head = (f"a collective timed out{waited} on rank {rank}, but every rank issued its recent collectives: "
-                "the ranks are waiting in different collectives (see the order below)")
+        head = (
+            f"a collective timed out{waited} on rank {rank}, but every rank issued its recent collectives: "
+            "the ranks are waiting in different collectives (see the order below)"
+        )
     else:
         behind, blocked = stalled_ranks(behind, records)
-        last = [f"rank {r} last issued {_describe(records[r]['last'][-1], now)}" if records.get(r, {}).get("last")
-                else f"rank {r} never reported" for r in behind]
-        last += [f"rank {r} waits for rank {w} in {_describe(missing_ranks(records[r], records)[0], now)}"
-                 for r, w in sorted(blocked.items())]
-        head = (f"a collective timed out{waited}: rank(s) {', '.join(map(str, behind))} did not arrive at "
-                f"{entry['op']} #{entry['seq']} on {entry['group']} [{entry['channel']}] that rank {rank} waits in; "
-                + "; ".join(last))
-    lines = [head + ". Raise --comm-timeout if a rank is only slow, else look at what the ranks above were doing.",
-             "last collectives per rank (op #seq on group [channel ranks], oldest first):"]
+        last = [
+            f"rank {r} last issued {_describe(records[r]['last'][-1], now)}"
+            if records.get(r, {}).get("last")
+            else f"rank {r} never reported"
+            for r in behind
+        ]
+        last += [
+            f"rank {r} waits for rank {w} in {_describe(missing_ranks(records[r], records)[0], now)}"
+            for r, w in sorted(blocked.items())
+        ]
+        head = (
+            f"a collective timed out{waited}: rank(s) {', '.join(map(str, behind))} did not arrive at "
+            f"{entry['op']} #{entry['seq']} on {entry['group']} [{entry['channel']}] that rank {rank} waits in; "
+            + "; ".join(last)
+        )
+    lines = [
+        head + ". Raise --comm-timeout if a rank is only slow, else look at what the ranks above were doing.",
+        "last collectives per rank (op #seq on group [channel ranks], oldest first):",
+    ]
     for r in range(world):
         if r not in records:
             lines.append(f"  rank {r}: nothing published (stalled before its first collective, or the store is gone)")
@@ -210,9 +229,11 @@ def _report_and_exit(store: dist.Store, rank: int, world: int, timeout_s: float 
     worker.start()
     worker.join(STORE_WAIT_S)
     if "records" not in result:
-        _exit(f"error: a collective timed out on rank {rank}; the rendezvous store did not answer within "
-              f"{STORE_WAIT_S:g} s (its host may be the stalled rank). Rank {rank}'s last collectives: "
-              + " | ".join(_describe(e, time.time()) for e in comm.recent()["last"]))
+        _exit(
+            f"error: a collective timed out on rank {rank}; the rendezvous store did not answer within "
+            f"{STORE_WAIT_S:g} s (its host may be the stalled rank). Rank {rank}'s last collectives: "
+            + " | ".join(_describe(e, time.time()) for e in comm.recent()["last"])
+        )
     elif result["first"]:
         _exit("error: " + report(rank, result["records"], world, timeout_s))
     else:
@@ -220,7 +241,7 @@ def _report_and_exit(store: dist.Store, rank: int, world: int, timeout_s: float 
 
 
 def _waiting_in() -> str:
-    """"waiting in <op> #<seq> on <group>, " for this rank's last collective, or ""."""
+    """ "waiting in <op> #<seq> on <group>, " for this rank's last collective, or ""."""
     last = comm.recent()["last"]
     return f"waiting in {last[-1]['op']} #{last[-1]['seq']} on {last[-1]['group']}, " if last else ""
 

@@ -90,9 +90,7 @@ class ParallelDims:
 
     # Set by build(); not part of the layout's identity.
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
-    _groups: dict[str, dist.ProcessGroup | None] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
+    _groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict, init=False, repr=False, compare=False)
     _coord: tuple[int, int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -106,14 +104,11 @@ class ParallelDims:
         tp, pp, world = self.tp, self.pp, self.world_size
         if self.dp is None:
             if world % (tp * pp):
-                raise ValueError(
-                    f"tp={tp} × pp={pp} = {tp * pp} does not divide the world size {world}"
-                )
+                raise ValueError(f"tp={tp} × pp={pp} = {tp * pp} does not divide the world size {world}")
             self.dp = world // (tp * pp)
         elif tp * pp * self.dp != world:
             raise ValueError(
-                f"tp={tp} × pp={pp} × dp={self.dp} = {tp * pp * self.dp} "
-                f"does not equal the world size {world}"
+                f"tp={tp} × pp={pp} × dp={self.dp} = {tp * pp * self.dp} does not equal the world size {world}"
             )
 
     def __str__(self) -> str:
@@ -162,17 +157,12 @@ class ParallelDims:
         # A dim spanning all ranks would get the WORLD group itself: ask for a fresh one.
         backend = dist.get_backend()
         override = {n: backend for n, size in zip(MESH_DIMS, shape) if size == actual}
-        mesh = init_device_mesh(
-            device_type, shape, mesh_dim_names=MESH_DIMS, backend_override=override or None
-        )
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, backend_override=override or None)
 
         # mp: the tp × pp ranks sharing a dp coordinate; embedding: first + last stage
         # sharing (dp, tp). Created in the same order on every rank.
         mp_group, _ = dist.new_subgroups_by_enumeration(
-            [
-                [self.rank_of(p, d, t) for p in range(self.pp) for t in range(self.tp)]
-                for d in range(self.dp)
-            ],
+            [[self.rank_of(p, d, t) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)],
             group_desc="mp",
         )
         embedding_group = None

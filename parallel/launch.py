@@ -9,6 +9,7 @@ parent (no OpenMP pool to deadlock on, as forking a busy process would risk), an
 pays the heavy imports again. A forkserver child inherits the server's environment, not
 the caller's current one; the server's preload list is fixed by the first call.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -38,12 +39,26 @@ class _RendezvousFailure(RankFailure):
     """A rank could not join the process group (a transient socket error on a busy host)."""
 
 
-def _worker(fn: Callable[..., Any], args: tuple, kwargs: dict, rank: int, world_size: int, port: int,
-            timeout: float, threads: int, conn: Connection) -> None:
+def _worker(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout: float,
+    threads: int,
+    conn: Connection,
+) -> None:
     """One rank: join the group, run ``fn``, send back (ok, value or traceback)."""
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        TORCHELASTIC_USE_AGENT_STORE="True",
     )
     try:
         torch.set_num_threads(threads)
@@ -73,8 +88,15 @@ def _receive(conn: Connection, proc: BaseProcess) -> tuple[bool, Any]:
         return False, f"process exited with code {proc.exitcode} before sending a result"
 
 
-def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, threads: int = 1,
-              preload: Sequence[str] = DEFAULT_PRELOAD, **kwargs: Any) -> list[Any]:
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    threads: int = 1,
+    preload: Sequence[str] = DEFAULT_PRELOAD,
+    **kwargs: Any,
+) -> list[Any]:
     """``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (each after
     ``torch.set_num_threads(threads)`` and ``torch.manual_seed(0)``); their results in rank
     order. ``fn`` must be picklable (module level). If a rank raises or dies, the others are
@@ -88,17 +110,22 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         return _launch(fn, world_size, args, kwargs, timeout, threads)
 
 
-def _launch(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout: float,
-            threads: int) -> list[Any]:
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+def _launch(
+    fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout: float, threads: int
+) -> list[Any]:
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    )
     procs: list[BaseProcess] = []
     conns: list[Connection] = []
     try:
         for rank in range(world_size):
             reader, writer = _CTX.Pipe(duplex=False)
-            proc = _CTX.Process(target=_worker, name=f"rank{rank}",
-                                args=(fn, args, kwargs, rank, world_size, store.port, timeout, threads, writer))
+            proc = _CTX.Process(
+                target=_worker,
+                name=f"rank{rank}",
+                args=(fn, args, kwargs, rank, world_size, store.port, timeout, threads, writer),
+            )
             proc.start()
             writer.close()
             procs.append(proc)

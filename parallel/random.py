@@ -76,8 +76,7 @@ class RNGTracker:
         """Start stream ``name`` from ``seed``. The default generators are not touched."""
         if name in self._states:
             raise ValueError(
-                f"RNG state {name!r} was already added (seed {self._seeds[name]}); "
-                "use a new name or a new RNGTracker"
+                f"RNG state {name!r} was already added (seed {self._seeds[name]}); use a new name or a new RNGTracker"
             )
         self._states[name] = _seeded_state(seed)
         self._seeds[name] = seed

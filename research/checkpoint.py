@@ -19,6 +19,7 @@ every file's SHA-256 and is sealed by its own; a load checks them (`checkpoint_f
 reads DCP's pickled `.metadata` with an unpickler that builds DCP metadata types only.
 Tensors are read with `weights_only=True`, the rest is JSON: nothing can run code.
 """
+
 from __future__ import annotations
 
 import json
@@ -74,8 +75,9 @@ def canonical_state(model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims
         dim = tp_partition_dim(p)
         if dim is None or dims.tp == 1 or not hasattr(value, "local_shards"):
             return value
-        return tile_sharded_tensor(value, dim, dims.tp, dims.tp_rank,
-                                   lambda r, t: dims.rank_of(*dims.coords_of(r)[:2], t))
+        return tile_sharded_tensor(
+            value, dim, dims.tp, dims.tp_rank, lambda r, t: dims.rank_of(*dims.coords_of(r)[:2], t)
+        )
 
     out: dict[str, Any] = {"model": {}, "optim": {}}
     for name, master in sd["params"].items():
@@ -92,13 +94,16 @@ def canonical_state(model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims
 
 
 def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            "tracker": get_rng_tracker().state_dict()}
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": get_rng_tracker().state_dict(),
+    }
 
 
-def save(root: str, step: int, model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims,
-         meta: dict[str, Any]) -> str:
+def save(
+    root: str, step: int, model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims, meta: dict[str, Any]
+) -> str:
     """Write the checkpoint after `step` completed steps to ROOT/step_<step>; a collective.
     `meta` (JSON-serializable: data position, scheduler, layout, config) goes to meta.json
     with the digest of every file. A failed write (disk full) is a CheckpointError on every
@@ -109,12 +114,14 @@ def save(root: str, step: int, model: nn.ModuleList, opt: ZeroOptimizer, dims: P
 
     def guard(work: Callable[[], Any]) -> Callable[[], Any]:
         """`work` with an OSError turned into the failed-save sentence."""
+
         def guarded() -> Any:
             try:
                 return work()
             except OSError as e:
                 reason = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
                 raise CheckpointError(_save_failed(root, final, reason)) from None
+
         return guarded
 
     try:
@@ -129,8 +136,13 @@ def save(root: str, step: int, model: nn.ModuleList, opt: ZeroOptimizer, dims: P
         recorded = {k: v for part in comm.all_gather_object(mine) for k, v in part.items()}
         if rank == 0:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-            body = {**meta, "step": step, "param_groups": groups, "files": recorded,
-                    "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None}
+            body = {
+                **meta,
+                "step": step,
+                "param_groups": groups,
+                "files": recorded,
+                "loss_scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
+            }
         raise_together(guard(lambda: _publish(root, tmp, final, files.seal(body)) if rank == 0 else None))
     except CheckpointError:
         if rank == 0:
@@ -197,19 +209,30 @@ def resolve(path: str) -> str:
     with a warning). CheckpointError when there is none."""
     if _complete(path):
         return path
-    steps = sorted(d for d in os.listdir(path) if d.startswith("step_") and not d.endswith(".tmp")
-                   and _complete(os.path.join(path, d))) if os.path.isdir(path) else []
+    steps = (
+        sorted(
+            d
+            for d in os.listdir(path)
+            if d.startswith("step_") and not d.endswith(".tmp") and _complete(os.path.join(path, d))
+        )
+        if os.path.isdir(path)
+        else []
+    )
     named = _read_latest(path)
     if named is not None:
         if _complete(os.path.join(path, named)):
             return os.path.join(path, named)
         if steps:
-            _warn(f"{os.path.join(path, LATEST)} names {named}, which is missing or incomplete; "
-                  f"loading the newest complete checkpoint, {steps[-1]}")
+            _warn(
+                f"{os.path.join(path, LATEST)} names {named}, which is missing or incomplete; "
+                f"loading the newest complete checkpoint, {steps[-1]}"
+            )
     if steps:
         return os.path.join(path, steps[-1])
     if os.path.isfile(os.path.join(path, ".metadata")) or path.endswith(".tmp"):
-        raise CheckpointError(f"--load={path} is incomplete (no {META}: its save was interrupted); load an earlier checkpoint")
+        raise CheckpointError(
+            f"--load={path} is incomplete (no {META}: its save was interrupted); load an earlier checkpoint"
+        )
     raise CheckpointError(f"--load={path} holds no checkpoint (no {META}, no {LATEST} file, no step_* folder)")
 
 
@@ -220,8 +243,14 @@ def _warn(message: str) -> None:
 
 
 _META_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "step": int, "data": dict, "scheduler": dict, "layout": dict, "model": dict, "param_groups": list,
-    "files": dict, "loss_scaler": (dict, type(None)),
+    "step": int,
+    "data": dict,
+    "scheduler": dict,
+    "layout": dict,
+    "model": dict,
+    "param_groups": list,
+    "files": dict,
+    "loss_scaler": (dict, type(None)),
 }
 
 
@@ -248,15 +277,31 @@ def verify_files(path: str, meta: dict[str, Any]) -> None:
     raise_together(lambda: files.verify(path, meta["files"], names[rank::world]))
 
 
-SHAPE_FIELDS = ("vocab_size", "vocab_multiple", "n_layers", "n_heads", "d_model", "d_ff", "max_seq_len",
-                "position", "norm", "activation", "tie_embeddings", "bias", "qkv_bias")
+SHAPE_FIELDS = (
+    "vocab_size",
+    "vocab_multiple",
+    "n_layers",
+    "n_heads",
+    "d_model",
+    "d_ff",
+    "max_seq_len",
+    "position",
+    "norm",
+    "activation",
+    "tie_embeddings",
+    "bias",
+    "qkv_bias",
+)
 
 
 def check_compatible(path: str, meta: dict[str, Any], config: GPTConfig, expected: dict[str, list[int]]) -> None:
     """CheckpointError unless the checkpoint holds exactly the tensors of this model shape."""
     saved_cfg = meta.get("model", {})
-    diff = [f"{k}={saved_cfg.get(k)!r} there, {getattr(config, k)!r} here" for k in SHAPE_FIELDS
-            if k in saved_cfg and saved_cfg[k] != getattr(config, k)]
+    diff = [
+        f"{k}={saved_cfg.get(k)!r} there, {getattr(config, k)!r} here"
+        for k in SHAPE_FIELDS
+        if k in saved_cfg and saved_cfg[k] != getattr(config, k)
+    ]
     if diff:
         raise CheckpointError(f"--load={path} is of another model shape: {'; '.join(diff)}")
     stored = files.read_dcp_metadata(path).state_dict_metadata
@@ -279,12 +324,14 @@ def load(path: str, meta: dict[str, Any], model: nn.ModuleList, opt: ZeroOptimiz
         raise CheckpointError(f"--load={path} is corrupt or incomplete: {_reason(e)}") from None
     names = {canonical_name(n): n for n in opt.names.values()}
     groups = tuple({k: tuple(v) if isinstance(v, list) else v for k, v in g.items()} for g in meta["param_groups"])
-    opt.load_state_dict({
-        "params": {names[c]: v for c, v in state["model"].items()},
-        "state": {names[c]: v for c, v in state["optim"].items()},
-        "param_groups": groups,
-        **({"loss_scaler": meta["loss_scaler"]} if meta.get("loss_scaler") else {}),
-    })
+    opt.load_state_dict(
+        {
+            "params": {names[c]: v for c, v in state["model"].items()},
+            "state": {names[c]: v for c, v in state["optim"].items()},
+            "param_groups": groups,
+            **({"loss_scaler": meta["loss_scaler"]} if meta.get("loss_scaler") else {}),
+        }
+    )
     layout = meta.get("layout", {})
     same_layout = [layout.get(k) for k in ("tp", "pp", "dp")] == [dims.tp, dims.pp, dims.dp]
     rng_file = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
@@ -316,8 +363,11 @@ def export(path: str, out_file: str) -> list[str]:
     files.verify(path, meta["files"], sorted(meta["files"]))
     reader = files.SafeReader(path)
     stored = reader.read_metadata().state_dict_metadata
-    weights = {k.split(".", 1)[1]: torch.empty(list(v.size), dtype=v.properties.dtype)
-               for k, v in stored.items() if k.startswith("model.")}
+    weights = {
+        k.split(".", 1)[1]: torch.empty(list(v.size), dtype=v.properties.dtype)
+        for k, v in stored.items()
+        if k.startswith("model.")
+    }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": weights}, storage_reader=reader, no_dist=True)

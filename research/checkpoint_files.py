@@ -11,6 +11,7 @@
   Tensor data is read by DCP with `torch.load(weights_only=True)`; byte items, which DCP
   would unpickle freely, cannot appear because their metadata type is not allowed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,8 +57,10 @@ def sha256_of(path: str) -> str:
 
 def digests(folder: str, names: list[str]) -> dict[str, dict[str, Any]]:
     """{name: {"bytes": size, "sha256": hex}} of the files `names` under `folder`."""
-    return {n: {"bytes": os.path.getsize(os.path.join(folder, n)), "sha256": sha256_of(os.path.join(folder, n))}
-            for n in names}
+    return {
+        n: {"bytes": os.path.getsize(os.path.join(folder, n)), "sha256": sha256_of(os.path.join(folder, n))}
+        for n in names
+    }
 
 
 def verify(folder: str, recorded: dict[str, dict[str, Any]], names: list[str]) -> None:
@@ -70,11 +73,15 @@ def verify(folder: str, recorded: dict[str, dict[str, Any]], names: list[str]) -
             raise CheckpointError(f"checkpoint {folder}: {name} is missing; restore it or load another checkpoint")
         size = os.path.getsize(path)
         if size != want["bytes"]:
-            raise CheckpointError(f"checkpoint {folder}: {name} is damaged ({size} bytes, {want['bytes']} at save); "
-                                  "restore it or load another checkpoint")
+            raise CheckpointError(
+                f"checkpoint {folder}: {name} is damaged ({size} bytes, {want['bytes']} at save); "
+                "restore it or load another checkpoint"
+            )
         if sha256_of(path) != want["sha256"]:
-            raise CheckpointError(f"checkpoint {folder}: {name} is damaged (its SHA-256 differs from the one recorded "
-                                  "at save); restore it or load another checkpoint")
+            raise CheckpointError(
+                f"checkpoint {folder}: {name} is damaged (its SHA-256 differs from the one recorded "
+                "at save); restore it or load another checkpoint"
+            )
 
 
 def _canonical(body: dict[str, Any]) -> bytes:
@@ -89,20 +96,29 @@ def seal(body: dict[str, Any]) -> dict[str, Any]:
 def unseal(sealed: Any, where: str) -> dict[str, Any]:
     """The body of a sealed meta.json; CheckpointError if it is not one or was altered."""
     if not isinstance(sealed, dict) or SEAL not in sealed:
-        raise CheckpointError(f"checkpoint {where}: {META} has no {SEAL} (not written by this zero3d, or truncated); "
-                              "load another checkpoint")
+        raise CheckpointError(
+            f"checkpoint {where}: {META} has no {SEAL} (not written by this zero3d, or truncated); "
+            "load another checkpoint"
+        )
     body = {k: v for k, v in sealed.items() if k != SEAL}
     if hashlib.sha256(_canonical(body)).hexdigest() != sealed[SEAL]:
-        raise CheckpointError(f"checkpoint {where}: {META} was altered after the save (its checksum differs); "
-                              "load another checkpoint")
+        raise CheckpointError(
+            f"checkpoint {where}: {META} was altered after the save (its checksum differs); load another checkpoint"
+        )
     return body
 
 
 _DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
 _ALLOWED: dict[str, set[str]] = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",
-                                              "TensorProperties", "MetadataIndex", "StorageMeta",
-                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size", *_DTYPES},
@@ -138,15 +154,20 @@ def read_dcp_metadata(folder: str) -> dcp_metadata.Metadata:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
     except OSError as e:
-        raise CheckpointError(f"checkpoint {folder}: .metadata cannot be read ({e.strerror}); "
-                              "load another checkpoint") from None
+        raise CheckpointError(
+            f"checkpoint {folder}: .metadata cannot be read ({e.strerror}); load another checkpoint"
+        ) from None
     except Exception as e:  # noqa: BLE001 - whatever a damaged pickle raises, it is refused
-        raise CheckpointError(f"checkpoint {folder}: .metadata is not DCP tensor metadata ({e}); refusing to load it") \
-            from None
+        raise CheckpointError(
+            f"checkpoint {folder}: .metadata is not DCP tensor metadata ({e}); refusing to load it"
+        ) from None
     entries = getattr(metadata, "state_dict_metadata", None)
-    if (not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(entries, dict)
-            or not all(isinstance(v, dcp_metadata.TensorStorageMetadata) for v in entries.values())
-            or not all(isinstance(v, _StorageInfo) for v in (metadata.storage_data or {}).values())):
+    if (
+        not isinstance(metadata, dcp_metadata.Metadata)
+        or not isinstance(entries, dict)
+        or not all(isinstance(v, dcp_metadata.TensorStorageMetadata) for v in entries.values())
+        or not all(isinstance(v, _StorageInfo) for v in (metadata.storage_data or {}).values())
+    ):
         raise CheckpointError(f"checkpoint {folder}: .metadata is not DCP tensor metadata; refusing to load it")
     return metadata
 

@@ -14,6 +14,7 @@ Batch arithmetic (as in Megatron): global_batch_size = micro_batch_size × micro
 over values from the file, and the first two known in the order (command line, file;
 global, micro-batch size, micro-batches) are used.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -142,54 +143,83 @@ class RunConfig:
 
 HELP = {
     "vocab_size": "vocabulary size (raised to the tokenizer's)",
-    "n_layers": "transformer blocks", "n_heads": "attention heads", "d_model": "hidden size",
+    "n_layers": "transformer blocks",
+    "n_heads": "attention heads",
+    "d_model": "hidden size",
     "d_ff": "MLP width (None: 4·d_model, or 8/3·d_model rounded to 64 for swiglu)",
     "max_seq_len": "longest sequence (size of the learned position table)",
-    "position": "position encoding", "norm": "normalization", "activation": "MLP activation",
-    "tie_embeddings": "share the input embedding with the output head", "dropout": "dropout probability",
+    "position": "position encoding",
+    "norm": "normalization",
+    "activation": "MLP activation",
+    "tie_embeddings": "share the input embedding with the output head",
+    "dropout": "dropout probability",
     "sliding_window": "attend to at most this many previous tokens (None: all)",
-    "bias": "biases in linear layers and norms", "qkv_bias": "bias on the QKV projection",
+    "bias": "biases in linear layers and norms",
+    "qkv_bias": "bias on the QKV projection",
     "vocab_multiple": "pad the vocabulary to a multiple of this (tp must divide the result)",
     "recompute": "activation recomputation: none, selective (attention core) or full (whole blocks)",
-    "rope_theta": "RoPE base", "norm_eps": "epsilon of the norms", "init_seed": "weight init seed (default: --seed)",
-    "tp": "tensor-parallel degree", "pp": "pipeline-parallel degree",
-    "dp": "data-parallel degree (None: world size / (tp·pp))", "zero": "ZeRO stage 0-3 over the dp group",
+    "rope_theta": "RoPE base",
+    "norm_eps": "epsilon of the norms",
+    "init_seed": "weight init seed (default: --seed)",
+    "tp": "tensor-parallel degree",
+    "pp": "pipeline-parallel degree",
+    "dp": "data-parallel degree (None: world size / (tp·pp))",
+    "zero": "ZeRO stage 0-3 over the dp group",
     "schedule": "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1",
     "virtual_stages": "model chunks per pipeline rank (interleaved-1f1b)",
     "sequence_parallel": "shard norms/dropout along the sequence across the tp group",
     "grad_sync": "reduce dp gradients after the rank's last backward of the step (last: one reduction; "
-                 "ZeRO-2/3 hold full gradients while accumulating) or after every micro-batch's backward "
-                 "(every: m reductions; ZeRO-2/3 hold only shards and a chunk's buckets in flight)",
+    "ZeRO-2/3 hold full gradients while accumulating) or after every micro-batch's backward "
+    "(every: m reductions; ZeRO-2/3 hold only shards and a chunk's buckets in flight)",
     "bucket_numel": "elements per gradient bucket (ZeRO stages 0-2; stage 3 buckets by unit)",
     "unit_numel": "ZeRO-3 gathers a module's parameters as one unit once its subtree holds this many "
-                  "elements (below a block's size: one unit per transformer block)",
+    "elements (below a block's size: one unit per transformer block)",
     "comm_timeout": "seconds a collective may wait for the other ranks before the run stops with a report of "
-                    "which rank did not arrive (None: 180 on CPU/gloo, 900 on CUDA/NCCL)",
-    "steps": "total optimizer steps of the run (also when resuming)", "seed": "seed of data order, init and dropout",
+    "which rank did not arrive (None: 180 on CPU/gloo, 900 on CUDA/NCCL)",
+    "steps": "total optimizer steps of the run (also when resuming)",
+    "seed": "seed of data order, init and dropout",
     "precision": "compute dtype (masters and optimizer state stay fp32)",
     "reduce_dtype": "dtype of the gradient reduction",
     "global_batch_size": "sequences per step = micro-batch size × micro-batches × dp",
-    "micro_batch_size": "sequences per micro-batch per dp rank", "micro_batches": "micro-batches per step",
-    "lr": "peak learning rate", "min_lr": "learning rate at the end of the decay",
-    "warmup_steps": "linear warm-up steps", "lr_decay_steps": "step at which the decay reaches min_lr (None: --steps)",
-    "lr_schedule": "after warm-up", "weight_decay": "AdamW weight decay of matrices",
-    "beta1": "AdamW beta1", "beta2": "AdamW beta2", "eps": "AdamW epsilon",
+    "micro_batch_size": "sequences per micro-batch per dp rank",
+    "micro_batches": "micro-batches per step",
+    "lr": "peak learning rate",
+    "min_lr": "learning rate at the end of the decay",
+    "warmup_steps": "linear warm-up steps",
+    "lr_decay_steps": "step at which the decay reaches min_lr (None: --steps)",
+    "lr_schedule": "after warm-up",
+    "weight_decay": "AdamW weight decay of matrices",
+    "beta1": "AdamW beta1",
+    "beta2": "AdamW beta2",
+    "eps": "AdamW epsilon",
     "clip_grad": "clip the global gradient norm to this (0: off)",
     "max_nonfinite_steps": "stop the run after this many consecutive steps with a NaN/Inf loss "
-                           "(fp16 overflow skips do not count)",
+    "(fp16 overflow skips do not count)",
     "data": "text files, folder, glob, save_to_disk folder or hub name (None: the embedded corpus)",
-    "text_field": "column holding the text in jsonl/parquet/datasets", "tokenizer": "'byte' or a tokenizer.json",
-    "seq_len": "tokens per training sequence", "num_proc": "processes for tokenization",
+    "text_field": "column holding the text in jsonl/parquet/datasets",
+    "tokenizer": "'byte' or a tokenizer.json",
+    "seq_len": "tokens per training sequence",
+    "num_proc": "processes for tokenization",
     "data_cache": "token cache folder (None: $ZERO3D_DATA_CACHE or ~/.cache/zero3d/tokens)",
-    "out": "run folder: config.yaml, metrics.jsonl, summary.json, wandb/", "log_every": "console line every N steps",
-    "wandb": "wandb mode (default: $WANDB_MODE or offline)", "wandb_project": "wandb project",
-    "wandb_group": "wandb group (None: the run folder's name)", "wandb_name": "wandb run name",
-    "save": "checkpoint root: ROOT/step_N/ and ROOT/latest", "save_every": "save every N steps (0: only at the end)",
+    "out": "run folder: config.yaml, metrics.jsonl, summary.json, wandb/",
+    "log_every": "console line every N steps",
+    "wandb": "wandb mode (default: $WANDB_MODE or offline)",
+    "wandb_project": "wandb project",
+    "wandb_group": "wandb group (None: the run folder's name)",
+    "wandb_name": "wandb run name",
+    "save": "checkpoint root: ROOT/step_N/ and ROOT/latest",
+    "save_every": "save every N steps (0: only at the end)",
     "load": "resume from a checkpoint folder or root (its latest)",
     "export": "write the final weights as one .safetensors/.pt file (needs --save)",
 }
-_CLASSES = {"model": GPTConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
-            "log": LogConfig, "checkpoint": CheckpointConfig}
+_CLASSES = {
+    "model": GPTConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "log": LogConfig,
+    "checkpoint": CheckpointConfig,
+}
 
 
 @dataclass(frozen=True)
@@ -213,10 +243,34 @@ SEED = Rule(lambda v: 0 <= v < 2**32, "in [0, 2**32)")
 
 # Every int and float field has a rule (tests check this); Literal fields get one_of(their choices).
 RULES: dict[str, Rule] = {
-    **dict.fromkeys(("vocab_size", "n_layers", "n_heads", "d_model", "d_ff", "max_seq_len", "sliding_window",
-                     "vocab_multiple", "tp", "pp", "dp", "virtual_stages", "bucket_numel", "unit_numel",
-                     "steps", "global_batch_size", "micro_batch_size", "micro_batches", "lr_decay_steps",
-                     "max_nonfinite_steps", "seq_len", "num_proc", "log_every"), AT_LEAST_1),
+    **dict.fromkeys(
+        (
+            "vocab_size",
+            "n_layers",
+            "n_heads",
+            "d_model",
+            "d_ff",
+            "max_seq_len",
+            "sliding_window",
+            "vocab_multiple",
+            "tp",
+            "pp",
+            "dp",
+            "virtual_stages",
+            "bucket_numel",
+            "unit_numel",
+            "steps",
+            "global_batch_size",
+            "micro_batch_size",
+            "micro_batches",
+            "lr_decay_steps",
+            "max_nonfinite_steps",
+            "seq_len",
+            "num_proc",
+            "log_every",
+        ),
+        AT_LEAST_1,
+    ),
     **dict.fromkeys(("warmup_steps", "min_lr", "weight_decay", "clip_grad", "save_every"), AT_LEAST_0),
     **dict.fromkeys(("rope_theta", "norm_eps", "comm_timeout", "lr", "eps"), POSITIVE),
     **dict.fromkeys(("dropout", "beta1", "beta2"), FRACTION),
@@ -316,7 +370,9 @@ def load_yaml(path: str) -> dict[str, dict[str, Any]]:
             raw = yaml.safe_load(f)
     except yaml.YAMLError as e:
         mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{path} is not valid YAML: {problem}" + (f" (line {mark.line + 1})" if mark else "")) from None
+        raise ConfigError(
+            f"{path} is not valid YAML: {problem}" + (f" (line {mark.line + 1})" if mark else "")
+        ) from None
     if not isinstance(raw, dict | None):
         raise ConfigError(f"{path} must be a mapping of sections ({', '.join(_CLASSES)}), not a {type(raw).__name__}")
     known = field_specs()
@@ -325,13 +381,15 @@ def load_yaml(path: str) -> dict[str, dict[str, Any]]:
         if section not in _CLASSES:
             raise ConfigError(f"{path}: unknown section {section!r}; sections are {', '.join(_CLASSES)}")
         if not isinstance(values, dict | None):
-            raise ConfigError(f"{path}: section {section} must be a mapping of keys to values, "
-                              f"not a {type(values).__name__}")
+            raise ConfigError(
+                f"{path}: section {section} must be a mapping of keys to values, not a {type(values).__name__}"
+            )
         for key in values or {}:
             if key not in known or known[key].section != section:
                 raise ConfigError(f"{path}: {section}.{key} is not a config key (see --help)")
-        out[section] = {key: check_value(key, value, f"{path}: {section}.{key}={value!r}")
-                        for key, value in (values or {}).items()}
+        out[section] = {
+            key: check_value(key, value, f"{path}: {section}.{key}={value!r}") for key, value in (values or {}).items()
+        }
     return out
 
 
@@ -339,22 +397,27 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """Defaults after each flag; the description as written."""
 
 
-def build_parser(file_values: dict[str, dict[str, Any]] | None = None, defaults: bool = True) -> argparse.ArgumentParser:
+def build_parser(
+    file_values: dict[str, dict[str, Any]] | None = None, defaults: bool = True
+) -> argparse.ArgumentParser:
     """The command line: `--config` plus one flag per field, defaults from the (checked) file
     (`defaults=False`: a parsed namespace holds only the flags given). Flags keep their text;
     `parse_args` checks it with `check_value`, as `load_yaml` checks the file's values."""
     file_values = file_values or {}
     p = argparse.ArgumentParser(
-        prog="python -m experiments.train", description=__doc__,
-        formatter_class=_HelpFormatter, argument_default=None if defaults else argparse.SUPPRESS,
+        prog="python -m experiments.train",
+        description=__doc__,
+        formatter_class=_HelpFormatter,
+        argument_default=None if defaults else argparse.SUPPRESS,
     )
     p.add_argument("--config", help="YAML file with sections model/parallel/train/data/log/checkpoint")
     groups = {s: p.add_argument_group(s, (_CLASSES[s].__doc__ or "").split("\n")[0]) for s in _CLASSES}
     for name, spec in field_specs().items():
         default = file_values.get(spec.section, {}).get(name, _default(spec.field)) if defaults else argparse.SUPPRESS
         if spec.kind is bool:
-            groups[spec.section].add_argument(_flag(name), default=default, action=argparse.BooleanOptionalAction,
-                                              help=HELP[name])
+            groups[spec.section].add_argument(
+                _flag(name), default=default, action=argparse.BooleanOptionalAction, help=HELP[name]
+            )
         else:
             metavar = "{" + ",".join(spec.choices) + "}" if spec.choices else name.upper()
             groups[spec.section].add_argument(_flag(name), default=default, metavar=metavar, help=HELP[name])
@@ -401,12 +464,16 @@ def resolve_batch(cfg: RunConfig, world_size: int, given_cli: set[str], given_fi
     """Fill dp and the one batch size not given (see the module docstring)."""
     par, tr = cfg.parallel, cfg.train
     if world_size % (par.tp * par.pp):
-        raise ConfigError(f"--tp={par.tp} × --pp={par.pp} = {par.tp * par.pp} does not divide the world size {world_size}")
+        raise ConfigError(
+            f"--tp={par.tp} × --pp={par.pp} = {par.tp * par.pp} does not divide the world size {world_size}"
+        )
     if par.dp is None:
         par.dp = world_size // (par.tp * par.pp)
     if par.tp * par.pp * par.dp != world_size:
-        raise ConfigError(f"--tp={par.tp} × --pp={par.pp} × --dp={par.dp} = {par.tp * par.pp * par.dp} "
-                          f"does not equal the world size {world_size}")
+        raise ConfigError(
+            f"--tp={par.tp} × --pp={par.pp} × --dp={par.dp} = {par.tp * par.pp * par.dp} "
+            f"does not equal the world size {world_size}"
+        )
     order = [k for k in BATCH_KEYS if k in given_cli] + [k for k in BATCH_KEYS if k in given_file - given_cli]
     known = [k for k in order if getattr(tr, k) is not None][:2]
     if len(known) < 2 and "micro_batch_size" not in known:
@@ -423,13 +490,17 @@ def resolve_batch(cfg: RunConfig, world_size: int, given_cli: set[str], given_fi
         other = "micro_batches" if missing == "micro_batch_size" else "micro_batch_size"
         per = getattr(tr, other) * par.dp
         if tr.global_batch_size % per:
-            raise ConfigError(f"--global-batch-size={tr.global_batch_size} is not divisible by "
-                              f"{_flag(other)}={getattr(tr, other)} × dp={par.dp}")
+            raise ConfigError(
+                f"--global-batch-size={tr.global_batch_size} is not divisible by "
+                f"{_flag(other)}={getattr(tr, other)} × dp={par.dp}"
+            )
         setattr(tr, missing, tr.global_batch_size // per)
     if stated is not None and stated != getattr(tr, missing):
-        raise ConfigError(f"--global-batch-size={tr.global_batch_size if missing != 'global_batch_size' else stated} "
-                          f"must equal --micro-batch-size × --micro-batches × dp = {tr.micro_batch_size} × "
-                          f"{tr.micro_batches} × {par.dp}")
+        raise ConfigError(
+            f"--global-batch-size={tr.global_batch_size if missing != 'global_batch_size' else stated} "
+            f"must equal --micro-batch-size × --micro-batches × dp = {tr.micro_batch_size} × "
+            f"{tr.micro_batches} × {par.dp}"
+        )
 
 
 def validate(cfg: RunConfig, world_size: int) -> None:
@@ -458,9 +529,11 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(str(e)) from None
     real = m.with_vocab_of(tokenizer.vocab_size)
     if real.padded_vocab % par.tp:
-        raise ConfigError(f"--vocab-multiple={m.vocab_multiple} pads the vocabulary of {real.vocab_size} tokens to "
-                          f"{real.padded_vocab}, which --tp={par.tp} does not divide; make --vocab-multiple a "
-                          f"multiple of {par.tp}")
+        raise ConfigError(
+            f"--vocab-multiple={m.vocab_multiple} pads the vocabulary of {real.vocab_size} tokens to "
+            f"{real.padded_vocab}, which --tp={par.tp} does not divide; make --vocab-multiple a "
+            f"multiple of {par.tp}"
+        )
     try:
         real.validate_tp(par.tp)
         layer_ranges(m.n_layers, par.pp * par.virtual_stages)

@@ -17,6 +17,7 @@ The cache key hashes the data source (file paths, sizes, mtimes; a saved dataset
 fingerprint; a hub name), the tokenizer (a hash of its file) and the text field, not
 seq_len: packing slices the same stream for any length.
 """
+
 from __future__ import annotations
 
 import glob
@@ -120,8 +121,11 @@ def resolve_source(data: str | None) -> list[Path] | Path | str:
         return [CORPUS]
     kinds = ".txt, .jsonl, .json or .parquet (optionally .gz)"
     if any(c in data for c in "*?["):
-        files = sorted(Path(p).resolve() for p in glob.glob(os.path.expanduser(data), recursive=True)
-                       if _builder(p) and os.path.isfile(p))
+        files = sorted(
+            Path(p).resolve()
+            for p in glob.glob(os.path.expanduser(data), recursive=True)
+            if _builder(p) and os.path.isfile(p)
+        )
         if not files:
             raise DataError(f"--data glob {data!r} matches no {kinds} file.")
         return files
@@ -129,8 +133,11 @@ def resolve_source(data: str | None) -> list[Path] | Path | str:
     if path.is_dir():
         if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
             return path
-        files = sorted(p.resolve() for p in path.rglob("*") if p.is_file() and _builder(p)
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = sorted(
+            p.resolve()
+            for p in path.rglob("*")
+            if p.is_file() and _builder(p) and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
         if not files:
             raise DataError(f"--data folder {data!r} holds no {kinds} file.")
         return files
@@ -165,9 +172,11 @@ def hub_offline() -> bool:
 def require_hub(name: str) -> None:
     """DataError unless the dataset `name` (not a local path) may come from the Hub."""
     if hub_offline():
-        raise DataError(f"--data {name!r} is not a local path, and datasets cannot come from the Hugging Face "
-                        "Hub while it is offline (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE): pass a local file, "
-                        "folder or glob.")
+        raise DataError(
+            f"--data {name!r} is not a local path, and datasets cannot come from the Hugging Face "
+            "Hub while it is offline (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE): pass a local file, "
+            "folder or glob."
+        )
 
 
 def describe(data: str | None) -> str:
@@ -175,8 +184,9 @@ def describe(data: str | None) -> str:
     return f"--data {data}" if data is not None else f"the embedded corpus {CORPUS}"
 
 
-def load_text_dataset(data: str | None, text_field: str = "text",
-                      hf_cache_dir: str | Path | None = None) -> datasets.Dataset:
+def load_text_dataset(
+    data: str | None, text_field: str = "text", hf_cache_dir: str | Path | None = None
+) -> datasets.Dataset:
     """--data as a ``datasets.Dataset`` with one column "text", one row per document (a .txt
     file is one document; a .jsonl/.json/.parquet row's ``text_field`` is one). Files are read
     in sorted path order; ``hf_cache_dir`` receives their arrow conversion (None: HF's cache).
@@ -185,8 +195,10 @@ def load_text_dataset(data: str | None, text_field: str = "text",
 
     src = resolve_source(data)
     if isinstance(src, list):
-        parts = [_read_files(builder, list(group), text_field, hf_cache_dir)
-                 for builder, group in itertools.groupby(src, key=_builder)]  # runs of one format, in path order
+        parts = [
+            _read_files(builder, list(group), text_field, hf_cache_dir)
+            for builder, group in itertools.groupby(src, key=_builder)
+        ]  # runs of one format, in path order
         return datasets.concatenate_datasets(parts)
     if isinstance(src, Path):
         return _text_column(_load_from_disk(src), text_field, str(src))
@@ -194,8 +206,9 @@ def load_text_dataset(data: str | None, text_field: str = "text",
     try:
         ds = datasets.load_dataset(src, split="train")
     except Exception as e:  # any failure becomes the one-sentence error
-        raise DataError(f"--data {src!r} is not a local path and did not load from the Hugging Face Hub "
-                        f"({type(e).__name__}: {e}).") from e
+        raise DataError(
+            f"--data {src!r} is not a local path and did not load from the Hugging Face Hub ({type(e).__name__}: {e})."
+        ) from e
     return _text_column(ds, text_field, src)
 
 
@@ -213,28 +226,35 @@ def _read_files(builder: str, files: list[Path], text_field: str, hf_cache_dir: 
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
-        ds = datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train",
-                                   cache_dir=hf_cache_dir, **kwargs)
+        ds = datasets.load_dataset(
+            builder, data_files=[str(p) for p in files], split="train", cache_dir=hf_cache_dir, **kwargs
+        )
     # StopIteration: the json builder finding no line in any file
     except (DatasetGenerationError, pa.ArrowException, OSError, EOFError, StopIteration) as e:
         cause = e.__cause__ or e
-        raise DataError(_find_problem(builder, files, field) or f"--data {where} could not be read "
-                        f"({type(cause).__name__}: {cause}): check that the files are {builder} files.") from e
+        raise DataError(
+            _find_problem(builder, files, field)
+            or f"--data {where} could not be read "
+            f"({type(cause).__name__}: {cause}): check that the files are {builder} files."
+        ) from e
     finally:
         datasets.logging.set_verbosity(verbosity)
     return _text_column(ds, field, where, locate=lambda: _find_problem(builder, files, field))
 
 
-def _text_column(ds: datasets.Dataset, field: str, where: str,
-                 locate: Callable[[], str | None] = lambda: None) -> datasets.Dataset:
+def _text_column(
+    ds: datasets.Dataset, field: str, where: str, locate: Callable[[], str | None] = lambda: None
+) -> datasets.Dataset:
     """``ds`` reduced to its column ``field``, renamed "text", typed string (so parts concatenate).
     A missing column, or a value in it that is null or not a string, is a DataError, worded by
     ``locate()`` (the file and line at fault) where it can."""
     import datasets
 
     if field not in ds.column_names:
-        raise DataError(f"--data {where} has no --text-field {field!r} (its columns: {', '.join(ds.column_names)}): "
-                        "pass --text-field with the column that holds the text.")
+        raise DataError(
+            f"--data {where} has no --text-field {field!r} (its columns: {', '.join(ds.column_names)}): "
+            "pass --text-field with the column that holds the text."
+        )
     ds = ds.select_columns([field]).rename_column(field, "text") if field != "text" else ds.select_columns(["text"])
     problem = _column_problem(ds.data.column("text"), field, f"--data {where}")
     if problem:
@@ -246,12 +266,16 @@ def _text_column(ds: datasets.Dataset, field: str, where: str,
 def _column_problem(column: pa.ChunkedArray, field: str, where: str) -> str | None:
     """The sentence for a text column that holds no strings or has a null, else None."""
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        return (f"--text-field {field!r} of {where} holds {column.type} values, not strings: "
-                "pass --text-field with the column that holds the text.")
+        return (
+            f"--text-field {field!r} of {where} holds {column.type} values, not strings: "
+            "pass --text-field with the column that holds the text."
+        )
     if column.null_count:
         row = pc.index(pc.is_null(column), True).as_py()
-        return (f"row {row} of {where} has a null --text-field {field!r} (nulls: {column.null_count}): "
-                "drop those rows or give them text.")
+        return (
+            f"row {row} of {where} has a null --text-field {field!r} (nulls: {column.null_count}): "
+            "drop those rows or give them text."
+        )
     return None
 
 
@@ -277,8 +301,10 @@ def _lines_problem(path: Path, builder: str, field: str) -> str | None:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                return (f"--data file {path} is not UTF-8 text (line {line} has the byte 0x{raw[e.start]:02x} at "
-                        f"column {e.start + 1}; a binary file?): convert it to UTF-8 or leave it out of --data.")
+                return (
+                    f"--data file {path} is not UTF-8 text (line {line} has the byte 0x{raw[e.start]:02x} at "
+                    f"column {e.start + 1}; a binary file?): convert it to UTF-8 or leave it out of --data."
+                )
             if builder != "json" or not text.strip():
                 continue
             if line == 1 and text.lstrip().startswith("["):
@@ -308,8 +334,10 @@ def _parquet_problem(path: Path, field: str) -> str | None:
     try:
         schema = pq.read_schema(path)
         if field not in schema.names:
-            return (f"--data file {path} has no --text-field {field!r} (its columns: {', '.join(schema.names)}): "
-                    "pass --text-field with the column that holds the text.")
+            return (
+                f"--data file {path} has no --text-field {field!r} (its columns: {', '.join(schema.names)}): "
+                "pass --text-field with the column that holds the text."
+            )
         column = pq.read_table(path, columns=[field]).column(field)
     except pa.ArrowException as e:
         return f"--data file {path} is not a readable parquet file ({e}): replace it or leave it out of --data."
@@ -342,8 +370,15 @@ def _build(data: str | None, tokenizer: Tokenizer, text_field: str, key: dict, n
     npy.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=npy.parent, prefix="build-") as scratch:
         docs = load_text_dataset(data, text_field, hf_cache_dir=scratch)
-        ids = docs.map(tokenize, batched=True, num_proc=num_proc, remove_columns=["text"], new_fingerprint=npy.stem,
-                       cache_file_name=os.path.join(scratch, "ids.arrow"), desc="tokenizing")
+        ids = docs.map(
+            tokenize,
+            batched=True,
+            num_proc=num_proc,
+            remove_columns=["text"],
+            new_fingerprint=npy.stem,
+            cache_file_name=os.path.join(scratch, "ids.arrow"),
+            desc="tokenizing",
+        )
         chunks = ids.data.column("ids").chunks
         n = sum(len(c.flatten()) for c in chunks)
         if n == len(docs) * len(eos):
@@ -352,19 +387,32 @@ def _build(data: str | None, tokenizer: Tokenizer, text_field: str, key: dict, n
         at = 0
         for c in chunks:
             values = c.flatten().to_numpy(zero_copy_only=False)
-            out[at:at + len(values)] = values
+            out[at : at + len(values)] = values
             at += len(values)
         out.flush()
         del out
-        meta = {**key, "data": str(CORPUS if data is None else data), "tokens": n, "documents": len(docs),
-                "dtype": np.dtype(dtype).name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
+        meta = {
+            **key,
+            "data": str(CORPUS if data is None else data),
+            "tokens": n,
+            "documents": len(docs),
+            "dtype": np.dtype(dtype).name,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+        }
         Path(scratch, "meta.json").write_text(json.dumps(meta, indent=1))
         os.replace(os.path.join(scratch, "tokens.npy"), npy)
         os.replace(os.path.join(scratch, "meta.json"), npy.with_suffix(".json"))
 
 
-def load_tokens(data: str | None, tokenizer: Tokenizer, *, text_field: str = "text",
-                cache_dir: str | Path | None = None, num_proc: int | None = None) -> np.ndarray:
+def load_tokens(
+    data: str | None,
+    tokenizer: Tokenizer,
+    *,
+    text_field: str = "text",
+    cache_dir: str | Path | None = None,
+    num_proc: int | None = None,
+) -> np.ndarray:
     """The flat token stream t_0 .. t_{N-1} of ``data`` (None: the embedded corpus), each
     document followed by EOS, as a read-only memory map of <cache_dir>/tokens-<key>.npy.
 
@@ -386,8 +434,10 @@ def load_tokens(data: str | None, tokenizer: Tokenizer, *, text_field: str = "te
 
     def check_shared() -> None:
         if not meta.exists():
-            raise DataError(f"rank {rank} does not see the token cache {meta} that rank 0 built: "
-                            "--data-cache must be a folder that every rank sees.")
+            raise DataError(
+                f"rank {rank} does not see the token cache {meta} that rank 0 built: "
+                "--data-cache must be a folder that every rank sees."
+            )
 
     raise_together(build)  # the ranks meet here
     raise_together(check_shared)
@@ -408,13 +458,16 @@ class GlobalBatches:
     batch may hold more sequences than the data has). ``source`` names the data in the
     DataError of a stream shorter than one sequence."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, seed: int,
-                 source: str = "the data") -> None:
+    def __init__(
+        self, tokens: np.ndarray, seq_len: int, global_batch_size: int, seed: int, source: str = "the data"
+    ) -> None:
         if seq_len < 1 or global_batch_size < 1:
             raise ValueError(f"seq_len={seq_len} and global_batch_size={global_batch_size} must be >= 1.")
         if len(tokens) < seq_len + 1:
-            raise DataError(f"{source} has {len(tokens)} tokens, but one sequence of --seq-len={seq_len} "
-                            f"needs {seq_len + 1}: lower --seq-len or give more text.")
+            raise DataError(
+                f"{source} has {len(tokens)} tokens, but one sequence of --seq-len={seq_len} "
+                f"needs {seq_len + 1}: lower --seq-len or give more text."
+            )
         self.tokens, self.seq_len, self.global_batch_size, self.seed = tokens, seq_len, global_batch_size, seed
         self.n_sequences = (len(tokens) - 1) // seq_len
         self._perm: tuple[int, torch.Tensor | None] = (-1, None)
@@ -437,13 +490,14 @@ class GlobalBatches:
         rows = []
         for p in range(step * b, (step + 1) * b):
             k = int(self.permutation(p // s)[p % s])
-            rows.append(np.asarray(self.tokens[k * L:k * L + L + 1]))
+            rows.append(np.asarray(self.tokens[k * L : k * L + L + 1]))
         seqs = torch.from_numpy(np.stack(rows).astype(np.int64))
         return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
 
 
-def local_micro_batches(inputs_bs: torch.Tensor, labels_bs: torch.Tensor, dp_rank: int, dp: int,
-                        micro_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def local_micro_batches(
+    inputs_bs: torch.Tensor, labels_bs: torch.Tensor, dp_rank: int, dp: int, micro_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """DP rank d's share of a global batch of B rows, rows [d*B/dp, (d+1)*B/dp) (Megatron
     order), as ``micro_batches`` consecutive (inputs, labels) pairs of B/(dp*micro_batches) rows."""
     rows = inputs_bs.shape[0]
@@ -453,5 +507,7 @@ def local_micro_batches(inputs_bs: torch.Tensor, labels_bs: torch.Tensor, dp_ran
         raise ValueError(f"global_batch_size={rows} is not divisible by dp={dp} x micro_batches={micro_batches}.")
     local, b = rows // dp, rows // dp // micro_batches
     lo = dp_rank * local
-    return [(inputs_bs[lo + j * b:lo + (j + 1) * b], labels_bs[lo + j * b:lo + (j + 1) * b])
-            for j in range(micro_batches)]
+    return [
+        (inputs_bs[lo + j * b : lo + (j + 1) * b], labels_bs[lo + j * b : lo + (j + 1) * b])
+        for j in range(micro_batches)
+    ]

@@ -14,6 +14,7 @@ all-gather tells every rank whether any failed, and every rank raises the first 
 (lowest rank). A check that fails on one rank can then never leave the others waiting
 in a collective.
 """
+
 from __future__ import annotations
 
 import sys
@@ -96,5 +97,6 @@ def raise_together(check: Callable[[], T], group: dist.ProcessGroup | None = Non
     return result  # type: ignore[return-value]
 
 
-_ERRORS: dict[str, type[RunError]] = {cls.__name__: cls for cls in
-                                      (RunError, ConfigError, CheckpointError, DataError, NonFiniteLossError)}
+_ERRORS: dict[str, type[RunError]] = {
+    cls.__name__: cls for cls in (RunError, ConfigError, CheckpointError, DataError, NonFiniteLossError)
+}

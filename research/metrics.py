@@ -14,6 +14,7 @@ Memory is CUDA's ``max_memory_allocated`` on GPUs and the process's peak RSS on 
 Collectives used here (maxima and gathers over ranks) go through ``parallel.comm`` under
 ``comm.untracked()``: the desync report sees them, the communication counts do not.
 """
+
 from __future__ import annotations
 
 import json
@@ -139,8 +140,9 @@ def gpu_peak_flops(name: str, dtype: torch.dtype, tf32: bool = False) -> float |
     return None if tflops is None else tflops * 1e12
 
 
-def throughput(tokens: int, step_time_s: float, flops_per_token: float, world_size: int,
-               peak: float | None) -> dict[str, float | None]:
+def throughput(
+    tokens: int, step_time_s: float, flops_per_token: float, world_size: int, peak: float | None
+) -> dict[str, float | None]:
     """``{"tokens_per_s": T/t, "tflops_per_device": F·(T/t)/W/1e12, "mfu": that·1e12/P}``
     for T tokens of one global batch in t seconds on W devices of peak P FLOP/s
     (mfu None when P is None)."""
@@ -302,8 +304,9 @@ class ActivationMeter:
 _COUNTS = ("calls", "bytes", "payload_bytes")
 
 
-def comm_per_step(log_dict: Mapping[str, Mapping[str, Mapping[str, int]]], steps: int,
-                  groups: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
+def comm_per_step(
+    log_dict: Mapping[str, Mapping[str, Mapping[str, int]]], steps: int, groups: Iterable[str] = ()
+) -> dict[str, dict[str, Any]]:
     """Per-step averages of ``parallel.comm.CommLog.as_dict()`` recorded over ``steps`` steps:
     ``{group: {"ops": {op: {"calls", "bytes", "payload_bytes"}}, "total": {...}}}``, each
     count divided by ``steps``; "total" sums the group's ops. Names in ``groups`` appear even
@@ -376,15 +379,25 @@ def _gib(v: float) -> str:
 
 
 # (key, label, format) of the progress line and of the summary line
-_STEP_FIELDS = (("loss", "loss ", _loss), ("tokens_per_s", "", _tok), ("tflops_per_device", "", _tflops),
-                ("mfu", "MFU ", _pct), ("mem_peak_bytes", "mem ", _gib))
-_SUMMARY_FIELDS = (("final_loss", "final loss ", _loss), ("median_tokens_per_s", "median ", _tok),
-                   ("median_tflops_per_device", "median ", _tflops), ("median_mfu", "median MFU ", _pct),
-                   ("mem_peak_bytes", "peak mem ", _gib), ("wall_time_s", "wall ", _hms))
+_STEP_FIELDS = (
+    ("loss", "loss ", _loss),
+    ("tokens_per_s", "", _tok),
+    ("tflops_per_device", "", _tflops),
+    ("mfu", "MFU ", _pct),
+    ("mem_peak_bytes", "mem ", _gib),
+)
+_SUMMARY_FIELDS = (
+    ("final_loss", "final loss ", _loss),
+    ("median_tokens_per_s", "median ", _tok),
+    ("median_tflops_per_device", "median ", _tflops),
+    ("median_mfu", "median MFU ", _pct),
+    ("mem_peak_bytes", "peak mem ", _gib),
+    ("wall_time_s", "wall ", _hms),
+)
 
 
 def _format(values: Mapping[str, Any], fields: tuple) -> list[str]:
-    """"label value" for each field whose key is in ``values`` and not None."""
+    """ "label value" for each field whose key is in ``values`` and not None."""
     return [label + fmt(values[key]) for key, label, fmt in fields if values.get(key) is not None]
 
 
@@ -398,8 +411,14 @@ class Console:
     one is left out. ETA = wall time since construction / steps done × steps left.
     """
 
-    def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True,
-                 log_every: int = 1, stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        total_steps: int,
+        start_step: int = 0,
+        enabled: bool = True,
+        log_every: int = 1,
+        stream: TextIO | None = None,
+    ) -> None:
         self.total_steps, self.start_step, self.enabled = total_steps, start_step, enabled
         self.log_every = max(1, log_every)
         self.stream = sys.stderr if stream is None else stream
@@ -408,8 +427,7 @@ class Console:
         if enabled and self.stream.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, file=self.stream, unit="step",
-                             dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=start_step, file=self.stream, unit="step", dynamic_ncols=True)
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Report that step ``step`` (counting from 1) finished with ``metrics``."""
@@ -442,8 +460,10 @@ class Console:
             return
         if self._bar is not None:
             self._bar.close()
-        line = [f"done {summary.get('steps', self.total_steps - self.start_step)} steps",
-                *_format(summary, _SUMMARY_FIELDS)]
+        line = [
+            f"done {summary.get('steps', self.total_steps - self.start_step)} steps",
+            *_format(summary, _SUMMARY_FIELDS),
+        ]
         print(" | ".join(line), file=self.stream, flush=True)
 
 
@@ -519,9 +539,15 @@ class WandbRun:
     its console output is silenced (``WANDB_*`` environment variables still apply).
     """
 
-    def __init__(self, mode: Literal["offline", "online", "disabled"] = "offline", project: str = "zero3d",
-                 group: str | None = None, name: str | None = None, out_dir: str | Path = ".",
-                 config: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        mode: Literal["offline", "online", "disabled"] = "offline",
+        project: str = "zero3d",
+        group: str | None = None,
+        name: str | None = None,
+        out_dir: str | Path = ".",
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
         if mode not in ("offline", "online", "disabled"):
             raise ValueError(f"wandb mode {mode!r} is not one of offline, online, disabled")
         self._run = None
@@ -530,8 +556,15 @@ class WandbRun:
         import wandb
 
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        self._run = wandb.init(mode=mode, project=project, group=group, name=name, dir=str(out_dir),
-                               config=_jsonable(dict(config or {})), settings=wandb.Settings(silent=True))
+        self._run = wandb.init(
+            mode=mode,
+            project=project,
+            group=group,
+            name=name,
+            dir=str(out_dir),
+            config=_jsonable(dict(config or {})),
+            settings=wandb.Settings(silent=True),
+        )
 
     @property
     def enabled(self) -> bool:

@@ -15,6 +15,7 @@ Fused weights are laid out so that any contiguous chunk of rows is a whole unit:
 QKV rows as (head, {q,k,v}, d) and the SwiGLU input rows as (f, {gate, up}). So every
 TP rank's row slice of the tp=1 weight holds whole heads / matched gate-up pairs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -78,8 +79,12 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
-        choices = {"position": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
-                   "activation": ("gelu", "swiglu"), "recompute": ("none", "selective", "full")}
+        choices = {
+            "position": ("learned", "rope"),
+            "norm": ("layernorm", "rmsnorm"),
+            "activation": ("gelu", "swiglu"),
+            "recompute": ("none", "selective", "full"),
+        }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
@@ -206,7 +211,9 @@ class Attention(nn.Module):
         super().__init__()
         h, self.config = config.d_model, config
         self.heads = config.n_heads // tp_size(group)
-        self.qkv = ColumnParallelLinear(h, 3 * h, group=group, bias=config.qkv_bias, sequence_parallel=sequence_parallel)
+        self.qkv = ColumnParallelLinear(
+            h, 3 * h, group=group, bias=config.qkv_bias, sequence_parallel=sequence_parallel
+        )
         self.proj = RowParallelLinear(h, h, group=group, bias=config.bias, sequence_parallel=sequence_parallel)
 
     def core(self, qkv_sbX: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
@@ -272,7 +279,9 @@ class Block(nn.Module):
         x = x + _dropout(self.attn(self.norm1(x), cos, sin), p, train, self.sp)
         return x + _dropout(self.mlp(self.norm2(x)), p, train, self.sp)
 
-    def forward(self, x_sbh: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x_sbh: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.config.recompute == "full" and torch.is_grad_enabled():
             return checkpoint(self._forward, x_sbh, cos, sin, use_reentrant=False)
         return self._forward(x_sbh, cos, sin)
@@ -309,9 +318,15 @@ class GPT(nn.Module):
     model's weights. Under SP the sequence length must be divisible by tp.
     """
 
-    def __init__(self, config: GPTConfig, tp_group: dist.ProcessGroup | None = None,
-                 sequence_parallel: bool = False, layers: range | None = None,
-                 pre: bool = True, post: bool = True) -> None:
+    def __init__(
+        self,
+        config: GPTConfig,
+        tp_group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        layers: range | None = None,
+        pre: bool = True,
+        post: bool = True,
+    ) -> None:
         super().__init__()
         config.validate_tp(tp_size(tp_group))
         self.config, self.group = config, tp_group
@@ -343,8 +358,9 @@ class GPT(nn.Module):
                 self.head = TiedHead(self.embed.weight, tp_group, self.sp)
             else:
                 with _part_rng(config, "head"):
-                    self.head = ColumnParallelLinear(h, config.padded_vocab, group=tp_group, bias=False,
-                                                     sequence_parallel=self.sp)
+                    self.head = ColumnParallelLinear(
+                        h, config.padded_vocab, group=tp_group, bias=False, sequence_parallel=self.sp
+                    )
 
     def forward(self, inputs: torch.Tensor, labels_bs: torch.Tensor | None = None) -> torch.Tensor:
         """`inputs`: token ids [b, s] when this module holds the embedding (pre), else the
@@ -383,15 +399,22 @@ class GPT(nn.Module):
         """Mean cross-entropy over tokens whose label is not -100 (padding of the
         vocabulary excluded)."""
         valid = labels_sb != IGNORE_INDEX
-        ce = vocab_parallel_cross_entropy(logits_sbv, labels_sb.where(valid, 0), self.group,
-                                          vocab_size=self.config.vocab_size)
+        ce = vocab_parallel_cross_entropy(
+            logits_sbv, labels_sb.where(valid, 0), self.group, vocab_size=self.config.vocab_size
+        )
         return (ce * valid).sum() / valid.sum()
 
 
-
-def pipeline_chunks(config: GPTConfig, pp_rank: int, pp: int, virtual_stages: int = 1,
-                    tp_group: dist.ProcessGroup | None = None, embedding_group: dist.ProcessGroup | None = None,
-                    sequence_parallel: bool = False, allow_uneven: bool = False) -> list[GPT]:
+def pipeline_chunks(
+    config: GPTConfig,
+    pp_rank: int,
+    pp: int,
+    virtual_stages: int = 1,
+    tp_group: dist.ProcessGroup | None = None,
+    embedding_group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
+    allow_uneven: bool = False,
+) -> list[GPT]:
     """This pipeline rank's model chunks: chunk c is virtual stage c·pp + pp_rank of the
     layers split by `layer_ranges`; the first stage holds the embedding, the last the final
     norm, head and loss. A tied embedding on two ranks is marked tied over
@@ -401,8 +424,9 @@ def pipeline_chunks(config: GPTConfig, pp_rank: int, pp: int, virtual_stages: in
     chunks = []
     for c in range(virtual_stages):
         stage = stage_of(pp_rank, c, pp)
-        chunks.append(GPT(config, tp_group, sequence_parallel, layers=ranges[stage],
-                          pre=stage == 0, post=stage == stages - 1))
+        chunks.append(
+            GPT(config, tp_group, sequence_parallel, layers=ranges[stage], pre=stage == 0, post=stage == stages - 1)
+        )
     if config.tie_embeddings and stages > 1:
         holders = [chunk for chunk in chunks if chunk.embed is not None]
         if len(holders) == 2:

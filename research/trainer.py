@@ -10,6 +10,7 @@ clips by the global norm and steps. The logged loss is the mean over the global 
 LR: linear warm-up to `lr` over `warmup_steps`, then cosine decay to `min_lr` at step
 `lr_decay_steps` (default: the last step) and `min_lr` after it (or constant). Weight decay applies to matrices, not to norms and biases.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,31 +64,52 @@ def load_data(cfg: RunConfig) -> tuple[GPTConfig, data.GlobalBatches]:
     Unusable data is a DataError on every rank, printed by the rank that found it."""
     tokenizer = data.load_tokenizer(cfg.data.tokenizer)
     model = cfg.model.with_vocab_of(tokenizer.vocab_size)
-    tokens = data.load_tokens(cfg.data.data, tokenizer, cache_dir=cfg.data.data_cache,
-                              num_proc=cfg.data.num_proc, text_field=cfg.data.text_field)
-    return model, data.GlobalBatches(tokens, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.seed,
-                                     source=data.describe(cfg.data.data))
+    tokens = data.load_tokens(
+        cfg.data.data,
+        tokenizer,
+        cache_dir=cfg.data.data_cache,
+        num_proc=cfg.data.num_proc,
+        text_field=cfg.data.text_field,
+    )
+    return model, data.GlobalBatches(
+        tokens, cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.seed, source=data.describe(cfg.data.data)
+    )
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Matrices decay; vectors (norm weights, biases) do not."""
     params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
-def build_optimizer(cfg: RunConfig, model: nn.Module, dp_group: dist.ProcessGroup | None = None,
-                    mp_group: dist.ProcessGroup | None = None) -> ZeroOptimizer:
+def build_optimizer(
+    cfg: RunConfig,
+    model: nn.Module,
+    dp_group: dist.ProcessGroup | None = None,
+    mp_group: dist.ProcessGroup | None = None,
+) -> ZeroOptimizer:
     """The run's ZeroOptimizer over `model`: AdamW with decay on matrices only, the ZeRO
     stage, precision, reduction dtype, fp16 loss scaling and bucket sizes of `cfg`, sharded
     over `dp_group` (None: the default group), norms taken over `mp_group` too."""
     par, tr = cfg.parallel, cfg.train
     return ZeroOptimizer(
-        model, torch.optim.AdamW, stage=par.zero, process_group=dp_group, model_parallel_group=mp_group,
-        param_groups=weight_decay_groups(model, tr.weight_decay), param_dtype=DTYPES[tr.precision],
+        model,
+        torch.optim.AdamW,
+        stage=par.zero,
+        process_group=dp_group,
+        model_parallel_group=mp_group,
+        param_groups=weight_decay_groups(model, tr.weight_decay),
+        param_dtype=DTYPES[tr.precision],
         reduce_dtype=torch.bfloat16 if tr.reduce_dtype == "bf16" else torch.float32,
         loss_scaler=DynamicLossScaler() if tr.precision == "fp16" else None,
-        bucket_numel=par.bucket_numel, unit_numel=par.unit_numel, lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps,
+        bucket_numel=par.bucket_numel,
+        unit_numel=par.unit_numel,
+        lr=tr.lr,
+        betas=(tr.beta1, tr.beta2),
+        eps=tr.eps,
     )
 
 
@@ -106,15 +128,28 @@ class Trainer:
         cfg.model, self.batches = load_data(cfg)
 
         dims = self.dims
-        chunks = pipeline_chunks(cfg.model, dims.pp_rank, dims.pp, par.virtual_stages, dims.tp_group,
-                                 dims.embedding_group, par.sequence_parallel)
+        chunks = pipeline_chunks(
+            cfg.model,
+            dims.pp_rank,
+            dims.pp,
+            par.virtual_stages,
+            dims.tp_group,
+            dims.embedding_group,
+            par.sequence_parallel,
+        )
         self.model = nn.ModuleList(chunks).to(self.device)
         self.param_dtype = DTYPES[tr.precision]
         self.opt = build_optimizer(cfg, self.model, dims.dp_group, dims.mp_group)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_multiplier(cfg))
-        self.executor = PipelineExecutor(chunks, par.schedule, tr.micro_batches, dims.pp_group,
-                                         no_sync=self.opt.no_sync, scale_loss=self.opt.scale_loss,
-                                         sync_chunk=self.opt.sync_only if par.grad_sync == "every" else None)
+        self.executor = PipelineExecutor(
+            chunks,
+            par.schedule,
+            tr.micro_batches,
+            dims.pp_group,
+            no_sync=self.opt.no_sync,
+            scale_loss=self.opt.scale_loss,
+            sync_chunk=self.opt.sync_only if par.grad_sync == "every" else None,
+        )
         seq = cfg.data.seq_len // (dims.tp if par.sequence_parallel and dims.tp > 1 else 1)
         self.activation_shape = (seq, tr.micro_batch_size, cfg.model.d_model)
         self.start_step = 0
@@ -123,8 +158,10 @@ class Trainer:
 
     # ---- checkpoints ----------------------------------------------------------------------
     def _expected_shapes(self) -> dict[str, list[int]]:
-        return {checkpoint.canonical_name(name): checkpoint.full_shape(p, self.dims.tp)
-                for p, name in self.opt.names.items()}
+        return {
+            checkpoint.canonical_name(name): checkpoint.full_shape(p, self.dims.tp)
+            for p, name in self.opt.names.items()
+        }
 
     def _resume(self, where: str) -> None:
         path = checkpoint.resolve(where)
@@ -135,7 +172,8 @@ class Trainer:
         if saved_batch != self.cfg.train.global_batch_size:
             raise checkpoint.CheckpointError(
                 f"--global-batch-size={self.cfg.train.global_batch_size} differs from the checkpoint's {saved_batch}; "
-                "resume with the same global batch size (the data position counts its batches)")
+                "resume with the same global batch size (the data position counts its batches)"
+            )
         rng_restored = checkpoint.load(path, meta, self.model, self.opt, self.dims)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.start_step = meta["step"]
@@ -146,11 +184,20 @@ class Trainer:
     def _save(self, step: int) -> str:
         cfg = self.cfg
         meta = {
-            "data": {"seed": cfg.train.seed, "global_batch_size": cfg.train.global_batch_size,
-                     "consumed_samples": step * cfg.train.global_batch_size},
+            "data": {
+                "seed": cfg.train.seed,
+                "global_batch_size": cfg.train.global_batch_size,
+                "consumed_samples": step * cfg.train.global_batch_size,
+            },
             "scheduler": self.scheduler.state_dict(),
-            "layout": {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "zero": cfg.parallel.zero,
-                       "schedule": cfg.parallel.schedule, "virtual_stages": cfg.parallel.virtual_stages},
+            "layout": {
+                "tp": self.dims.tp,
+                "pp": self.dims.pp,
+                "dp": self.dims.dp,
+                "zero": cfg.parallel.zero,
+                "schedule": cfg.parallel.schedule,
+                "virtual_stages": cfg.parallel.virtual_stages,
+            },
             "model": dataclasses.asdict(cfg.model),
             "config": cfg.to_dict(),
         }
@@ -160,8 +207,7 @@ class Trainer:
     def _step(self, step: int) -> tuple[torch.Tensor | None, torch.Tensor, float]:
         """(this rank's mean micro-batch loss or None, global grad norm, the lr used)."""
         inputs, labels = self.batches.batch(step)
-        micro = data.local_micro_batches(inputs, labels, self.dims.dp_rank, self.dims.dp,
-                                         self.cfg.train.micro_batches)
+        micro = data.local_micro_batches(inputs, labels, self.dims.dp_rank, self.dims.dp, self.cfg.train.micro_batches)
         ids = [x.to(self.device) for x, _ in micro]
         targets = [y.to(self.device) for _, y in micro]
         loss = self.executor.run(ids, targets, self.activation_shape, self.param_dtype or torch.float32)
@@ -197,8 +243,9 @@ class Trainer:
         group = cfg.log.wandb_group or os.path.basename(os.path.normpath(out))
         with contextlib.ExitStack() as stack:
             file = stack.enter_context(metrics.MetricsFile(os.path.join(out, "metrics.jsonl"))) if lead else None
-            run = stack.enter_context(metrics.WandbRun(cfg.log.wandb, cfg.log.wandb_project, group,
-                                                       cfg.log.wandb_name, out, cfg.to_dict()))
+            run = stack.enter_context(
+                metrics.WandbRun(cfg.log.wandb, cfg.log.wandb_project, group, cfg.log.wandb_name, out, cfg.to_dict())
+            )
             console = metrics.Console(tr.steps, self.start_step, enabled=lead, log_every=cfg.log.log_every)
             comm_total: dict[str, dict[str, dict[str, int]]] = {}
             rows: list[dict[str, Any]] = []
@@ -206,8 +253,9 @@ class Trainer:
             nonfinite = 0  # consecutive steps with a NaN/Inf loss
             started = time.perf_counter()
             for step in range(self.start_step, tr.steps):
-                row, log, measured = self._timed_step(step, step == self.start_step, tokens_per_step,
-                                                      flops_per_token, world, peak)
+                row, log, measured = self._timed_step(
+                    step, step == self.start_step, tokens_per_step, flops_per_token, world, peak
+                )
                 activation_peak = measured if measured is not None else activation_peak
                 _merge(comm_total, log)
                 rows.append(row)
@@ -220,7 +268,8 @@ class Trainer:
                     raise NonFiniteLossError(
                         f"the loss was {row['loss']} for {nonfinite} consecutive step(s) up to step {step + 1} "
                         f"(--max-nonfinite-steps={tr.max_nonfinite_steps}); lower --lr, use --precision bf16 "
-                        "or fp32, or resume from an earlier checkpoint")
+                        "or fp32, or resume from an earlier checkpoint"
+                    )
                 every = cfg.checkpoint.save_every
                 if cfg.checkpoint.save and ((every and (step + 1) % every == 0) or step + 1 == tr.steps):
                     if nonfinite:
@@ -237,8 +286,9 @@ class Trainer:
         comm.barrier()
         return summary
 
-    def _timed_step(self, step: int, measure_activations: bool, tokens: int, flops_per_token: float,
-                    world: int, peak: float | None) -> tuple[dict[str, Any], dict, int | None]:
+    def _timed_step(
+        self, step: int, measure_activations: bool, tokens: int, flops_per_token: float, world: int, peak: float | None
+    ) -> tuple[dict[str, Any], dict, int | None]:
         """One step and its metrics row, communication log and (if asked) activation peak."""
         metrics.reset_peak_memory(self.device)
         meter = metrics.ActivationMeter(self.model) if measure_activations else contextlib.nullcontext()
@@ -262,16 +312,20 @@ class Trainer:
         }
         return row, log.as_dict(), meter.peak_bytes if measure_activations else None
 
-    def _summary(self, rows: list[dict[str, Any]], comm_total: dict, activation_peak: int,
-                 wall: float) -> dict[str, Any]:
+    def _summary(
+        self, rows: list[dict[str, Any]], comm_total: dict, activation_peak: int, wall: float
+    ) -> dict[str, Any]:
         """The run's summary (identical on every rank; a collective)."""
         memory = self.opt.memory_breakdown()
         mine = {
             "rank": self.rank,
             "coords": dict(zip(("pp", "dp", "tp"), self.dims.coords_of(self.rank))),
-            "memory_bytes": {"params": memory["params"], "grads": memory["grads"],
-                             "master_and_optimizer": memory["master"] + memory["optimizer"],
-                             "activations": activation_peak},
+            "memory_bytes": {
+                "params": memory["params"],
+                "grads": memory["grads"],
+                "master_and_optimizer": memory["master"] + memory["optimizer"],
+                "activations": activation_peak,
+            },
             "grads_peak_bytes": self.opt.grad_peak_bytes,
             "comm_per_step": metrics.comm_per_step(comm_total, max(1, len(rows)), groups=("tp", "pp", "dp")),
         }

@@ -1,5 +1,6 @@
 """`run_distributed`: a test function on N gloo processes (parallel.launch.run_local), with
 failures and time-outs turned into test failures; `run_nccl`: one on a 1-rank NCCL group."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,8 +15,9 @@ from parallel.launch import DEFAULT_PRELOAD, RankFailure, run_local
 PRELOAD = (*DEFAULT_PRELOAD, "pytest")
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-                    **kwargs: Any) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any
+) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (1 thread, seed 0 each);
     their results in rank order. A rank that raises or dies, or a run past ``timeout``
     seconds, fails the test with that rank's traceback (AssertionError)."""

@@ -1,4 +1,5 @@
 """Small models and a reference training loop shared by the optimizer tests."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -53,7 +54,9 @@ def make_model(seed: int = 0, **kwargs) -> TinyLM:
     return TinyLM(**kwargs)
 
 
-def batches(steps: int, global_batch: int, seq: int = 8, vocab: int = 37, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    steps: int, global_batch: int, seq: int = 8, vocab: int = 37, seed: int = 1
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same global batches on every rank: (idx, targets), each [global_batch, seq]."""
     g = torch.Generator().manual_seed(seed)
     out = []

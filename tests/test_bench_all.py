@@ -1,14 +1,21 @@
 """`python -m experiments.bench` merges both benchmarks' ratios into one table."""
+
 from __future__ import annotations
 
 from experiments.bench.__main__ import ratio_rows
 
 
 def test_ratio_rows_cover_every_pairing_of_both_benchmarks() -> None:
-    zero = {"worlds": {"2": {"ratios": [
-        {"ours": "zero0", "theirs": "ddp", "ratio": 0.95, "goal": "<=", "met": True},
-        {"ours": "zero2", "theirs": "ddp_zero", "ratio": 0.9, "goal": None, "met": None},
-    ]}}}
+    zero = {
+        "worlds": {
+            "2": {
+                "ratios": [
+                    {"ours": "zero0", "theirs": "ddp", "ratio": 0.95, "goal": "<=", "met": True},
+                    {"ours": "zero2", "theirs": "ddp_zero", "ratio": 0.9, "goal": None, "met": None},
+                ]
+            }
+        }
+    }
     pipe = {"config": {"pp": 4}, "rows": [{"schedule": "1f1b", "v": 1, "m": 8, "ratio": 1.1}]}
     rows = ratio_rows(zero, pipe)
     assert rows == [

@@ -1,5 +1,6 @@
 """CPU smoke run of `python -m experiments.bench.fused_step_bandwidth` on a small shard: every
 CPU backend and torch's AdamW(fused=True) are timed, with finite bandwidths."""
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.timeout(120)
 def test_fused_step_bandwidth_smoke_on_cpu() -> None:
-    proc = subprocess.run([sys.executable, "-m", "experiments.bench.fused_step_bandwidth", "--numel", "2e5"],
-                          capture_output=True, text=True, timeout=110, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench.fused_step_bandwidth", "--numel", "2e5"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("torch.optim.AdamW", "zero3d"))]
     assert rows[0].startswith("torch.optim.AdamW(fused=True)") and len(rows) >= 3

@@ -1,5 +1,6 @@
 """CPU smoke run of `python -m experiments.bench.gpu_mfu --quick`: both loops train the same
 model on the same batches and report finite throughput (MFU needs a GPU peak)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -13,8 +14,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.timeout(180)
 def test_gpu_mfu_quick_runs_on_cpu(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "experiments.bench.gpu_mfu", "--quick", "--steps", "2", "--warmup", "1",
-                           "--data-cache", str(tmp_path)], capture_output=True, text=True, timeout=170, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.bench.gpu_mfu",
+            "--quick",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--data-cache",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith(("ours", "plain"))}
     assert set(lines) == {"ours", "plain"}

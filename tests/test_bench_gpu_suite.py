@@ -5,6 +5,7 @@ The parts that measure something on a CPU (environment, fused_step, mfu, memory,
 zero_stages) must be ok; `pytest -m cuda` can only skip there (or pass, were a test to run
 without CUDA). ~20-40 s on a 2-core machine; ZERO3D_SKIP_BENCH=1 skips it.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,23 @@ RUN_ON_CPU = ("environment", "fused_step", "mfu", "memory", "zero_stages")
 @pytest.mark.timeout(150)
 def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "experiments.bench.gpu_suite", "--cpu-smoke", "--out", str(out),
-                           "--data-cache", str(tmp_path / "tokens")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=140, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.bench.gpu_suite",
+            "--cpu-smoke",
+            "--out",
+            str(out),
+            "--data-cache",
+            str(tmp_path / "tokens"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=140,
+        check=False,
+    )
     assert proc.returncode == 0, f"suite failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
 
     results = json.loads((out / "gpu_suite.json").read_text())
@@ -49,10 +64,16 @@ def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
     assert fused_rows[0]["backend"] is None and all(r["gbs"] > 0 and r["of_copy"] > 0 for r in fused_rows)
     assert {r["loop"] for r in results["parts"]["mfu"]["rows"]} == {"ours", "plain"}
     memory = results["parts"]["memory"]["rows"]
-    assert {(r["recompute"], r["seq_len"]) for r in memory} == {(c, s) for c in ("none", "selective", "full")
-                                                                for s in (32, 64)}
+    assert {(r["recompute"], r["seq_len"]) for r in memory} == {
+        (c, s) for c in ("none", "selective", "full") for s in (32, 64)
+    }
     for r in memory:  # the planner's model states are the tensors ZeroOptimizer holds
         assert r["states_tensors"] == pytest.approx(r["states_predicted"], rel=0.05), r
         assert r["activations_saved"] > 0 and r["activations_cuda"] is None
-    assert [r["method"] for r in results["parts"]["zero_stages"]["rows"]] == ["plain", "zero0", "zero1", "zero2",
-                                                                              "zero3"]
+    assert [r["method"] for r in results["parts"]["zero_stages"]["rows"]] == [
+        "plain",
+        "zero0",
+        "zero1",
+        "zero2",
+        "zero3",
+    ]

@@ -6,6 +6,7 @@ our executor and torch.distributed.pipelining computed the same losses, and that
 measured timeline PNG is written. ~35-45 s on a 2-core machine. Set ZERO3D_SKIP_BENCH=1 to
 skip it.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,11 @@ def test_pipeline_bubble_quick(tmp_path: Path) -> None:
     out, png = tmp_path / "bubble.json", tmp_path / "timeline.png"
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.bench.pipeline_bubble", "--quick", "--json", str(out), "--png", str(png)],
-        cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
     )
     assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     text = proc.stdout

@@ -6,6 +6,7 @@ numbers, and that all methods trained the same thing (fp32 losses agree). It tak
 ~15-35 s on a 2-core machine, so it is part of the default suite; its timeout keeps a
 slow or stuck run from holding the suite. Set ZERO3D_SKIP_BENCH=1 to skip it.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,11 @@ def test_zero_vs_torch_quick(tmp_path: Path) -> None:
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.bench.zero_vs_torch", "--quick", "--world-sizes", "2", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=140, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=140,
+        check=False,
     )
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
@@ -46,8 +51,15 @@ def test_zero_vs_torch_quick(tmp_path: Path) -> None:
     world = results["worlds"]["2"]
     assert set(world["methods"]) == set(METHODS)
     for method, entry in world["methods"].items():
-        numbers = [entry["median_ms"], entry["p25_ms"], entry["p75_ms"], entry["fwd_bwd_median_ms"],
-                   entry["cpu_median_ms"], entry["final_loss"], *entry["memory_rank0"].values()]
+        numbers = [
+            entry["median_ms"],
+            entry["p25_ms"],
+            entry["p75_ms"],
+            entry["fwd_bwd_median_ms"],
+            entry["cpu_median_ms"],
+            entry["final_loss"],
+            *entry["memory_rank0"].values(),
+        ]
         assert all(math.isfinite(x) for x in numbers), (method, entry)
         assert entry["median_ms"] > 0 and entry["memory_rank0"]["params"] > 0, (method, entry)
     assert len(world["ratios"]) == len(PAIRINGS)

@@ -4,6 +4,7 @@ file is one sentence naming it and exit 2 (no traceback); a pickle payload in DC
 naming a lost step falls back to the newest complete one; interrupted `.tmp` folders go
 at the next save; a save that runs out of space is one sentence, leaves no `.tmp` and
 keeps the previous checkpoint as `latest`."""
+
 from __future__ import annotations
 
 import enum
@@ -23,25 +24,47 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from research import checkpoint, checkpoint_files
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--n-layers", "2", "--n-heads", "2", "--d-model", "32", "--max-seq-len", "32", "--seq-len", "32",
-        "--global-batch-size", "4", "--wandb", "disabled", "--log-every", "1000"]
+TINY = [
+    "--n-layers",
+    "2",
+    "--n-heads",
+    "2",
+    "--d-model",
+    "32",
+    "--max-seq-len",
+    "32",
+    "--seq-len",
+    "32",
+    "--global-batch-size",
+    "4",
+    "--wandb",
+    "disabled",
+    "--log-every",
+    "1000",
+]
 MARKER = "pwned"
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def command(cache: Path, *argv: str, launcher: tuple[str, ...] = (sys.executable,), limit_bytes: int | None = None,
-            ) -> subprocess.CompletedProcess:
+def command(
+    cache: Path,
+    *argv: str,
+    launcher: tuple[str, ...] = (sys.executable,),
+    limit_bytes: int | None = None,
+) -> subprocess.CompletedProcess:
     """`python -m experiments.train` (or under `launcher`) with the tiny model and the token
     cache under `cache`; with
     `limit_bytes`, no file the run writes may grow past that size (RLIMIT_FSIZE: writes fail
     with EFBIG, the way a full disk fails them with ENOSPC)."""
+
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
 
     cmd = [*launcher, "-m", "experiments.train", *TINY, "--data-cache", str(cache / "cache"), *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          preexec_fn=limit if limit_bytes else None)
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, preexec_fn=limit if limit_bytes else None
+    )
 
 
 def one_sentence(proc: subprocess.CompletedProcess) -> str:
@@ -87,6 +110,7 @@ def flip(path: Path, offset: int, count: int) -> None:
 
 def write_payload(path: Path, marker: Path) -> None:
     """A pickle that would create `marker` when unpickled."""
+
     class Payload:
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
@@ -109,18 +133,22 @@ def test_an_intact_checkpoint_records_every_file(saved: Path) -> None:
     checkpoint_files.verify(str(folder), meta["files"], sorted(meta["files"]))
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("flip 64 bytes of a shard", "__0_0.distcp is damaged (its SHA-256 differs"),
-    ("truncate a shard", "__0_0.distcp is damaged ("),
-    ("delete an RNG file", "rng/rank_0.pt is missing"),
-    ("flip bytes of meta.json", "meta.json"),
-    ("meta.json is {}", "meta.json has no meta_sha256"),
-    ("edit a value in meta.json", "meta.json was altered after the save"),
-    ("pickle payload as .metadata", ".metadata is damaged"),
-    ("pickle payload as .metadata, digests rewritten", ".metadata is not DCP tensor metadata"),
-])
-def test_a_damaged_checkpoint_is_one_sentence_naming_the_file(saved: Path, tmp_path: Path, case: str,
-                                                              expected: str) -> None:
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("flip 64 bytes of a shard", "__0_0.distcp is damaged (its SHA-256 differs"),
+        ("truncate a shard", "__0_0.distcp is damaged ("),
+        ("delete an RNG file", "rng/rank_0.pt is missing"),
+        ("flip bytes of meta.json", "meta.json"),
+        ("meta.json is {}", "meta.json has no meta_sha256"),
+        ("edit a value in meta.json", "meta.json was altered after the save"),
+        ("pickle payload as .metadata", ".metadata is damaged"),
+        ("pickle payload as .metadata, digests rewritten", ".metadata is not DCP tensor metadata"),
+    ],
+)
+def test_a_damaged_checkpoint_is_one_sentence_naming_the_file(
+    saved: Path, tmp_path: Path, case: str, expected: str
+) -> None:
     folder = damaged_copy(saved, tmp_path)
     marker = tmp_path / MARKER
     meta_file = folder / "meta.json"
@@ -160,8 +188,11 @@ def test_latest_naming_a_lost_step_falls_back_to_the_newest_complete_one(saved: 
     shutil.copytree(root / "step_00000002", root / "step_00000003.tmp")  # an interrupted one
     proc = resume(saved, tmp_path, root)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ("warning: " f"{root}/latest names step_00000004, which is missing or incomplete; "
-            "loading the newest complete checkpoint, step_00000002") in proc.stderr
+    assert (
+        "warning: "
+        f"{root}/latest names step_00000004, which is missing or incomplete; "
+        "loading the newest complete checkpoint, step_00000002"
+    ) in proc.stderr
     steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [3, 4, 5, 6]
     shutil.rmtree(root / "step_00000004")
@@ -178,12 +209,26 @@ def test_a_save_that_runs_out_of_space_keeps_the_previous_checkpoint(saved: Path
     shutil.copytree(saved / "root" / "step_00000002", root / "step_00000002")
     (root / "latest").write_text("step_00000002")
     launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
-    proc = command(saved, "--steps", "4", "--load", str(root), "--save", str(root), "--zero", "2",
-                   "--out", str(tmp_path / "run"), launcher=launcher, limit_bytes=64 << 10)
+    proc = command(
+        saved,
+        "--steps",
+        "4",
+        "--load",
+        str(root),
+        "--save",
+        str(root),
+        "--zero",
+        "2",
+        "--out",
+        str(tmp_path / "run"),
+        launcher=launcher,
+        limit_bytes=64 << 10,
+    )
     sentence = one_sentence(proc)
     assert sentence.startswith(f"error: saving the checkpoint {root}/step_00000004 failed (")
-    assert sentence.endswith(f"{root}/latest still names step_00000002; free space on the disk or choose "
-                             "another --save"), sentence
+    assert sentence.endswith(
+        f"{root}/latest still names step_00000002; free space on the disk or choose another --save"
+    ), sentence
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]
     assert checkpoint.resolve(str(root)) == str(root / "step_00000002")
 

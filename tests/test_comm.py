@@ -138,9 +138,7 @@ def _expected(rank: int, dp: int, tp: int) -> dict:
     return {"dp": dp_stats, "tp": tp_stats, "world": world_stats}
 
 
-@pytest.mark.parametrize(
-    "dp,tp", [(1, 1), (2, 1), (2, 2)], ids=["world1", "world2-dp2-tp1", "world4-dp2-tp2"]
-)
+@pytest.mark.parametrize("dp,tp", [(1, 1), (2, 1), (2, 2)], ids=["world1", "world2-dp2-tp1", "world4-dp2-tp2"])
 def test_accounting_matches_ring_formulas(dp: int, tp: int) -> None:
     for rank, stats in enumerate(run_distributed(_exercise, dp * tp, dp, tp)):
         assert stats == _expected(rank, dp, tp), f"rank {rank}"
@@ -168,8 +166,7 @@ def _tracking_semantics() -> dict:
         resettable.reset()
         assert resettable.as_dict() == {}
         comm.barrier()
-    return {"first": first.as_dict(), "outer": outer.as_dict(), "inner": inner.as_dict(),
-            "reset": resettable.as_dict()}
+    return {"first": first.as_dict(), "outer": outer.as_dict(), "inner": inner.as_dict(), "reset": resettable.as_dict()}
 
 
 def test_tracking_off_sequential_and_nested() -> None:

@@ -12,6 +12,7 @@ Plus the pieces: the parameter tree against the real model's stage-3 units, the 
 against `GPTConfig.flops_per_token`, the bubble against the pipeline simulator, the
 activation counts against Korthikanti et al. 2022, and the plan command.
 """
+
 from __future__ import annotations
 
 import csv
@@ -40,17 +41,61 @@ GiB = 2**30
 MODEL = ["--n-layers", "8", "--n-heads", "4", "--d-model", "64", "--max-seq-len", "32", "--vocab-multiple", "128"]
 RUNS = {
     "tp2-pp2-dp2-zero0-fp32": ["--tp", "2", "--pp", "2", "--zero", "0", "--micro-batches", "2"],
-    "tp2-pp2-dp2-zero1-bf16-interleaved": ["--tp", "2", "--pp", "2", "--zero", "1", "--schedule", "interleaved-1f1b",
-                                           "--virtual-stages", "2", "--micro-batches", "2", "--precision", "bf16"],
-    "tp2-pp2-dp2-zero2-bf16-sp-bf16-grads": ["--tp", "2", "--pp", "2", "--zero", "2", "--sequence-parallel",
-                                             "--micro-batches", "2", "--precision", "bf16", "--reduce-dtype", "bf16"],
+    "tp2-pp2-dp2-zero1-bf16-interleaved": [
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--zero",
+        "1",
+        "--schedule",
+        "interleaved-1f1b",
+        "--virtual-stages",
+        "2",
+        "--micro-batches",
+        "2",
+        "--precision",
+        "bf16",
+    ],
+    "tp2-pp2-dp2-zero2-bf16-sp-bf16-grads": [
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--zero",
+        "2",
+        "--sequence-parallel",
+        "--micro-batches",
+        "2",
+        "--precision",
+        "bf16",
+        "--reduce-dtype",
+        "bf16",
+    ],
     # units below the resident size stay whole at stage 3
     "tp2-pp2-dp2-zero3-fp32": ["--tp", "2", "--pp", "2", "--zero", "3", "--micro-batches", "2"],
     # one 427K-parameter unit: sharded
     "dp8-zero3-bf16": ["--zero", "3", "--precision", "bf16"],
-    "tp2-pp4-zero1-bf16-untied-swiglu-rope": ["--tp", "2", "--pp", "4", "--zero", "1", "--micro-batches", "4",
-                                              "--precision", "bf16", "--no-tie-embeddings", "--activation", "swiglu",
-                                              "--norm", "rmsnorm", "--position", "rope", "--no-bias"],
+    "tp2-pp4-zero1-bf16-untied-swiglu-rope": [
+        "--tp",
+        "2",
+        "--pp",
+        "4",
+        "--zero",
+        "1",
+        "--micro-batches",
+        "4",
+        "--precision",
+        "bf16",
+        "--no-tie-embeddings",
+        "--activation",
+        "swiglu",
+        "--norm",
+        "rmsnorm",
+        "--position",
+        "rope",
+        "--no-bias",
+    ],
 }
 
 
@@ -59,9 +104,30 @@ def _train_all(base: str, data: str) -> None:
     from experiments.train import run
 
     for name, argv in RUNS.items():
-        run([*MODEL, "--seq-len", "32", "--global-batch-size", "8", "--steps", "2", "--seed", "0",
-             "--wandb", "disabled", "--log-every", "1000", "--data", data,
-             "--data-cache", os.path.join(base, "cache"), "--out", os.path.join(base, name), *argv])
+        run(
+            [
+                *MODEL,
+                "--seq-len",
+                "32",
+                "--global-batch-size",
+                "8",
+                "--steps",
+                "2",
+                "--seed",
+                "0",
+                "--wandb",
+                "disabled",
+                "--log-every",
+                "1000",
+                "--data",
+                data,
+                "--data-cache",
+                os.path.join(base, "cache"),
+                "--out",
+                os.path.join(base, name),
+                *argv,
+            ]
+        )
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +166,20 @@ def test_model_states_follow_the_zero_table() -> None:
     assert (fp32.params, fp32.grads, fp32.master_and_optimizer) == (4 * psi, 4 * psi, 8 * psi / 4)
 
 
-@pytest.mark.parametrize("options", [{}, {"tie_embeddings": False, "norm": "rmsnorm", "activation": "swiglu",
-                                          "bias": False, "position": "rope", "qkv_bias": True}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {
+            "tie_embeddings": False,
+            "norm": "rmsnorm",
+            "activation": "swiglu",
+            "bias": False,
+            "position": "rope",
+            "qkv_bias": True,
+        },
+    ],
+)
 @pytest.mark.parametrize("pp, v", [(1, 1), (2, 1), (2, 2), (4, 2)])
 def test_parameter_tree_is_the_models(options: dict, pp: int, v: int) -> None:
     """Per pipeline rank, the stage-3 units of the model built on the meta device equal the
@@ -129,8 +207,14 @@ def _table1() -> list[dict[str, float]]:
 
 
 def _table1_model(row: dict[str, float]) -> GPTConfig:
-    return GPTConfig(vocab_size=51200, n_layers=int(row["layers"]), n_heads=int(row["attention_heads"]),
-                     d_model=int(row["hidden_size"]), max_seq_len=2048, qkv_bias=True)
+    return GPTConfig(
+        vocab_size=51200,
+        n_layers=int(row["layers"]),
+        n_heads=int(row["attention_heads"]),
+        d_model=int(row["hidden_size"]),
+        max_seq_len=2048,
+        qkv_bias=True,
+    )
 
 
 @pytest.mark.parametrize("row", _table1(), ids=lambda row: f"{row['params_billion']:g}B")
@@ -143,14 +227,14 @@ def test_table1_throughput_and_fit(row: dict[str, float]) -> None:
     tp, pp, gpus, batch = int(row["tp"]), int(row["pp"]), int(row["gpus"]), int(row["global_batch"])
     assert model.num_params() / 1e9 == pytest.approx(row["params_billion"], rel=0.03)
     cluster = Cluster(GPUS["a100-80gb"], gpus)
-    plan = costmodel.plan(model, cluster, batch, 2048, tp=tp, pp=pp, zero=0, recompute="full",
-                          sequence_parallel=False)
+    plan = costmodel.plan(model, cluster, batch, 2048, tp=tp, pp=pp, zero=0, recompute="full", sequence_parallel=False)
     assert plan.ranked, plan.rejected
     best = plan.ranked[0]
     assert best.layout.dp == gpus // (tp * pp)
     assert best.hardware_tflops_per_gpu == pytest.approx(row["tflops_per_gpu"], rel=0.15)
-    plain = Layout(tp, pp, gpus // (tp * pp), zero=0, micro_batch_size=1, micro_batches=batch * tp * pp // gpus,
-                   recompute="full")
+    plain = Layout(
+        tp, pp, gpus // (tp * pp), zero=0, micro_batch_size=1, micro_batches=batch * tp * pp // gpus, recompute="full"
+    )
     assert costmodel.predict_memory(model, plain, 2048).total <= GPUS["a100-80gb"].memory_bytes
 
 
@@ -160,8 +244,17 @@ def test_one_calibration_serves_every_row() -> None:
     errors = []
     for row in _table1():
         cluster = Cluster(GPUS["a100-80gb"], int(row["gpus"]))
-        plan = costmodel.plan(_table1_model(row), cluster, int(row["global_batch"]), 2048, tp=int(row["tp"]),
-                              pp=int(row["pp"]), zero=0, recompute="full", sequence_parallel=False)
+        plan = costmodel.plan(
+            _table1_model(row),
+            cluster,
+            int(row["global_batch"]),
+            2048,
+            tp=int(row["tp"]),
+            pp=int(row["pp"]),
+            zero=0,
+            recompute="full",
+            sequence_parallel=False,
+        )
         errors.append(plan.ranked[0].hardware_tflops_per_gpu / row["tflops_per_gpu"] - 1)
     assert max(map(abs, errors)) < 0.10, errors
 
@@ -180,9 +273,18 @@ def test_flop_terms_are_flops_per_token(recompute: str) -> None:
         assert 3 * (6 * layer + head) + 6 * extra == model.flops_per_token(256)
 
 
-@pytest.mark.parametrize("name, pp, m, v", [("gpipe", 4, 4, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 7, 1),
-                                            ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 2, 6, 3),
-                                            ("zb-h1", 4, 8, 1), ("zb-h1", 3, 6, 1)])
+@pytest.mark.parametrize(
+    "name, pp, m, v",
+    [
+        ("gpipe", 4, 4, 1),
+        ("1f1b", 4, 8, 1),
+        ("1f1b", 3, 7, 1),
+        ("interleaved-1f1b", 4, 8, 2),
+        ("interleaved-1f1b", 2, 6, 3),
+        ("zb-h1", 4, 8, 1),
+        ("zb-h1", 3, 6, 1),
+    ],
+)
 def test_bubble_is_the_simulators(name: str, pp: int, m: int, v: int) -> None:
     for t_f, t_b in ((1.0, 2.5), (1.5, 2.0)):
         makespan = simulate(name, pp, m, v, t_f, t_b).makespan
@@ -197,8 +299,9 @@ def test_activations_follow_korthikanti() -> None:
     sbh = s * b * h
 
     def act(tp: int, sp: bool, recompute: str) -> float:
-        return costmodel.layer_activation_bytes(model, s, Layout(tp=tp, micro_batch_size=b, recompute=recompute,
-                                                                 sequence_parallel=sp))
+        return costmodel.layer_activation_bytes(
+            model, s, Layout(tp=tp, micro_batch_size=b, recompute=recompute, sequence_parallel=sp)
+        )
 
     assert act(1, False, "none") == pytest.approx(sbh * 34 + 5 * a * s * s * b)
     assert act(8, False, "none") == pytest.approx(sbh * (10 + 24 / 8 + 5 * a * s / (h * 8)))
@@ -206,8 +309,9 @@ def test_activations_follow_korthikanti() -> None:
     assert act(8, True, "selective") == pytest.approx(sbh * 34 / 8)
     assert act(8, False, "full") == pytest.approx(2 * sbh)
     assert act(8, True, "full") == pytest.approx(2 * sbh / 8)
-    assert costmodel.layer_activation_bytes(model, s, Layout(precision="fp32", micro_batch_size=b)) == \
-        pytest.approx(2 * act(1, False, "none"))
+    assert costmodel.layer_activation_bytes(model, s, Layout(precision="fp32", micro_batch_size=b)) == pytest.approx(
+        2 * act(1, False, "none")
+    )
 
 
 def test_in_flight_activations_per_schedule() -> None:
@@ -250,15 +354,26 @@ def test_grad_sync_every_pays_a_reduction_per_micro_batch() -> None:
     slow_net = Cluster(dataclasses.replace(GPUS["a100-80gb"], inter_node_bandwidth=1e9), 64)
     for c in (cluster, slow_net):
         last = costmodel.predict_step_time(model, Layout(tp=8, dp=8, zero=2, micro_batches=4), 2048, c)
-        every = costmodel.predict_step_time(model, Layout(tp=8, dp=8, zero=2, micro_batches=4, grad_sync="every"),
-                                            2048, c)
+        every = costmodel.predict_step_time(
+            model, Layout(tp=8, dp=8, zero=2, micro_batches=4, grad_sync="every"), 2048, c
+        )
         assert every.dp_comm >= last.dp_comm
         assert every.pipeline == last.pipeline
     assert every.dp_comm > last.dp_comm > 0  # a slow network: reductions exceed the backward
-    layouts = [lo for lo, why, _ in costmodel.candidate_layouts(model, cluster, 64, 2048, tp=8, pp=1,
-                                                               micro_batch_size=1, recompute="none")]
-    assert {(lo.zero, lo.grad_sync) for lo in layouts} == {(0, "last"), (1, "last"), (2, "last"), (2, "every"),
-                                                          (3, "last"), (3, "every")}
+    layouts = [
+        lo
+        for lo, why, _ in costmodel.candidate_layouts(
+            model, cluster, 64, 2048, tp=8, pp=1, micro_batch_size=1, recompute="none"
+        )
+    ]
+    assert {(lo.zero, lo.grad_sync) for lo in layouts} == {
+        (0, "last"),
+        (1, "last"),
+        (2, "last"),
+        (2, "every"),
+        (3, "last"),
+        (3, "every"),
+    }
 
 
 def test_groups_inside_a_node_use_nvlink() -> None:
@@ -279,8 +394,24 @@ def test_plan_ranks_and_explains(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert out.startswith("gpt-1t: 1.01T parameters, seq 2048, global batch 3072 on 3072 × a100-80gb")
     table = out.split("\n\n")[1].splitlines()
-    assert table[0].split() == ["#", "tp", "pp", "dp", "v", "zero", "mbs", "recompute", "sp", "sync", "mem", "GiB", "step",
-                                "s", "TFLOP/s/GPU", "MFU"]
+    assert table[0].split() == [
+        "#",
+        "tp",
+        "pp",
+        "dp",
+        "v",
+        "zero",
+        "mbs",
+        "recompute",
+        "sp",
+        "sync",
+        "mem",
+        "GiB",
+        "step",
+        "s",
+        "TFLOP/s/GPU",
+        "MFU",
+    ]
     assert len(table) == 6
     steps = [float(line.split()[11]) for line in table[1:]]
     assert steps == sorted(steps)
@@ -308,7 +439,26 @@ def test_cluster_overrides_and_a_plan_where_nothing_fits(capsys: pytest.CaptureF
 def test_layout_of_a_run_config() -> None:
     from research.config import parse_args
 
-    cfg = parse_args(["--config", "experiments/configs/tiny.yaml", "--tp", "2", "--pp", "2", "--zero", "3",
-                      "--micro-batches", "4", "--precision", "bf16", "--grad-sync", "every", "--unit-numel", "5000"], 8)
+    cfg = parse_args(
+        [
+            "--config",
+            "experiments/configs/tiny.yaml",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--zero",
+            "3",
+            "--micro-batches",
+            "4",
+            "--precision",
+            "bf16",
+            "--grad-sync",
+            "every",
+            "--unit-numel",
+            "5000",
+        ],
+        8,
+    )
     layout = Layout.from_run_config(cfg)
     assert dataclasses.astuple(layout) == (2, 2, 2, 3, 1, "1f1b", 2, 4, "none", False, "bf16", "fp32", "every", 5000)

@@ -19,6 +19,7 @@ Bodies that do not need CUDA also run on CPU (the "cpu" parameters), which prove
 logic without a GPU. No code here touches CUDA at import: ranks import this module, and a
 CPU rank must still be able to hide the GPU before CUDA starts.
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,8 +41,9 @@ from tests.models import batches, make_model, micro_slices, no_decay_groups
 
 needs_cuda = pytest.mark.skipif("not torch.cuda.is_available()", reason="needs CUDA")
 ON_CUDA = (pytest.mark.cuda, needs_cuda)
-needs_datasets = pytest.mark.skipif(importlib.util.find_spec("datasets") is None,
-                                    reason="the training command reads its corpus through `datasets`")
+needs_datasets = pytest.mark.skipif(
+    importlib.util.find_spec("datasets") is None, reason="the training command reads its corpus through `datasets`"
+)
 DEVICES = ["cpu", pytest.param("cuda", marks=ON_CUDA)]
 
 STEPS, BATCH, MICRO, LR, CLIP = 5, 16, 2, 1e-2, 0.5
@@ -55,9 +57,36 @@ SLEEP_CYCLES = 10**8  # torch.cuda._sleep: ~50 ms at H100 clocks
 # this tolerance is not meant to absorb, and a wrong update (a lost gradient, a stale
 # buffer) moves the loss by far more.
 DEVICE_RTOL = 1e-4
-TRAIN = ["--n-layers", "2", "--n-heads", "2", "--d-model", "32", "--max-seq-len", "32", "--seq-len", "32",
-         "--vocab-multiple", "128", "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
-         "--warmup-steps", "2", "--eps", "1e-6", "--seed", "0", "--wandb", "disabled", "--log-every", "1000"]
+TRAIN = [
+    "--n-layers",
+    "2",
+    "--n-heads",
+    "2",
+    "--d-model",
+    "32",
+    "--max-seq-len",
+    "32",
+    "--seq-len",
+    "32",
+    "--vocab-multiple",
+    "128",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--warmup-steps",
+    "2",
+    "--eps",
+    "1e-6",
+    "--seed",
+    "0",
+    "--wandb",
+    "disabled",
+    "--log-every",
+    "1000",
+]
 
 
 # ---- running a body on a device ----------------------------------------------------------
@@ -213,9 +242,16 @@ def fp16_steps(device: str, stage: int) -> dict:
     masters = [p for p in reference.parameters() if p.requires_grad]
     halves = [p for p in ref16.parameters() if p.requires_grad]
     ref_opt = torch.optim.AdamW(no_decay_groups(reference), lr=LR)
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, param_dtype=torch.float16,
-                        loss_scaler=DynamicLossScaler(init_scale=2.0**30, hysteresis=1),
-                        param_groups=no_decay_groups(model), lr=LR, **ZERO_KW)
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        stage=stage,
+        param_dtype=torch.float16,
+        loss_scaler=DynamicLossScaler(init_scale=2.0**30, hysteresis=1),
+        param_groups=no_decay_groups(model),
+        lr=LR,
+        **ZERO_KW,
+    )
     scales, skipped, skipped_changed, losses, ref_losses, norms, ref_norms = [], [], [], [], [], [], []
     for idx, tgt in batches(40, 8):
         idx, tgt = idx.to(device), tgt.to(device)
@@ -251,10 +287,18 @@ def fp16_steps(device: str, stage: int) -> dict:
     trained = {name for name, p in reference.named_parameters(remove_duplicate=False) if p.requires_grad}
     ref_state = {k: v.float() for k, v in ref16.state_dict().items()}  # frozen weights: fp16, as the model's
     ref_state.update({k: v for k, v in reference.state_dict().items() if k in trained})
-    return {"scales": scales, "skipped": skipped, "skipped_changed": skipped_changed, "losses": losses,
-            "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
-            "state": on_host(opt.full_state_dict()), "ref_state": on_host(ref_state),
-            "steps": sorted({int(s["step"]) for s in opt.state.values()})}
+    return {
+        "scales": scales,
+        "skipped": skipped,
+        "skipped_changed": skipped_changed,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "state": on_host(opt.full_state_dict()),
+        "ref_state": on_host(ref_state),
+        "steps": sorted({int(s["step"]) for s in opt.state.values()}),
+    }
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -313,12 +357,27 @@ def test_checkpoint_moves_from_gpu_to_cpu_layout_and_back(tmp_path) -> None:
     gpu_ckpt, cpu_ckpt = os.path.join(base, "gpu-ckpt"), os.path.join(base, "cpu-ckpt")
     straight = one_rank("cpu", train_curves, base, "straight", "--steps", "12", *common)
     first = one_rank("cuda", train_curves, base, "gpu-1", "--steps", "4", "--save", gpu_ckpt, *common)
-    second = run_distributed(on_cpu, 2, train_curves, "cpu", base, "cpu-dp2", "--steps", "8", "--zero", "3",
-                             "--load", gpu_ckpt, "--save", cpu_ckpt, *common, timeout=600)[0]
+    second = run_distributed(
+        on_cpu,
+        2,
+        train_curves,
+        "cpu",
+        base,
+        "cpu-dp2",
+        "--steps",
+        "8",
+        "--zero",
+        "3",
+        "--load",
+        gpu_ckpt,
+        "--save",
+        cpu_ckpt,
+        *common,
+        timeout=600,
+    )[0]
     third = one_rank("cuda", train_curves, base, "gpu-2", "--steps", "12", "--load", cpu_ckpt, *common)
     assert (len(first), len(second), len(third)) == (4, 4, 4)
-    torch.testing.assert_close(torch.tensor(first + second + third), torch.tensor(straight),
-                               rtol=DEVICE_RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor(first + second + third), torch.tensor(straight), rtol=DEVICE_RTOL, atol=0)
 
 
 # ---- two gloo ranks on one GPU ------------------------------------------------------------------
@@ -395,11 +454,21 @@ class _StagedWork:
 def staged_batch_isend_irecv(ops: list[dist.P2POp]) -> list[_StagedWork]:
     """`comm.batch_isend_irecv` through host copies (gloo sends host memory only): a send
     copies its tensor now, a receive lands in the caller's buffer when waited for."""
-    staged = [dist.P2POp(op.op, op.tensor.cpu() if op.op is dist.isend else torch.empty_like(op.tensor, device="cpu"),
-                         op.peer, op.group, op.tag) for op in ops]
+    staged = [
+        dist.P2POp(
+            op.op,
+            op.tensor.cpu() if op.op is dist.isend else torch.empty_like(op.tensor, device="cpu"),
+            op.peer,
+            op.group,
+            op.tag,
+        )
+        for op in ops
+    ]
     works = dist.batch_isend_irecv(staged)
-    return [_StagedWork(w, None if op.op is dist.isend else functools.partial(op.tensor.copy_, s.tensor))
-            for w, op, s in zip(works, ops, staged)]
+    return [
+        _StagedWork(w, None if op.op is dist.isend else functools.partial(op.tensor.copy_, s.tensor))
+        for w, op, s in zip(works, ops, staged)
+    ]
 
 
 def pipeline_losses(device: str) -> list[float] | None:
@@ -407,16 +476,26 @@ def pipeline_losses(device: str) -> list[float] | None:
     through host memory; the last stage's losses (None on the first)."""
     comm.batch_isend_irecv = staged_batch_isend_irecv  # this rank's own process
     dims = ParallelDims(pp=2).build(device_type=device)
-    chunks = [c.to(device) for c in pipeline_chunks(CONFIG, dims.pp_rank, dims.pp, 1, dims.tp_group,
-                                                    dims.embedding_group)]
-    opt = ZeroOptimizer(torch.nn.ModuleList(chunks), torch.optim.AdamW, stage=1, process_group=dims.dp_group,
-                        model_parallel_group=dims.mp_group, lr=3e-3, eps=1e-6)
+    chunks = [
+        c.to(device) for c in pipeline_chunks(CONFIG, dims.pp_rank, dims.pp, 1, dims.tp_group, dims.embedding_group)
+    ]
+    opt = ZeroOptimizer(
+        torch.nn.ModuleList(chunks),
+        torch.optim.AdamW,
+        stage=1,
+        process_group=dims.dp_group,
+        model_parallel_group=dims.mp_group,
+        lr=3e-3,
+        eps=1e-6,
+    )
     executor = PipelineExecutor(chunks, "1f1b", M, dims.pp_group, no_sync=opt.no_sync)
     losses = []
     for ids, labels in batches(3, M * MB, CONFIG.max_seq_len, CONFIG.vocab_size):
-        loss = executor.run([ids[i * MB:(i + 1) * MB].to(device) for i in range(M)],
-                            [labels[i * MB:(i + 1) * MB].to(device) for i in range(M)],
-                            (CONFIG.max_seq_len, MB, CONFIG.d_model))
+        loss = executor.run(
+            [ids[i * MB : (i + 1) * MB].to(device) for i in range(M)],
+            [labels[i * MB : (i + 1) * MB].to(device) for i in range(M)],
+            (CONFIG.max_seq_len, MB, CONFIG.d_model),
+        )
         opt.clip_grad_norm_(CLIP)
         opt.step()
         opt.zero_grad()

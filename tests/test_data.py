@@ -1,5 +1,6 @@
 """research/data.py: every --data kind, tokenizers, the token cache, packing, the global
 batch order, DP micro-batches, and the distributed build (2 gloo ranks)."""
+
 from __future__ import annotations
 
 import gzip
@@ -44,6 +45,7 @@ def _load(data, tmp_path: Path, tok: D.Tokenizer = BYTE, **kw) -> list[int]:
 
 
 # --- tokenizers --------------------------------------------------------------------------
+
 
 def test_byte_tokenizer_round_trip() -> None:
     tok = D.load_tokenizer(None)
@@ -91,12 +93,18 @@ def test_hf_tokenizer_end_to_end(tmp_path: Path) -> None:
 
 # --- --data kinds -------------------------------------------------------------------------
 
+
 def test_txt_folder_recursive_sorted(tmp_path: Path) -> None:
     root = tmp_path / "corpus"
     (root / "sub").mkdir(parents=True)
     (root / ".hidden").mkdir()
-    for name, text in [("b.txt", DOCS[1]), ("sub/c.txt", DOCS[3]), ("a.txt", DOCS[0]), (".hidden/z.txt", "no"),
-                       ("notes.md", "no")]:
+    for name, text in [
+        ("b.txt", DOCS[1]),
+        ("sub/c.txt", DOCS[3]),
+        ("a.txt", DOCS[0]),
+        (".hidden/z.txt", "no"),
+        ("notes.md", "no"),
+    ]:
         (root / name).write_text(text, encoding="utf-8")
     assert _load(root, tmp_path) == _stream([DOCS[0], DOCS[1], DOCS[3]])  # one document per file
 
@@ -186,6 +194,7 @@ def test_hub_name_offline_or_failing(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 # --- the cache ----------------------------------------------------------------------------
 
+
 def test_cache_is_reused_and_keyed_on_the_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = _jsonl(tmp_path / "d.jsonl", DOCS)
     first = D.load_tokens(str(data), BYTE, cache_dir=tmp_path / "cache")
@@ -209,6 +218,7 @@ def test_cache_is_reused_and_keyed_on_the_source(tmp_path: Path, monkeypatch: py
 
 
 # --- packing and batch order --------------------------------------------------------------
+
 
 def test_packing_labels_are_inputs_shifted() -> None:
     tokens = np.arange(100, 141, dtype=np.uint16)  # 41 tokens, L = 8: S = 40 // 8 = 5 sequences
@@ -247,7 +257,7 @@ def test_epoch_wrap() -> None:
     tokens = np.arange(1 + 3 * 10, dtype=np.uint16)  # S = 10 sequences of 3; B = 4 crosses epoch ends
     batches = D.GlobalBatches(tokens, 3, 4, seed=1)
     firsts = (_cat(batches, range(10))[:, 0] // 3).tolist()  # 40 positions = 4 epochs
-    epochs = [firsts[10 * e:10 * e + 10] for e in range(4)]
+    epochs = [firsts[10 * e : 10 * e + 10] for e in range(4)]
     assert all(sorted(e) == list(range(10)) for e in epochs)
     assert epochs == [batches.permutation(e).tolist() for e in range(4)] and len({tuple(e) for e in epochs}) > 1
     assert batches.epoch(5) == 2.0
@@ -270,6 +280,7 @@ def test_local_micro_batches_reassemble_the_global_batch() -> None:
 
 
 # --- distributed --------------------------------------------------------------------------
+
 
 def _rank_loads(data: str, runs: list[tuple[str, str]]) -> list[tuple[int, list[int] | str]]:
     """For each (cache_dir, text_field): (how often this rank tokenized, its tokens or error)."""

@@ -2,6 +2,7 @@
 DataError naming the file (and line) at fault, what is wrong and what to do; in a
 distributed run the rank that read the data raises it on every rank, and the command
 prints it once and exits 2 on every rank, without tracebacks."""
+
 from __future__ import annotations
 
 import gzip
@@ -26,8 +27,26 @@ from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 BYTE = D.ByteTokenizer()
-TINY = ["--n-layers", "1", "--n-heads", "2", "--d-model", "16", "--max-seq-len", "32", "--seq-len", "32",
-        "--global-batch-size", "2", "--steps", "1", "--wandb", "disabled", "--log-every", "1000"]
+TINY = [
+    "--n-layers",
+    "1",
+    "--n-heads",
+    "2",
+    "--d-model",
+    "16",
+    "--max-seq-len",
+    "32",
+    "--seq-len",
+    "32",
+    "--global-batch-size",
+    "2",
+    "--steps",
+    "1",
+    "--wandb",
+    "disabled",
+    "--log-every",
+    "1000",
+]
 RANDOM = bytes(range(11, 256)) * 4  # one line (no 0x0a); not UTF-8 (0x80 at column 118), gzip or parquet
 
 
@@ -131,27 +150,45 @@ def _saved_dataset_with_null(d: Path) -> tuple[Path, Path]:
 CASES: dict[str, tuple[Callable[[Path], tuple[Path, Path]], str]] = {
     "empty txt": (_empty_txt, r"^--data {data} holds no text, only empty documents: give it files with text\.$"),
     "folder of empty txt": (_folder_of_empty_txt, r"^--data {data} holds no text"),
-    "binary txt": (_binary_txt, r"^--data file {file} is not UTF-8 text \(line 1 has the byte 0x80 at column 118; "
-                                r"a binary file\?\): convert it to UTF-8 or leave it out of --data\.$"),
+    "binary txt": (
+        _binary_txt,
+        r"^--data file {file} is not UTF-8 text \(line 1 has the byte 0x80 at column 118; "
+        r"a binary file\?\): convert it to UTF-8 or leave it out of --data\.$",
+    ),
     "binary jsonl": (_binary_jsonl, r"^--data file {file} is not UTF-8 text \(line 1"),
     "not gzip": (_not_gzip, r"^--data file {file} cannot be read \(Not a gzipped file"),
-    "jsonl without field": (_jsonl_without_field, r"^--data {file} has no --text-field 'text' "
-                                                  r"\(its columns: body, n\): pass --text-field with the column "
-                                                  r"that holds the text\.$"),
-    "parquet without field": (_parquet_without_field, r"^--data {file} has no --text-field 'text' "
-                                                      r"\(its columns: body, n\)"),
+    "jsonl without field": (
+        _jsonl_without_field,
+        r"^--data {file} has no --text-field 'text' "
+        r"\(its columns: body, n\): pass --text-field with the column "
+        r"that holds the text\.$",
+    ),
+    "parquet without field": (
+        _parquet_without_field,
+        r"^--data {file} has no --text-field 'text' "
+        r"\(its columns: body, n\)",
+    ),
     "not parquet": (_not_parquet, r"^--data file {file} is not a readable parquet file \(.*\): replace it"),
-    "malformed line": (_malformed_line, r"^line 2 of --data file {file} is not valid JSON \(Unterminated string "
-                                        r"starting at column 10\): fix or delete that line\.$"),
-    "null text": (_null_text, r"^line 2 of --data file {file} has null as its 'text', not a string: "
-                              r"give each line a 'text' string, or delete the line\.$"),
+    "malformed line": (
+        _malformed_line,
+        r"^line 2 of --data file {file} is not valid JSON \(Unterminated string "
+        r"starting at column 10\): fix or delete that line\.$",
+    ),
+    "null text": (
+        _null_text,
+        r"^line 2 of --data file {file} has null as its 'text', not a string: "
+        r"give each line a 'text' string, or delete the line\.$",
+    ),
     "number text": (_number_text, r"^line 1 of --data file {file} has 5 as its 'text', not a string"),
     "list text": (_mixed_text, r"^line 2 of --data file {file} has \[\"a\", \"b\"\] as its 'text'"),
     "line without key": (_line_without_key, r"^line 2 of --data file {file} has no 'text' key \(its keys: body\)"),
     "empty jsonl": (_empty_jsonl, r"^--data file {file} is empty: give it one JSON object per line"),
     "parquet null": (_parquet_null, r"^row 1 of --data file {file} has a null --text-field 'text' \(nulls: 1\)"),
-    "parquet numbers": (_parquet_numbers, r"^--text-field 'text' of --data file {file} holds int64 values, "
-                                          r"not strings"),
+    "parquet numbers": (
+        _parquet_numbers,
+        r"^--text-field 'text' of --data file {file} holds int64 values, "
+        r"not strings",
+    ),
     "bad file among good": (_bad_file_among_good, r"^line 2 of --data file {file} has null as its 'text'"),
     "saved dataset with null": (_saved_dataset_with_null, r"^row 1 of --data {file} has a null --text-field 'text'"),
 }
@@ -185,12 +222,16 @@ def test_a_corpus_shorter_than_one_sequence_names_the_data_and_the_flag(tmp_path
     data = tmp_path / "short.txt"
     data.write_text("tiny")  # 4 bytes + EOS = 5 tokens
     cfg = parse_args([*TINY, "--data", str(data), "--data-cache", str(tmp_path / "cache")], 1)
-    with pytest.raises(DataError, match=rf"^--data {data} has 5 tokens, but one sequence of --seq-len=32 needs 33: "
-                                        r"lower --seq-len or give more text\.$"):
+    with pytest.raises(
+        DataError,
+        match=rf"^--data {data} has 5 tokens, but one sequence of --seq-len=32 needs 33: "
+        r"lower --seq-len or give more text\.$",
+    ):
         load_data(cfg)
 
 
 # --- distributed: rank 0 reads, every rank raises -------------------------------------------
+
 
 def _errors(data: str, cache_dirs: list[str]) -> list[tuple[str, int | None]]:
     """(message, origin) of load_tokens on each cache dir; a dir named "rank0-only/..." is
@@ -220,6 +261,7 @@ def test_every_rank_raises_the_error_of_the_rank_that_found_it(tmp_path: Path) -
 
 # --- the command, with 2 processes -------------------------------------------------------------
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -227,8 +269,18 @@ def _free_port() -> int:
 
 
 def _command(tmp_path: Path, data: Path) -> list[str]:
-    return [sys.executable, "-m", "experiments.train", *TINY, "--data", str(data),
-            "--data-cache", str(tmp_path / "cache"), "--out", str(tmp_path / "run")]
+    return [
+        sys.executable,
+        "-m",
+        "experiments.train",
+        *TINY,
+        "--data",
+        str(data),
+        "--data-cache",
+        str(tmp_path / "cache"),
+        "--out",
+        str(tmp_path / "run"),
+    ]
 
 
 @pytest.mark.timeout(150)
@@ -242,10 +294,26 @@ def test_the_command_prints_one_sentence_and_every_rank_exits_2(tmp_path: Path, 
     else:
         data = tmp_path / "short.txt"
         data.write_text("tiny")
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(_command(tmp_path, data), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    env = {
+        **os.environ,
+        "HF_DATASETS_OFFLINE": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            _command(tmp_path, data),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in range(2)
+    ]
     outputs = [p.communicate(timeout=120) for p in procs]
     text = "".join(out + err for out, err in outputs)
     assert [p.returncode for p in procs] == [2, 2], text
@@ -259,10 +327,17 @@ def test_under_torchrun_only_the_launcher_adds_its_summary(tmp_path: Path) -> No
     """torchrun ends with its own ChildFailedError summary whenever a worker exits non-zero;
     apart from it, the output holds the one sentence and no traceback."""
     data = _malformed_line(tmp_path)[0]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           *_command(tmp_path, data)[1:]]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HF_DATASETS_OFFLINE": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        *_command(tmp_path, data)[1:],
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "HF_DATASETS_OFFLINE": "1"}
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0
     errors = [line for line in text.splitlines() if line.startswith("error:")]

@@ -194,7 +194,5 @@ def test_world_size_one_and_mismatch() -> None:
     """At world size 1 DeviceMesh would give every dimension the WORLD group; each
     still gets its own group and label. A layout for another world size is refused."""
     (result,) = run_distributed(_world_one, 1)
-    assert result["mismatch"] == (
-        "tp=2 × pp=1 × dp=1 = 2 does not equal the world size 1 of the default process group"
-    )
+    assert result["mismatch"] == ("tp=2 × pp=1 × dp=1 = 2 does not equal the world size 1 of the default process group")
     assert result["labels"] == ["dp", "mp", "pp", "tp"]

@@ -1,6 +1,7 @@
 """Runs that go wrong end with a sentence and a non-zero exit, never a hang: a stalled rank
 (named by the desync report), a loss that stays NaN, and fp16 steps that are skipped (the
 LR schedule waits for them)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,24 @@ from research.errors import NonFiniteLossError
 from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--n-layers", "2", "--n-heads", "2", "--d-model", "32", "--max-seq-len", "32", "--seq-len", "32",
-        "--global-batch-size", "4", "--wandb", "disabled", "--log-every", "1000"]
+TINY = [
+    "--n-layers",
+    "2",
+    "--n-heads",
+    "2",
+    "--d-model",
+    "32",
+    "--max-seq-len",
+    "32",
+    "--seq-len",
+    "32",
+    "--global-batch-size",
+    "4",
+    "--wandb",
+    "disabled",
+    "--log-every",
+    "1000",
+]
 
 
 # ---------------------------------------------------------------------------
@@ -97,8 +114,9 @@ def _record_some_collectives() -> dict:
     comm.all_reduce(torch.ones(2))
     comm.barrier()
     peer = 1 - dist.get_rank()
-    for work in comm.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(1), peer),
-                                        dist.P2POp(dist.irecv, torch.empty(1), peer)]):
+    for work in comm.batch_isend_irecv(
+        [dist.P2POp(dist.isend, torch.ones(1), peer), dist.P2POp(dist.irecv, torch.empty(1), peer)]
+    ):
         work.wait()
     return comm.recent()
 
@@ -106,7 +124,11 @@ def _record_some_collectives() -> dict:
 def test_the_flight_recorder_numbers_collectives_per_channel() -> None:
     rec0, rec1 = run_distributed(_record_some_collectives, 2, timeout=60)
     assert [(e["op"], e["channel"], e["seq"]) for e in rec0["last"]] == [
-        ("all_reduce", "0,1", 1), ("barrier", "0,1", 2), ("isend", "0->1", 1), ("irecv", "1->0", 1)]
+        ("all_reduce", "0,1", 1),
+        ("barrier", "0,1", 2),
+        ("isend", "0->1", 1),
+        ("irecv", "1->0", 1),
+    ]
     assert rec0["issued"] == {"0,1": 2, "0->1": 1, "1->0": 1}
     assert rec1["issued"] == rec0["issued"]
     assert rec0["last"][0]["bytes"] == 8
@@ -130,17 +152,38 @@ def _rank_pid(parent: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} among {children}")
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir() or not hasattr(signal, "SIGSTOP"),
-                    reason="needs Linux /proc and SIGSTOP")
+@pytest.mark.skipif(
+    not Path("/proc/self/task").is_dir() or not hasattr(signal, "SIGSTOP"), reason="needs Linux /proc and SIGSTOP"
+)
 @pytest.mark.timeout(180)
 def test_a_stalled_rank_is_named_and_the_others_exit(tmp_path: Path) -> None:
     """SIGSTOP one of 4 workers mid-run: within --comm-timeout (+ a few s) the first rank to
     notice prints the report naming the stopped rank and exits 1; torchrun ends the rest."""
     out, log = tmp_path / "run", tmp_path / "log"
-    cmd = [sys.executable, "-m", "torch.distributed.run",  # torchrun, of the Python running the tests
-           "--standalone", "--nproc_per_node=4", "-m", "experiments.train", *TINY,
-           "--tp", "2", "--pp", "2", "--micro-batches", "2", "--steps", "10000", "--comm-timeout", "4",
-           "--out", str(out), "--data-cache", str(tmp_path / "cache")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",  # torchrun, of the Python running the tests
+        "--standalone",
+        "--nproc_per_node=4",
+        "-m",
+        "experiments.train",
+        *TINY,
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--micro-batches",
+        "2",
+        "--steps",
+        "10000",
+        "--comm-timeout",
+        "4",
+        "--out",
+        str(out),
+        "--data-cache",
+        str(tmp_path / "cache"),
+    ]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
     victim = None
@@ -185,10 +228,26 @@ def _train(argv: list[str]) -> tuple[str | None, list[dict]]:
 
 
 def test_a_loss_that_stays_nan_stops_the_run(tmp_path: Path) -> None:
-    argv = [*TINY, "--steps", "20", "--lr", "1e9", "--clip-grad", "0", "--max-nonfinite-steps", "2",
-            "--out", str(tmp_path / "run"), "--data-cache", str(tmp_path / "cache"),
-            "--save", str(tmp_path / "ckpt"), "--save-every", "1"]
-    (message, rows), = run_distributed(_train, 1, argv, timeout=120)
+    argv = [
+        *TINY,
+        "--steps",
+        "20",
+        "--lr",
+        "1e9",
+        "--clip-grad",
+        "0",
+        "--max-nonfinite-steps",
+        "2",
+        "--out",
+        str(tmp_path / "run"),
+        "--data-cache",
+        str(tmp_path / "cache"),
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--save-every",
+        "1",
+    ]
+    ((message, rows),) = run_distributed(_train, 1, argv, timeout=120)
     assert message is not None, [r["loss"] for r in rows]
     bad = [r["step"] for r in rows if r["loss"] is None]  # NaN is written as null
     assert len(bad) == 2 and rows[-1]["step"] == bad[-1] == bad[0] + 1 < 20
@@ -206,9 +265,22 @@ def _train_with_overflowing_scale(argv: list[str]) -> tuple[str | None, list[dic
 
 
 def test_a_skipped_fp16_step_does_not_advance_the_lr(tmp_path: Path) -> None:
-    argv = [*TINY, "--steps", "8", "--precision", "fp16", "--warmup-steps", "4", "--lr", "1e-3",
-            "--out", str(tmp_path / "run"), "--data-cache", str(tmp_path / "cache")]
-    (message, rows), = run_distributed(_train_with_overflowing_scale, 1, argv, timeout=120)
+    argv = [
+        *TINY,
+        "--steps",
+        "8",
+        "--precision",
+        "fp16",
+        "--warmup-steps",
+        "4",
+        "--lr",
+        "1e-3",
+        "--out",
+        str(tmp_path / "run"),
+        "--data-cache",
+        str(tmp_path / "cache"),
+    ]
+    ((message, rows),) = run_distributed(_train_with_overflowing_scale, 1, argv, timeout=120)
     assert message is None
     skipped = [r["skipped"] for r in rows]
     assert skipped[0] and not skipped[-1], skipped  # the scale halves from 2^24 until gradients fit fp16

@@ -1,4 +1,5 @@
 """optim.fused: every backend against torch.optim.Adam / AdamW, backend selection, hyperparameters."""
+
 from __future__ import annotations
 
 import json

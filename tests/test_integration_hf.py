@@ -4,6 +4,7 @@ writes the full weights to model.safetensors at every stage, resumes exactly fro
 sharded checkpoint, and refuses what it cannot support with one sentence.
 
 All training runs share one 2-rank launch (the `runs` fixture); the tests read its results."""
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,18 @@ ZERO_KWARGS = {"bucket_numel": 3000, "unit_numel": 2000}  # several buckets, sta
 
 def gpt2() -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -54,14 +65,27 @@ def dataset() -> list[dict[str, torch.Tensor]]:
 
 def training_args(output_dir: str, **overrides) -> TrainingArguments:
     settings = dict(
-        output_dir=output_dir, use_cpu=True, report_to=[], max_steps=STEPS, per_device_train_batch_size=MICRO,
-        per_device_eval_batch_size=MICRO, gradient_accumulation_steps=ACCUM, learning_rate=LR,
-        weight_decay=WEIGHT_DECAY, adam_epsilon=EPS, max_grad_norm=CLIP, warmup_steps=WARMUP,
-        lr_scheduler_type="linear", optim="adamw_torch", logging_steps=1, save_strategy="steps", save_steps=5,
-        disable_tqdm=True, seed=0,
+        output_dir=output_dir,
+        use_cpu=True,
+        report_to=[],
+        max_steps=STEPS,
+        per_device_train_batch_size=MICRO,
+        per_device_eval_batch_size=MICRO,
+        gradient_accumulation_steps=ACCUM,
+        learning_rate=LR,
+        weight_decay=WEIGHT_DECAY,
+        adam_epsilon=EPS,
+        max_grad_norm=CLIP,
+        warmup_steps=WARMUP,
+        lr_scheduler_type="linear",
+        optim="adamw_torch",
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=5,
+        disable_tqdm=True,
+        seed=0,
     )
     return TrainingArguments(**{**settings, **overrides})
-
 
 
 class RecordingTrainer(ZeroTrainer):
@@ -75,8 +99,14 @@ class RecordingTrainer(ZeroTrainer):
 
 def train(stage: int, output_dir: str, resume: str | None = None, **overrides) -> dict:
     """One ZeroTrainer run; what it saw, logged and ended with."""
-    trainer = RecordingTrainer(model=gpt2(), args=training_args(output_dir, **overrides), train_dataset=dataset(),
-                               eval_dataset=dataset()[:EVAL_ROWS], zero_stage=stage, zero_kwargs=ZERO_KWARGS)
+    trainer = RecordingTrainer(
+        model=gpt2(),
+        args=training_args(output_dir, **overrides),
+        train_dataset=dataset(),
+        eval_dataset=dataset()[:EVAL_ROWS],
+        zero_stage=stage,
+        zero_kwargs=ZERO_KWARGS,
+    )
     trainer.seen = []
     with comm.tracking() as log:
         trainer.train(resume_from_checkpoint=resume)
@@ -100,15 +130,19 @@ def train_stages(root: str) -> dict:
     return {
         0: train(0, os.path.join(root, "stage0")),
         1: train(1, os.path.join(root, "stage1")),
-        2: train(2, os.path.join(root, "stage2"),
-                 accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}}),
+        2: train(
+            2,
+            os.path.join(root, "stage2"),
+            accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}},
+        ),
         3: train(3, os.path.join(root, "stage3"), activation_checkpointing=True),
         "resumed": train(3, os.path.join(root, "resumed"), resume=os.path.join(root, "stage3", "checkpoint-5")),
     }
 
 
-def reference(seen: list[list[tuple[torch.Tensor, torch.Tensor]]], decay: list[str],
-              count_shifted: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(
+    seen: list[list[tuple[torch.Tensor, torch.Tensor]]], decay: list[str], count_shifted: bool
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process AdamW over the global batches the ranks saw (step s: micro-batches
     s·ACCUM … of every rank), with the loss Trainer computes: the summed token cross entropy
     over the number of labelled tokens of the whole global batch, counted as Trainer counts
@@ -118,14 +152,18 @@ def reference(seen: list[list[tuple[torch.Tensor, torch.Tensor]]], decay: list[s
     try:
         model = gpt2()
         named = list(model.named_parameters())
-        opt = torch.optim.AdamW([
-            {"params": [p for n, p in named if n in decay], "weight_decay": WEIGHT_DECAY},
-            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
-        ], lr=LR, eps=EPS)
+        opt = torch.optim.AdamW(
+            [
+                {"params": [p for n, p in named if n in decay], "weight_decay": WEIGHT_DECAY},
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+            ],
+            lr=LR,
+            eps=EPS,
+        )
         sched = get_scheduler("linear", opt, num_warmup_steps=WARMUP, num_training_steps=STEPS)
         norms = []
         for step in range(STEPS):
-            batch = [mb for rank in seen for mb in rank[step * ACCUM:(step + 1) * ACCUM]]
+            batch = [mb for rank in seen for mb in rank[step * ACCUM : (step + 1) * ACCUM]]
             ids = torch.cat([i for i, _ in batch])
             labels = torch.cat([lab for _, lab in batch])
             logits = model(input_ids=ids).logits[:, :-1].float()
@@ -189,7 +227,7 @@ def test_resume_from_checkpoint_is_exact(runs) -> None:
     for rank in ranks:
         whole, resumed = rank[3], rank["resumed"]
         assert len(resumed["seen"]) == len(whole["seen"]) // 2
-        for (ids, labels), (ids_whole, labels_whole) in zip(resumed["seen"], whole["seen"][len(resumed["seen"]):]):
+        for (ids, labels), (ids_whole, labels_whole) in zip(resumed["seen"], whole["seen"][len(resumed["seen"]) :]):
             assert torch.equal(ids, ids_whole) and torch.equal(labels, labels_whole)
         assert resumed["norms"] == whole["norms"]  # the first 5 from the checkpoint's trainer_state
         for name, tensor in whole["weights"].items():
@@ -206,25 +244,36 @@ def _plain_trainer_checkpoint(args: TrainingArguments, root: str) -> None:
 
 def _with(**fields):
     """Builds a ZeroTrainer whose TrainingArguments also set `fields`."""
+
     def make(args: TrainingArguments, root: str) -> None:
         ZeroTrainer(model=gpt2(), args=training_args(root, **fields), train_dataset=dataset(), eval_dataset=dataset())
+
     return make
 
 
 MISUSES = [  # (make, the start of its sentence)
-    (lambda args, root: ZeroTrainer(model=(m := gpt2()), args=args,
-                                    optimizers=(torch.optim.SGD(m.parameters(), 0.1), None)),
-     "ZeroTrainer builds its ZeroOptimizer itself once the model is on its device"),
+    (
+        lambda args, root: ZeroTrainer(
+            model=(m := gpt2()), args=args, optimizers=(torch.optim.SGD(m.parameters(), 0.1), None)
+        ),
+        "ZeroTrainer builds its ZeroOptimizer itself once the model is on its device",
+    ),
     (lambda args, root: ZeroTrainer(model=gpt2(), args=args, zero_stage=4), "zero_stage=4 is not a ZeRO stage"),
-    (lambda args, root: ZeroTrainer(model=gpt2(), args=args, zero_kwargs={"lr": 1.0}),
-     "zero_kwargs ['lr'] are not options ZeroTrainer passes to ZeroOptimizer"),
-    (lambda args, root: ZeroTrainer(model=gpt2(), args=args, zero_kwargs={"param_dtype": torch.float16}),
-     "zero_kwargs param_dtype=torch.float16 needs a loss-scaled backward"),
+    (
+        lambda args, root: ZeroTrainer(model=gpt2(), args=args, zero_kwargs={"lr": 1.0}),
+        "zero_kwargs ['lr'] are not options ZeroTrainer passes to ZeroOptimizer",
+    ),
+    (
+        lambda args, root: ZeroTrainer(model=gpt2(), args=args, zero_kwargs={"param_dtype": torch.float16}),
+        "zero_kwargs param_dtype=torch.float16 needs a loss-scaled backward",
+    ),
     (_with(optim="adafactor"), "optim='adafactor' is not an elementwise optimizer"),
     (_with(fp16=True), "ZeroTrainer does not support fp16=True"),
     (_with(torch_compile=True), "ZeroTrainer does not support torch_compile=True"),
-    (_with(load_best_model_at_end=True, eval_strategy="steps", eval_steps=5, metric_for_best_model="loss"),
-     "ZeroTrainer does not support load_best_model_at_end=True"),
+    (
+        _with(load_best_model_at_end=True, eval_strategy="steps", eval_steps=5, metric_for_best_model="loss"),
+        "ZeroTrainer does not support load_best_model_at_end=True",
+    ),
     (_with(fsdp=True), "ZeroTrainer cannot run under DeepSpeed or FSDP"),
     (_plain_trainer_checkpoint, "holds a plain Trainer's optimizer.pt, which ZeroTrainer cannot load"),
 ]
@@ -251,6 +300,11 @@ def test_misuse_raises_one_sentence(tmp_path) -> None:
 def test_importing_optim_does_not_import_transformers() -> None:
     """optim and optim.integrations import neither transformers nor accelerate."""
     code = "import sys, optim, optim.integrations; print(sorted({'transformers', 'accelerate'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert out.stdout.strip() == "[]"

@@ -1,6 +1,7 @@
 """ZeroStrategy (optim.integrations.lightning): Lightning with ZeroOptimizer trains as plain
 torch + DDP would, resumes exactly from its sharded checkpoints, and refuses misuse in one
 sentence. One 2-rank launch trains every stage (the ranks import Lightning once, ~5 s)."""
+
 from __future__ import annotations
 
 import re
@@ -65,7 +66,10 @@ class LitTiny(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(no_decay_groups(self.net), lr=LR)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, warmup), "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, warmup), "interval": "step"},
+        }
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(Tokens(), batch_size=MICRO_BATCH, shuffle=True)
@@ -93,11 +97,25 @@ class ManualLit(LitTiny):
 def make_trainer(strategy: ZeroStrategy, root: Path, devices: int = WORLD, **overrides: Any) -> pl.Trainer:
     """The tests' Trainer: fp32 on the CPU, deterministic, quiet; 10 steps of accumulation 2
     clipped to norm 1.0 unless `overrides` say otherwise."""
-    options = {"max_steps": STEPS, "accumulate_grad_batches": ACCUM, "gradient_clip_val": CLIP,
-               "enable_checkpointing": False, **overrides}
-    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, deterministic=True, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      default_root_dir=str(root), **options)
+    options = {
+        "max_steps": STEPS,
+        "accumulate_grad_batches": ACCUM,
+        "gradient_clip_val": CLIP,
+        "enable_checkpointing": False,
+        **overrides,
+    }
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        deterministic=True,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(root),
+        **options,
+    )
 
 
 def local_optimizer_state(opt: ZeroOptimizer) -> dict[str, torch.Tensor]:
@@ -139,8 +157,13 @@ def train_everything(root: Path) -> dict[str, Any]:
     for name, cls in [(0, LitTiny), (1, LitTiny), (2, LitTiny), (3, LitTiny), ("manual", ManualLit)]:
         module, strategy = cls(), ZeroStrategy(2 if name == "manual" else name, **SMALL)
         ckpt = [pl.callbacks.ModelCheckpoint(root / "ckpt", every_n_train_steps=5, save_top_k=-1)] if name == 3 else []
-        trainer = make_trainer(strategy, root, callbacks=ckpt, enable_checkpointing=bool(ckpt),
-                               **({"gradient_clip_val": None, "accumulate_grad_batches": 1} if name == "manual" else {}))
+        trainer = make_trainer(
+            strategy,
+            root,
+            callbacks=ckpt,
+            enable_checkpointing=bool(ckpt),
+            **({"gradient_clip_val": None, "accumulate_grad_batches": 1} if name == "manual" else {}),
+        )
         with warnings.catch_warnings(record=True) as caught, comm.tracking() as log:
             warnings.simplefilter("always")
             trainer.fit(module)
@@ -168,8 +191,11 @@ def train_everything(root: Path) -> dict[str, Any]:
     out["saved_full"] = torch.load(root / "full.pt")
     fresh = LitTiny()
     make_trainer(ZeroStrategy(3, **SMALL), root).validate(
-        fresh, DataLoader(Tokens(), batch_size=MICRO_BATCH), ckpt_path=str(root / "ckpt" / "epoch=1-step=10.ckpt"),
-        verbose=False)
+        fresh,
+        DataLoader(Tokens(), batch_size=MICRO_BATCH),
+        ckpt_path=str(root / "ckpt" / "epoch=1-step=10.ckpt"),
+        verbose=False,
+    )
     out["validated"] = {k: v.clone() for k, v in fresh.state_dict().items()}
 
     everyone = [None] * WORLD
@@ -187,7 +213,10 @@ class TwoOptimizers(LitTiny):  # manual optimization: Lightning itself refuses t
         self.automatic_optimization = False
 
     def configure_optimizers(self) -> Any:
-        return [torch.optim.SGD(self.net.blocks.parameters(), lr=LR), torch.optim.SGD(self.net.norm.parameters(), lr=LR)]
+        return [
+            torch.optim.SGD(self.net.blocks.parameters(), lr=LR),
+            torch.optim.SGD(self.net.norm.parameters(), lr=LR),
+        ]
 
 
 class NoOptimizer(LitTiny):
@@ -228,23 +257,39 @@ def fit_twice(root: Path) -> None:
 
 
 MISUSE = {
-    "two optimizers": (lambda root: fit_once(root, TwoOptimizers(), accumulate_grad_batches=1, gradient_clip_val=None),
-                       "configure_optimizers returned 2 optimizers; ZeroStrategy trains with exactly one"),
-    "no optimizer": (lambda root: fit_once(root, NoOptimizer()),
-                     "configure_optimizers returned 0 optimizers; ZeroStrategy trains with exactly one"),
-    "parameter left out": (lambda root: fit_once(root, ParameterLeftOut()),
-                           "parameter net.emb.weight requires grad but is in no param group"),
-    "own ZeroOptimizer, other stage": (lambda root: fit_once(root, OwnZero(1)),
-                                       r"its own ZeroOptimizer \(stage 1\) under ZeroStrategy\(stage=2\)"),
-    "own ZeroOptimizer over a submodule": (lambda root: fit_once(root, OwnZeroOverSubmodule()),
-                                           "a ZeroOptimizer over a submodule; build it over the LightningModule"),
-    "clip by value": (lambda root: fit_once(root, LitTiny(), gradient_clip_algorithm="value"),
-                      "clips gradients only by their global norm"),
-    "sync batchnorm": (lambda root: fit_once(root, LitTiny(), sync_batchnorm=True),
-                       "does not convert BatchNorm to SyncBatchNorm"),
+    "two optimizers": (
+        lambda root: fit_once(root, TwoOptimizers(), accumulate_grad_batches=1, gradient_clip_val=None),
+        "configure_optimizers returned 2 optimizers; ZeroStrategy trains with exactly one",
+    ),
+    "no optimizer": (
+        lambda root: fit_once(root, NoOptimizer()),
+        "configure_optimizers returned 0 optimizers; ZeroStrategy trains with exactly one",
+    ),
+    "parameter left out": (
+        lambda root: fit_once(root, ParameterLeftOut()),
+        "parameter net.emb.weight requires grad but is in no param group",
+    ),
+    "own ZeroOptimizer, other stage": (
+        lambda root: fit_once(root, OwnZero(1)),
+        r"its own ZeroOptimizer \(stage 1\) under ZeroStrategy\(stage=2\)",
+    ),
+    "own ZeroOptimizer over a submodule": (
+        lambda root: fit_once(root, OwnZeroOverSubmodule()),
+        "a ZeroOptimizer over a submodule; build it over the LightningModule",
+    ),
+    "clip by value": (
+        lambda root: fit_once(root, LitTiny(), gradient_clip_algorithm="value"),
+        "clips gradients only by their global norm",
+    ),
+    "sync batchnorm": (
+        lambda root: fit_once(root, LitTiny(), sync_batchnorm=True),
+        "does not convert BatchNorm to SyncBatchNorm",
+    ),
     "fit twice": (fit_twice, "already belong to a ZeroOptimizer from an earlier fit"),
-    "not a checkpoint": (lambda root: make_trainer(ZeroStrategy(2), root, devices=1).fit(LitTiny(), ckpt_path=str(root)),
-                         "is not a ZeroStrategy checkpoint"),
+    "not a checkpoint": (
+        lambda root: make_trainer(ZeroStrategy(2), root, devices=1).fit(LitTiny(), ckpt_path=str(root)),
+        "is not a ZeroStrategy checkpoint",
+    ),
 }
 
 
@@ -380,8 +425,10 @@ def test_optim_does_not_import_lightning() -> None:
         (lambda: ZeroStrategy(stage=4), "stage=4 is not a ZeRO stage"),
         (lambda: ZeroStrategy(lr=1e-3), "optimizer hyperparameters go to the optimizer configure_optimizers returns"),
         (lambda: ZeroStrategy(param_dtype=torch.float16), "use torch.bfloat16"),
-        (lambda: pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(), precision="bf16-true"),
-         "supports precision '32-true' or 'bf16-mixed', not 'bf16-true'"),
+        (
+            lambda: pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(), precision="bf16-true"),
+            "supports precision '32-true' or 'bf16-mixed', not 'bf16-true'",
+        ),
     ],
 )
 def test_bad_options_refused_at_construction(make: Any, sentence: str) -> None:

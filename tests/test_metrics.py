@@ -1,5 +1,6 @@
 """research/metrics.py: peak FLOP/s table, throughput math, memory, the activation meter,
 console lines, metrics.jsonl, comm per step, wandb offline runs."""
+
 from __future__ import annotations
 
 import io
@@ -61,32 +62,41 @@ def matmul_precision() -> Iterator[None]:
     torch.backends.cuda.matmul.fp32_precision = before
 
 
-@pytest.mark.parametrize("name, dtype, tf32, tflops", [
-    ("NVIDIA H100 80GB HBM3", torch.bfloat16, False, 989.4),
-    ("NVIDIA H100 PCIe", torch.float16, False, 756.0),
-    ("NVIDIA H100 NVL", torch.bfloat16, False, 835.5),
-    ("NVIDIA H200", torch.bfloat16, False, 989.4),
-    ("NVIDIA GH200 480GB", torch.bfloat16, False, 989.4),
-    ("NVIDIA A100-SXM4-80GB", torch.bfloat16, False, 312.0),
-    ("NVIDIA A100 80GB PCIe", torch.float32, True, 156.0),
-    ("NVIDIA A100-SXM4-40GB", torch.float32, False, 19.5),
-    ("NVIDIA A10G", torch.bfloat16, False, 70.0),
-    ("NVIDIA A10", torch.bfloat16, False, 125.0),
-    ("NVIDIA L4", torch.bfloat16, False, 121.0),
-    ("NVIDIA L40", torch.bfloat16, False, 181.05),
-    ("NVIDIA L40S", torch.bfloat16, False, 362.05),
-    ("NVIDIA GeForce RTX 4090", torch.bfloat16, False, 165.2),
-    ("Tesla V100-SXM2-16GB", torch.float16, False, 125.0),
-    ("Tesla V100-SXM2-16GB", torch.float32, True, 15.7),  # no TF32 on Volta
-    ("Tesla V100-PCIE-32GB", torch.float16, False, 112.0),
-    ("Tesla V100-SXM2-16GB", torch.bfloat16, False, None),  # no bf16 tensor cores
-    ("Tesla T4", torch.float16, False, 65.0),
-    ("NVIDIA RTX A1000", torch.bfloat16, False, None),  # not an "A10"
-    ("NVIDIA H100 80GB HBM3", torch.float64, False, None),
-    ("Some Future GPU", torch.bfloat16, False, None),
-])
-def test_peak_flops_table(monkeypatch: pytest.MonkeyPatch, matmul_precision: None, name: str, dtype: torch.dtype,
-                          tf32: bool, tflops: float | None) -> None:
+@pytest.mark.parametrize(
+    "name, dtype, tf32, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, False, 989.4),
+        ("NVIDIA H100 PCIe", torch.float16, False, 756.0),
+        ("NVIDIA H100 NVL", torch.bfloat16, False, 835.5),
+        ("NVIDIA H200", torch.bfloat16, False, 989.4),
+        ("NVIDIA GH200 480GB", torch.bfloat16, False, 989.4),
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, False, 312.0),
+        ("NVIDIA A100 80GB PCIe", torch.float32, True, 156.0),
+        ("NVIDIA A100-SXM4-40GB", torch.float32, False, 19.5),
+        ("NVIDIA A10G", torch.bfloat16, False, 70.0),
+        ("NVIDIA A10", torch.bfloat16, False, 125.0),
+        ("NVIDIA L4", torch.bfloat16, False, 121.0),
+        ("NVIDIA L40", torch.bfloat16, False, 181.05),
+        ("NVIDIA L40S", torch.bfloat16, False, 362.05),
+        ("NVIDIA GeForce RTX 4090", torch.bfloat16, False, 165.2),
+        ("Tesla V100-SXM2-16GB", torch.float16, False, 125.0),
+        ("Tesla V100-SXM2-16GB", torch.float32, True, 15.7),  # no TF32 on Volta
+        ("Tesla V100-PCIE-32GB", torch.float16, False, 112.0),
+        ("Tesla V100-SXM2-16GB", torch.bfloat16, False, None),  # no bf16 tensor cores
+        ("Tesla T4", torch.float16, False, 65.0),
+        ("NVIDIA RTX A1000", torch.bfloat16, False, None),  # not an "A10"
+        ("NVIDIA H100 80GB HBM3", torch.float64, False, None),
+        ("Some Future GPU", torch.bfloat16, False, None),
+    ],
+)
+def test_peak_flops_table(
+    monkeypatch: pytest.MonkeyPatch,
+    matmul_precision: None,
+    name: str,
+    dtype: torch.dtype,
+    tf32: bool,
+    tflops: float | None,
+) -> None:
     monkeypatch.delenv("ZERO3D_PEAK_TFLOPS", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     torch.backends.cuda.matmul.fp32_precision = "tf32" if tf32 else "ieee"
@@ -180,7 +190,7 @@ def test_activation_meter_mlp_peak_equals_saved_bytes_and_returns_to_zero() -> N
     assert meter.peak_bytes == _analytic(32)
 
     with ActivationMeter() as unfiltered:  # no modules: the second weight counts too (the first
-        mlp(x).pow(2).sum().backward()      # is not saved: x needs no gradient)
+        mlp(x).pow(2).sum().backward()  # is not saved: x needs no gradient)
     assert unfiltered.peak_bytes == _analytic(32) + _nbytes((8, 80))
     assert unfiltered.current_bytes == 0
 
@@ -259,8 +269,13 @@ def test_activation_meter_under_checkpointing_sees_what_the_checkpoint_keeps() -
 # Console, files, summaries
 # ---------------------------------------------------------------------------
 
-_STEP = {"loss": 3.21449, "tokens_per_s": 12345.6, "tflops_per_device": 0.8, "mfu": 0.4123,
-         "mem_peak_bytes": int(1.3 * 2**30)}
+_STEP = {
+    "loss": 3.21449,
+    "tokens_per_s": 12345.6,
+    "tflops_per_device": 0.8,
+    "mfu": 0.4123,
+    "mem_peak_bytes": int(1.3 * 2**30),
+}
 
 
 def test_console_plain_lines_every_log_every_and_last() -> None:
@@ -272,12 +287,17 @@ def test_console_plain_lines_every_log_every_and_last() -> None:
     console.close({**summary, "wall_time_s": 70.4})
     lines = stream.getvalue().splitlines()
     assert len(lines) == 4
-    assert re.fullmatch(r"step 2/5 \| loss 3\.214 \| 1\.2e4 tok/s \| 0\.8 TFLOP/s/dev \| MFU 41\.2% \| "
-                        r"mem 1\.3 GiB \| ETA \d+:\d\d:\d\d", lines[0]), lines[0]
+    assert re.fullmatch(
+        r"step 2/5 \| loss 3\.214 \| 1\.2e4 tok/s \| 0\.8 TFLOP/s/dev \| MFU 41\.2% \| "
+        r"mem 1\.3 GiB \| ETA \d+:\d\d:\d\d",
+        lines[0],
+    ), lines[0]
     assert lines[1].startswith("step 4/5 ")
     assert lines[2].startswith("step 5/5 | loss 3.214 | 1.2e4 tok/s | 0.8 TFLOP/s/dev | mem 1.3 GiB | ETA ")
-    assert lines[3] == ("done 2 steps | final loss 3 | median 1.6e4 tok/s | median 0.8 TFLOP/s/dev | "
-                        "median MFU 41.2% | peak mem 1.3 GiB | wall 0:01:10")
+    assert lines[3] == (
+        "done 2 steps | final loss 3 | median 1.6e4 tok/s | median 0.8 TFLOP/s/dev | "
+        "median MFU 41.2% | peak mem 1.3 GiB | wall 0:01:10"
+    )
 
 
 class _Terminal(io.StringIO):
@@ -317,31 +337,66 @@ def test_metrics_file_appends_strict_json_lines(tmp_path: Path) -> None:
     with MetricsFile(path) as f:  # a resumed run appends
         f.write({"step": 2, "loss": float("nan"), "lr": 1e-3, "dtype": torch.bfloat16})
     rows = [_strict(line) for line in path.read_text().splitlines()]
-    assert rows == [{"step": 1, "loss": 2.5, "grad_norm": None, "mfu": None},
-                    {"step": 2, "loss": None, "lr": 1e-3, "dtype": "torch.bfloat16"}]
+    assert rows == [
+        {"step": 1, "loss": 2.5, "grad_norm": None, "mfu": None},
+        {"step": 2, "loss": None, "lr": 1e-3, "dtype": "torch.bfloat16"},
+    ]
 
-    write_json(tmp_path / "summary.json", {"config": {"out": tmp_path, "betas": (0.9, 0.95)},
-                                           "final_loss": float("-inf")})
+    write_json(
+        tmp_path / "summary.json", {"config": {"out": tmp_path, "betas": (0.9, 0.95)}, "final_loss": float("-inf")}
+    )
     assert _strict((tmp_path / "summary.json").read_text()) == {
-        "config": {"out": str(tmp_path), "betas": [0.9, 0.95]}, "final_loss": None}
+        "config": {"out": str(tmp_path), "betas": [0.9, 0.95]},
+        "final_loss": None,
+    }
 
 
 def test_summarize_medians_final_loss_and_peak() -> None:
-    records = [{"loss": 4.0, "tokens_per_s": 10.0, "tflops_per_device": 1.0, "mfu": None, "step_time_s": 9.0,
-                "mem_peak_bytes": 5},
-               {"loss": 3.0, "tokens_per_s": 30.0, "tflops_per_device": 3.0, "mfu": None, "step_time_s": 1.0,
-                "mem_peak_bytes": 7},
-               {"loss": 2.0, "tokens_per_s": 40.0, "tflops_per_device": 4.0, "mfu": None, "step_time_s": 1.0,
-                "mem_peak_bytes": 6}]
-    assert summarize(records) == {"steps": 3, "final_loss": 2.0, "median_step_time_s": 1.0,
-                                  "median_tokens_per_s": 30.0, "median_tflops_per_device": 3.0,
-                                  "median_mfu": None, "mem_peak_bytes": 7}
+    records = [
+        {
+            "loss": 4.0,
+            "tokens_per_s": 10.0,
+            "tflops_per_device": 1.0,
+            "mfu": None,
+            "step_time_s": 9.0,
+            "mem_peak_bytes": 5,
+        },
+        {
+            "loss": 3.0,
+            "tokens_per_s": 30.0,
+            "tflops_per_device": 3.0,
+            "mfu": None,
+            "step_time_s": 1.0,
+            "mem_peak_bytes": 7,
+        },
+        {
+            "loss": 2.0,
+            "tokens_per_s": 40.0,
+            "tflops_per_device": 4.0,
+            "mfu": None,
+            "step_time_s": 1.0,
+            "mem_peak_bytes": 6,
+        },
+    ]
+    assert summarize(records) == {
+        "steps": 3,
+        "final_loss": 2.0,
+        "median_step_time_s": 1.0,
+        "median_tokens_per_s": 30.0,
+        "median_tflops_per_device": 3.0,
+        "median_mfu": None,
+        "mem_peak_bytes": 7,
+    }
 
 
 def test_comm_per_step_averages_per_group_and_op() -> None:
-    log = {"dp": {"reduce_scatter_tensor": {"calls": 8, "bytes": 800, "payload_bytes": 1600},
-                  "all_gather_into_tensor": {"calls": 4, "bytes": 400, "payload_bytes": 800}},
-           "tp": {"all_reduce": {"calls": 16, "bytes": 3200, "payload_bytes": 3200}}}
+    log = {
+        "dp": {
+            "reduce_scatter_tensor": {"calls": 8, "bytes": 800, "payload_bytes": 1600},
+            "all_gather_into_tensor": {"calls": 4, "bytes": 400, "payload_bytes": 800},
+        },
+        "tp": {"all_reduce": {"calls": 16, "bytes": 3200, "payload_bytes": 3200}},
+    }
     out = comm_per_step(log, steps=4, groups=("tp", "pp", "dp"))
     assert list(out) == ["dp", "tp", "pp"]
     assert out["dp"]["ops"]["reduce_scatter_tensor"] == {"calls": 2, "bytes": 200, "payload_bytes": 400}
@@ -357,8 +412,7 @@ def test_comm_per_step_averages_per_group_and_op() -> None:
 # ---------------------------------------------------------------------------
 
 
-def test_wandb_disabled_and_non_zero_ranks_never_import_wandb(monkeypatch: pytest.MonkeyPatch,
-                                                             tmp_path: Path) -> None:
+def test_wandb_disabled_and_non_zero_ranks_never_import_wandb(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # any `import wandb` would raise
     run = WandbRun("disabled", out_dir=tmp_path)
     monkeypatch.setenv("RANK", "3")
@@ -381,8 +435,14 @@ def test_wandb_offline_run_under_out_dir(monkeypatch: pytest.MonkeyPatch, tmp_pa
         monkeypatch.setenv(var, str(tmp_path / "home" / var.lower()))
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    with WandbRun("offline", project="zero3d-test", group="grp-ablation-7", name="run-tp2",
-                  out_dir=out, config={"model": {"n_layers": 2}, "dtype": torch.bfloat16}) as run:
+    with WandbRun(
+        "offline",
+        project="zero3d-test",
+        group="grp-ablation-7",
+        name="run-tp2",
+        out_dir=out,
+        config={"model": {"n_layers": 2}, "dtype": torch.bfloat16},
+    ) as run:
         assert run.enabled
         for step in (1, 2, 3):
             run.log({"loss": 1.0 + 0.123456789 * step, "tokens_per_s": 1e4, "mfu": None}, step=step)
@@ -391,6 +451,13 @@ def test_wandb_offline_run_under_out_dir(monkeypatch: pytest.MonkeyPatch, tmp_pa
     files = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, list(out.rglob("*"))
     data = files[0].read_bytes()
-    for needle in (b"grp-ablation-7", b"run-tp2", b"tokens_per_s", b"1.370370367", b"n_layers",
-                   b"torch.bfloat16", b"final_loss_marker"):
+    for needle in (
+        b"grp-ablation-7",
+        b"run-tp2",
+        b"tokens_per_s",
+        b"1.370370367",
+        b"n_layers",
+        b"torch.bfloat16",
+        b"final_loss_marker",
+    ):
         assert needle in data, needle

@@ -1,5 +1,6 @@
 """GPT under tensor (+ sequence) parallelism equals the tp = 1 model, and its collectives
 per transformer layer are what Megatron's analysis says."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,9 @@ from tests.dist_utils import run_distributed
 BASE = GPTConfig(vocab_size=61, n_layers=2, n_heads=4, d_model=32, max_seq_len=16, vocab_multiple=64)
 VARIANTS = {
     "learned-gelu-layernorm-tied": {},
-    "rope-swiglu-rmsnorm-untied-window": dict(position="rope", activation="swiglu", norm="rmsnorm",
-                                              tie_embeddings=False, sliding_window=5),
+    "rope-swiglu-rmsnorm-untied-window": dict(
+        position="rope", activation="swiglu", norm="rmsnorm", tie_embeddings=False, sliding_window=5
+    ),
 }
 RECOMPUTE = ["none", "selective", "full"]
 
@@ -52,8 +54,9 @@ def batch(seed: int = 0, b: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
 
 def loss_and_grads(config: GPTConfig, sequence_parallel: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     seed_everything(0)
-    model = GPT(config, tp_group=None if not dist.is_initialized() else dist.group.WORLD,
-                sequence_parallel=sequence_parallel)
+    model = GPT(
+        config, tp_group=None if not dist.is_initialized() else dist.group.WORLD, sequence_parallel=sequence_parallel
+    )
     loss = model(*batch())
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
@@ -95,7 +98,9 @@ def collectives_per_layer(sequence_parallel: bool, recompute: str) -> dict:
         model = GPT(config, tp_group=dist.group.WORLD, sequence_parallel=sequence_parallel)
         with comm.tracking() as log:
             model(*batch()).backward()
-        counts.append({op: log.calls(op=op) for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")})
+        counts.append(
+            {op: log.calls(op=op) for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")}
+        )
     return {op: counts[1][op] - counts[0][op] for op in counts[0]}
 
 
@@ -105,18 +110,21 @@ def collectives_per_layer(sequence_parallel: bool, recompute: str) -> dict:
 SP_GRAD_SYNC = 6
 
 
-@pytest.mark.parametrize("sequence_parallel,recompute,expected", [
-    (False, "none", {"all_reduce": 4, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}),
-    (True, "none", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}),
-    (False, "selective", {"all_reduce": 4, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}),
-    (True, "selective", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}),
-    # full recompute re-runs the block's forward in backward, but torch's non-reentrant
-    # checkpoint stops once the last tensor backward needs is rebuilt (the MLP's input):
-    # without SP the attention output's all-reduce runs again (+1); with SP both
-    # all-gathers (+2) and the attention output's reduce-scatter (+1), not the MLP's
-    (False, "full", {"all_reduce": 5, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}),
-    (True, "full", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 6, "reduce_scatter_tensor": 5}),
-])
+@pytest.mark.parametrize(
+    "sequence_parallel,recompute,expected",
+    [
+        (False, "none", {"all_reduce": 4, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}),
+        (True, "none", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}),
+        (False, "selective", {"all_reduce": 4, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}),
+        (True, "selective", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}),
+        # full recompute re-runs the block's forward in backward, but torch's non-reentrant
+        # checkpoint stops once the last tensor backward needs is rebuilt (the MLP's input):
+        # without SP the attention output's all-reduce runs again (+1); with SP both
+        # all-gathers (+2) and the attention output's reduce-scatter (+1), not the MLP's
+        (False, "full", {"all_reduce": 5, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}),
+        (True, "full", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 6, "reduce_scatter_tensor": 5}),
+    ],
+)
 def test_collectives_per_layer(sequence_parallel: bool, recompute: str, expected: dict) -> None:
     for counts in run_distributed(collectives_per_layer, 2, sequence_parallel, recompute):
         assert counts == expected

@@ -1,6 +1,7 @@
 """GPT on a dp × tp mesh with ZeroOptimizer trains exactly like the tp = 1, single-process
 model with torch.optim.AdamW: same loss curve, same global grad norm (TP-replicated
 parameters counted once), same final weights."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,8 +62,17 @@ def train(stage: int, tp: int, sequence_parallel: bool) -> tuple[list[float], li
     seed_everything(0, tp_rank=dims.tp_rank)
     model = GPT(CONFIG, tp_group=dims.tp_group, sequence_parallel=sequence_parallel)
     names = tp_dims(model)
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, process_group=dims.dp_group,
-                        model_parallel_group=dims.mp_group, lr=LR, eps=EPS, bucket_numel=3000, unit_numel=2000)
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        stage=stage,
+        process_group=dims.dp_group,
+        model_parallel_group=dims.mp_group,
+        lr=LR,
+        eps=EPS,
+        bucket_numel=3000,
+        unit_numel=2000,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     per_rank = BATCH // dims.dp
     rows = slice(dims.dp_rank * per_rank, (dims.dp_rank + 1) * per_rank)

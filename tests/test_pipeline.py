@@ -1,6 +1,7 @@
 """Pipeline-parallel GPT training equals the single-process model: layer partitioning,
 the executor for each schedule, tied embeddings across the first and last stage, and
 ZeroOptimizer on the stages."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,7 +44,7 @@ def reference() -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     for ids, labels in batches():
         total = 0.0
         for i in range(M):
-            loss = model(ids[i * MB:(i + 1) * MB], labels[i * MB:(i + 1) * MB])
+            loss = model(ids[i * MB : (i + 1) * MB], labels[i * MB : (i + 1) * MB])
             (loss / M).backward()
             total += loss.item() / M
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
@@ -58,14 +59,23 @@ def train_pipeline(schedule: str, virtual_stages: int, stage: int) -> tuple[list
     dims = ParallelDims(pp=dist.get_world_size()).build()
     chunks = pipeline_chunks(CONFIG, dims.pp_rank, dims.pp, virtual_stages, dims.tp_group, dims.embedding_group)
     model = nn.ModuleList(chunks)
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, process_group=dims.dp_group,
-                        model_parallel_group=dims.mp_group, lr=LR, eps=EPS, bucket_numel=3000, unit_numel=2000)
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        stage=stage,
+        process_group=dims.dp_group,
+        model_parallel_group=dims.mp_group,
+        lr=LR,
+        eps=EPS,
+        bucket_numel=3000,
+        unit_numel=2000,
+    )
     executor = PipelineExecutor(chunks, schedule, M, dims.pp_group, no_sync=opt.no_sync)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     losses, norms = [], []
     for ids, labels in batches():
-        inputs = [ids[i * MB:(i + 1) * MB] for i in range(M)]
-        targets = [labels[i * MB:(i + 1) * MB] for i in range(M)]
+        inputs = [ids[i * MB : (i + 1) * MB] for i in range(M)]
+        targets = [labels[i * MB : (i + 1) * MB] for i in range(M)]
         loss = executor.run(inputs, targets, (CONFIG.max_seq_len, MB, CONFIG.d_model))
         norms.append(float(opt.clip_grad_norm_(CLIP)))
         opt.step()
@@ -76,11 +86,20 @@ def train_pipeline(schedule: str, virtual_stages: int, stage: int) -> tuple[list
     return losses, norms, state
 
 
-@pytest.mark.parametrize("pp,schedule,v", [
-    (2, "gpipe", 1), (2, "1f1b", 1), (2, "interleaved-1f1b", 2), (2, "zb-h1", 1),
-    (4, "gpipe", 1), (4, "1f1b", 1), (4, "interleaved-1f1b", 2), (4, "zb-h1", 1),
-    (1, "interleaved-1f1b", 2),
-])
+@pytest.mark.parametrize(
+    "pp,schedule,v",
+    [
+        (2, "gpipe", 1),
+        (2, "1f1b", 1),
+        (2, "interleaved-1f1b", 2),
+        (2, "zb-h1", 1),
+        (4, "gpipe", 1),
+        (4, "1f1b", 1),
+        (4, "interleaved-1f1b", 2),
+        (4, "zb-h1", 1),
+        (1, "interleaved-1f1b", 2),
+    ],
+)
 @pytest.mark.parametrize("stage", [1, 3])
 def test_pipeline_matches_single_process(pp: int, schedule: str, v: int, stage: int) -> None:
     ref_losses, ref_norms, ref_state = reference()
@@ -116,8 +135,17 @@ def train_3d(stage: int) -> tuple[list[float | None], list[float], dict]:
     dims = ParallelDims(tp=2, pp=2).build()
     chunks = pipeline_chunks(CONFIG, dims.pp_rank, dims.pp, 1, dims.tp_group, dims.embedding_group)
     model = nn.ModuleList(chunks)
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, process_group=dims.dp_group,
-                        model_parallel_group=dims.mp_group, lr=LR, eps=EPS, bucket_numel=3000, unit_numel=1000)
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        stage=stage,
+        process_group=dims.dp_group,
+        model_parallel_group=dims.mp_group,
+        lr=LR,
+        eps=EPS,
+        bucket_numel=3000,
+        unit_numel=1000,
+    )
     executor = PipelineExecutor(chunks, "1f1b", M, dims.pp_group, no_sync=opt.no_sync)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     mb = MB // dims.dp
@@ -165,14 +193,20 @@ def measured_order(schedule_name: str, v: int) -> tuple[list, list]:
         if not chunk.post:
             chunk.register_forward_hook(lambda module, args, out: outputs.append(out))
     ids, labels = batches()[0]
-    executor.run([ids[i * MB:(i + 1) * MB] for i in range(M)], [labels[i * MB:(i + 1) * MB] for i in range(M)],
-                 (CONFIG.max_seq_len, MB, CONFIG.d_model))
+    executor.run(
+        [ids[i * MB : (i + 1) * MB] for i in range(M)],
+        [labels[i * MB : (i + 1) * MB] for i in range(M)],
+        (CONFIG.max_seq_len, MB, CONFIG.d_model),
+    )
     ran = [(kind, mb, chunk) for _, kind, mb, chunk, start, end in executor.events]
     assert all(e[4] <= e[5] for e in executor.events)
     assert all(out.numel() == 0 for out in outputs), "sent activations must be freed"
     assert outputs or dims.is_last_stage
-    planned = [(a.kind, a.microbatch, a.chunk) for a in schedule(schedule_name, dims.pp, dims.pp_rank, M, v)
-               if a.kind in COMPUTE]
+    planned = [
+        (a.kind, a.microbatch, a.chunk)
+        for a in schedule(schedule_name, dims.pp, dims.pp_rank, M, v)
+        if a.kind in COMPUTE
+    ]
     return ran, planned
 
 
@@ -193,11 +227,14 @@ def bad_executor(schedule_name: str, microbatches: int, v: int) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("schedule_name,m,v,expected", [
-    ("1f1b", 2, 1, "1f1b with pp=4 needs at least 4 micro-batches, got 2"),
-    ("1f1b", 4, 2, "does not interleave"),
-    ("interleaved-1f1b", 6, 2, "interleaved-1f1b with pp=4 needs micro-batches divisible by 4, got 6"),
-])
+@pytest.mark.parametrize(
+    "schedule_name,m,v,expected",
+    [
+        ("1f1b", 2, 1, "1f1b with pp=4 needs at least 4 micro-batches, got 2"),
+        ("1f1b", 4, 2, "does not interleave"),
+        ("interleaved-1f1b", 6, 2, "interleaved-1f1b with pp=4 needs micro-batches divisible by 4, got 6"),
+    ],
+)
 def test_bad_pipeline_input_fails_before_the_first_step(schedule_name: str, m: int, v: int, expected: str) -> None:
     for message in run_distributed(bad_executor, 4, schedule_name, m, v, timeout=60):
         assert expected in message, message
@@ -216,19 +253,37 @@ def train_fp16_pipeline(overflow_at: int | None) -> tuple[list, list[float], lis
     dims = ParallelDims(pp=dist.get_world_size()).build()
     chunks = pipeline_chunks(CONFIG, dims.pp_rank, dims.pp, 1, dims.tp_group, dims.embedding_group)
     model = nn.ModuleList(chunks)
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=1, process_group=dims.dp_group,
-                        model_parallel_group=dims.mp_group, param_dtype=torch.float16, lr=LR, eps=EPS,
-                        loss_scaler=DynamicLossScaler(init_scale=2.0**10, hysteresis=1))
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        stage=1,
+        process_group=dims.dp_group,
+        model_parallel_group=dims.mp_group,
+        param_dtype=torch.float16,
+        lr=LR,
+        eps=EPS,
+        loss_scaler=DynamicLossScaler(init_scale=2.0**10, hysteresis=1),
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     poison = {"on": False}
-    executor = PipelineExecutor(chunks, "1f1b", M, dims.pp_group, no_sync=opt.no_sync,
-                                scale_loss=lambda loss: opt.scale_loss(loss) * (float("inf") if poison["on"] else 1.0))
+    executor = PipelineExecutor(
+        chunks,
+        "1f1b",
+        M,
+        dims.pp_group,
+        no_sync=opt.no_sync,
+        scale_loss=lambda loss: opt.scale_loss(loss) * (float("inf") if poison["on"] else 1.0),
+    )
     losses, scales, changed = [], [], []
     for step, (ids, labels) in enumerate(batches()):
         poison["on"] = step == overflow_at
         before = {k: v.clone() for k, v in opt.full_state_dict().items()}
-        loss = executor.run([ids[i * MB:(i + 1) * MB] for i in range(M)], [labels[i * MB:(i + 1) * MB] for i in range(M)],
-                            (CONFIG.max_seq_len, MB, CONFIG.d_model), torch.float16)
+        loss = executor.run(
+            [ids[i * MB : (i + 1) * MB] for i in range(M)],
+            [labels[i * MB : (i + 1) * MB] for i in range(M)],
+            (CONFIG.max_seq_len, MB, CONFIG.d_model),
+            torch.float16,
+        )
         opt.clip_grad_norm_(CLIP)
         opt.step()
         sched.step()

@@ -1,4 +1,5 @@
 """optim.scaler.DynamicLossScaler: Megatron's hysteresis / growth rule, floor, state round trip."""
+
 from __future__ import annotations
 
 import pytest

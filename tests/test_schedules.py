@@ -25,8 +25,13 @@ from parallel.pipeline import (
 )
 from parallel.pipeline.schedules import register
 
-GRID = [(name, p, k * p, v) for name in SCHEDULES for p in (1, 2, 4, 8) for k in (1, 2, 4, 8)
-        for v in ((1, 2) if SCHEDULES[name].interleaved else (1,))]
+GRID = [
+    (name, p, k * p, v)
+    for name in SCHEDULES
+    for p in (1, 2, 4, 8)
+    for k in (1, 2, 4, 8)
+    for v in ((1, 2) if SCHEDULES[name].interleaved else (1,))
+]
 T_F, T_B = 1.0, 2.0
 
 
@@ -39,7 +44,9 @@ def bubble_over_ideal(name, p, m, v=1, **kw):
 @pytest.mark.parametrize("name, p, m, v", GRID)
 def test_consistent_and_complete(name, p, m, v):
     check_consistent(name, p, m, v)  # SEND/RECV pairing and order, F < B < W
-    want = Counter((k, i, c) for k in ("FBW" if SCHEDULES[name].split_backward else "FB") for i in range(m) for c in range(v))
+    want = Counter(
+        (k, i, c) for k in ("FBW" if SCHEDULES[name].split_backward else "FB") for i in range(m) for c in range(v)
+    )
     last = p * v - 1
     for r in range(p):
         plan = schedule(name, p, r, m, v)
@@ -114,7 +121,10 @@ def test_deadlock_is_reported():
         return [Action("B", i) for i in range(m)] + [Action("F", i) for i in range(m)]
 
     try:
-        with pytest.raises(RuntimeError, match=r"deadlock in bad-backward-first .*rank 0 waits at RECV_B0.0@1; rank 1 waits at RECV_F0.0@0"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"deadlock in bad-backward-first .*rank 0 waits at RECV_B0.0@1; rank 1 waits at RECV_F0.0@0",
+        ):
             simulate("bad-backward-first", 2, 2)
         with pytest.raises(ValueError, match="out of order"):
             check_consistent("bad-backward-first", 2, 2)
@@ -125,7 +135,10 @@ def test_deadlock_is_reported():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("pipedream", 2, 4, 1), "unknown pipeline schedule 'pipedream'; known schedules: gpipe, 1f1b, interleaved-1f1b, zb-h1."),
+        (
+            ("pipedream", 2, 4, 1),
+            "unknown pipeline schedule 'pipedream'; known schedules: gpipe, 1f1b, interleaved-1f1b, zb-h1.",
+        ),
         (("1f1b", 4, 2, 1), "1f1b with pp=4 needs at least 4 micro-batches, got 2."),
         (("zb-h1", 8, 4, 1), "zb-h1 with pp=8 needs at least 8 micro-batches, got 4."),
         (("interleaved-1f1b", 4, 2, 2), "interleaved-1f1b with pp=4 needs at least 4 micro-batches, got 2."),

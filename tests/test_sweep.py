@@ -2,6 +2,7 @@
 reasons, tables and plots from point folders, and a real sweep of three 2-process points
 (one fine, one with an invalid flag, one that times out) that is then resumed.
 """
+
 from __future__ import annotations
 
 import csv
@@ -34,12 +35,18 @@ def test_grid_is_a_cartesian_product_in_key_order_and_points_cross_it() -> None:
     grid = sw.expand({"grid": {"dp": [2, 4], "zero": [0, 1]}})
     assert grid == [{"dp": 2, "zero": 0}, {"dp": 2, "zero": 1}, {"dp": 4, "zero": 0}, {"dp": 4, "zero": 1}]
     assert [sw.point_name(p) for p in grid] == ["dp-2_zero-0", "dp-2_zero-1", "dp-4_zero-0", "dp-4_zero-1"]
-    crossed = sw.expand({"points": [{"schedule": "1f1b"}, {"schedule": "interleaved-1f1b", "virtual_stages": 2}],
-                         "grid": {"micro_batches": [4, 8]}})
+    crossed = sw.expand(
+        {
+            "points": [{"schedule": "1f1b"}, {"schedule": "interleaved-1f1b", "virtual_stages": 2}],
+            "grid": {"micro_batches": [4, 8]},
+        }
+    )
     assert [sw.point_name(p) for p in crossed] == [
-        "schedule-1f1b_micro-batches-4", "schedule-1f1b_micro-batches-8",
+        "schedule-1f1b_micro-batches-4",
+        "schedule-1f1b_micro-batches-8",
         "schedule-interleaved-1f1b_virtual-stages-2_micro-batches-4",
-        "schedule-interleaved-1f1b_virtual-stages-2_micro-batches-8"]
+        "schedule-interleaved-1f1b_virtual-stages-2_micro-batches-8",
+    ]
     assert sw.expand({"points": [{"tp": 2}, {"pp": 2}]}) == [{"tp": 2}, {"pp": 2}]
     assert sw.expand({}) == [{}]
 
@@ -53,12 +60,25 @@ def test_point_names_are_stable_and_filesystem_safe() -> None:
     long = {f"key_{i}": "value" * 5 for i in range(10)}
     assert len(sw.point_name(long)) <= 100 and sw.point_name(long) == sw.point_name(dict(long))
     assert sw.flags({"sequence_parallel": False, "dp": None, "zero": 1, "lr": 0.003}) == [
-        "--no-sequence-parallel", "--dp", "none", "--zero", "1", "--lr", "0.003"]
+        "--no-sequence-parallel",
+        "--dp",
+        "none",
+        "--zero",
+        "1",
+        "--lr",
+        "0.003",
+    ]
 
 
 def test_load_sweep_builds_one_torchrun_command_per_point(tmp_path: Path) -> None:
-    path = write_sweep(tmp_path, name="s", nproc=2, timeout=100, common={"steps": 2, "wandb": "disabled"},
-                       points=[{"tp": 2}, {"name": "wide", "dp": 4}, {"pp": 2, "dp": 2, "timeout": 7}])
+    path = write_sweep(
+        tmp_path,
+        name="s",
+        nproc=2,
+        timeout=100,
+        common={"steps": 2, "wandb": "disabled"},
+        points=[{"tp": 2}, {"name": "wide", "dp": 4}, {"pp": 2, "dp": 2, "timeout": 7}],
+    )
     settings, points = sw.load_sweep(path, out=str(tmp_path / "out"))
     assert settings["wandb"] == "disabled" and settings["group"] == "s"
     assert [p.name for p in points] == ["tp-2", "wide", "pp-2_dp-2"]
@@ -68,22 +88,25 @@ def test_load_sweep_builds_one_torchrun_command_per_point(tmp_path: Path) -> Non
     cmd = points[1].command
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m"]
     assert cmd[cmd.index("--out") + 1] == str(tmp_path / "out" / "wide")
-    assert ["--steps", "2", "--dp", "4"] == cmd[cmd.index("--steps"):cmd.index("--steps") + 4]
+    assert ["--steps", "2", "--dp", "4"] == cmd[cmd.index("--steps") : cmd.index("--steps") + 4]
     assert cmd[-6:] == ["--wandb", "disabled", "--wandb-group", "s", "--wandb-name", "wide"]
     _, points = sw.load_sweep(path, timeout=3, wandb="offline")
     assert [p.timeout for p in points] == [3, 3, 7]  # --timeout beats the file, a point's own beats both
     assert points[0].command[-6:-4] == ["--wandb", "offline"]
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"grid": {"zeros": [1, 2]}, "nproc": 2}, "'zeros' is not a config field"),
-    ({"points": [{"tp": 2}], "nproc": 2, "grids": {}}, "unknown key"),
-    ({"points": [{"tp": 2}, {"tp": 2}], "nproc": 2}, "two points are both named 'tp-2'"),
-    ({"points": [{"tp": 2}]}, "give nproc"),
-    ({"common": {"out": "x"}, "nproc": 2}, "out is set by the sweep"),
-    ({"grid": {"zero": 1}, "nproc": 2}, "non-empty list"),
-    ({"base": "nowhere.yaml", "nproc": 2}, "nowhere.yaml does not exist"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"grid": {"zeros": [1, 2]}, "nproc": 2}, "'zeros' is not a config field"),
+        ({"points": [{"tp": 2}], "nproc": 2, "grids": {}}, "unknown key"),
+        ({"points": [{"tp": 2}, {"tp": 2}], "nproc": 2}, "two points are both named 'tp-2'"),
+        ({"points": [{"tp": 2}]}, "give nproc"),
+        ({"common": {"out": "x"}, "nproc": 2}, "out is set by the sweep"),
+        ({"grid": {"zero": 1}, "nproc": 2}, "non-empty list"),
+        ({"base": "nowhere.yaml", "nproc": 2}, "nowhere.yaml does not exist"),
+    ],
+)
 def test_load_sweep_rejects_bad_files(tmp_path: Path, spec: dict, message: str) -> None:
     with pytest.raises(sw.SweepError, match=message):
         sw.load_sweep(write_sweep(tmp_path, **spec))
@@ -106,15 +129,20 @@ Root Cause (first observed failure):
 
 def test_failure_reasons() -> None:
     r = sw.failure_reason(1, INVALID * 2 + ROOT_CAUSE.format(code=2), False, None)
-    assert r == {"exit_code": 2, "kind": "error",
-                 "reason": "exit 2: error: --tp=3 × --pp=1 = 3 does not divide the world size 2"}
-    r = sw.failure_reason(1, "Traceback ...\n[rank0]: ValueError: bad\n" + ROOT_CAUSE.format(code=-9),
-                          False, None)
+    assert r == {
+        "exit_code": 2,
+        "kind": "error",
+        "reason": "exit 2: error: --tp=3 × --pp=1 = 3 does not divide the world size 2",
+    }
+    r = sw.failure_reason(1, "Traceback ...\n[rank0]: ValueError: bad\n" + ROOT_CAUSE.format(code=-9), False, None)
     assert r["kind"] == "oom" and r["reason"] == "killed by signal 9 (SIGKILL, out of memory?): ValueError: bad"
     r = sw.failure_reason(1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB", False, None)
     assert r["kind"] == "oom" and r["reason"].startswith("exit 1: torch.OutOfMemoryError: CUDA out of memory")
-    assert sw.failure_reason(-15, "", True, 4.0) == {"exit_code": -15, "kind": "timeout",
-                                                     "reason": "timeout: stopped after 4 s"}
+    assert sw.failure_reason(-15, "", True, 4.0) == {
+        "exit_code": -15,
+        "kind": "timeout",
+        "reason": "timeout: stopped after 4 s",
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -124,15 +152,34 @@ def test_failure_reasons() -> None:
 
 def fake_summary(dp: int, zero: int, schedule: str = "1f1b", m: int = 1, tok: float = 1000.0) -> dict:
     psi = 100_000
-    memory = {"params": 4 * psi // (dp if zero == 3 else 1), "grads": 4 * psi // (dp if zero >= 2 else 1),
-              "master_and_optimizer": 8 * psi // (dp if zero >= 1 else 1), "activations": 300_000}
+    memory = {
+        "params": 4 * psi // (dp if zero == 3 else 1),
+        "grads": 4 * psi // (dp if zero >= 2 else 1),
+        "master_and_optimizer": 8 * psi // (dp if zero >= 1 else 1),
+        "activations": 300_000,
+    }
     comm = {"dp": {"total": {"bytes": 8 * psi}}, "tp": {"total": {"bytes": 0}}, "pp": {"total": {"bytes": 0}}}
-    return {"final_loss": 4.5, "median_tokens_per_s": tok, "median_tflops_per_device": 0.001, "median_mfu": None,
-            "mem_peak_bytes": 4 << 28, "wall_time_s": 3.0,
-            "config": _config(parallel={"dp": dp, "zero": zero, "schedule": schedule},
-                              train={"micro_batches": m, "micro_batch_size": 1, "precision": "fp32"}),
-            "ranks": [{"memory_bytes": memory, "grads_peak_bytes": memory["grads"] + 4 * psi // 2,
-                       "comm_per_step": comm, "coords": {"pp": 0, "dp": d, "tp": 0}} for d in range(dp)]}
+    return {
+        "final_loss": 4.5,
+        "median_tokens_per_s": tok,
+        "median_tflops_per_device": 0.001,
+        "median_mfu": None,
+        "mem_peak_bytes": 4 << 28,
+        "wall_time_s": 3.0,
+        "config": _config(
+            parallel={"dp": dp, "zero": zero, "schedule": schedule},
+            train={"micro_batches": m, "micro_batch_size": 1, "precision": "fp32"},
+        ),
+        "ranks": [
+            {
+                "memory_bytes": memory,
+                "grads_peak_bytes": memory["grads"] + 4 * psi // 2,
+                "comm_per_step": comm,
+                "coords": {"pp": 0, "dp": d, "tp": 0},
+            }
+            for d in range(dp)
+        ],
+    }
 
 
 def _config(**sections: dict) -> dict:
@@ -168,7 +215,7 @@ def test_pareto_front() -> None:
 
 def test_report_writes_csv_markdown_and_all_plots(tmp_path: Path) -> None:
     summaries = {f"dp-{dp}_zero-{z}": fake_summary(dp, z, tok=1000 + 100 * z) for dp in (2, 4) for z in range(4)}
-    summaries.update({f"{s}-m{m}": fake_summary(2, 1, s, m, 500 * m ** 0.5) for s in ("1f1b", "zb-h1") for m in (2, 4)})
+    summaries.update({f"{s}-m{m}": fake_summary(2, 1, s, m, 500 * m**0.5) for s in ("1f1b", "zb-h1") for m in (2, 4)})
     summaries["bad"] = None
     fake_sweep(tmp_path / "s", summaries, swept=("dp", "zero", "schedule", "micro_batches"))
     logs: list[str] = []
@@ -197,15 +244,28 @@ def test_report_writes_csv_markdown_and_all_plots(tmp_path: Path) -> None:
 # A real sweep: 3 points of 2 processes (fine / invalid flag / timeout), then resumed
 # ---------------------------------------------------------------------------
 
-SMALL = {"steps": 2, "n_layers": 2, "n_heads": 2, "d_model": 32, "max_seq_len": 32, "seq_len": 32,
-         "global_batch_size": 4, "log_every": 1}
+SMALL = {
+    "steps": 2,
+    "n_layers": 2,
+    "n_heads": 2,
+    "d_model": 32,
+    "max_seq_len": 32,
+    "seq_len": 32,
+    "global_batch_size": 4,
+    "log_every": 1,
+}
 
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory):
     base = tmp_path_factory.mktemp("sweep")
-    path = write_sweep(base, name="real", nproc=2, common={**SMALL, "data_cache": str(base / "cache")},
-                       points=[{"zero": 3}, {"tp": 3}, {"name": "hang", "steps": 100000, "timeout": 4}])
+    path = write_sweep(
+        base,
+        name="real",
+        nproc=2,
+        common={**SMALL, "data_cache": str(base / "cache")},
+        points=[{"zero": 3}, {"tp": 3}, {"name": "hang", "steps": 100000, "timeout": 4}],
+    )
     settings, points = sw.load_sweep(path, out=str(base / "out"), wandb="offline")
     logs: list[str] = []
     first = sw.run_sweep(settings, points, log=logs.append)
@@ -249,8 +309,14 @@ def test_sweep_writes_results_plots_and_wandb_runs(real) -> None:
     ok = rows["zero-3"]
     assert (ok["status"], ok["nproc"], ok["dp"], ok["zero"]) == ("ok", "2", "2", "3")
     assert float(ok["tokens_per_s"]) > 0 and float(ok["final_loss"]) > 0
-    for key in ("mem_params_bytes", "mem_grads_bytes", "mem_master_and_optimizer_bytes", "mem_activations_bytes",
-                "mem_peak_bytes", "comm_dp_bytes"):
+    for key in (
+        "mem_params_bytes",
+        "mem_grads_bytes",
+        "mem_master_and_optimizer_bytes",
+        "mem_activations_bytes",
+        "mem_peak_bytes",
+        "comm_dp_bytes",
+    ):
         assert float(ok[key]) > 0, key
     assert float(ok["model_states_predicted_error"]) < 0.05, "the planner's model states, every rank"
     assert rows["tp-3"]["status"] == "failed" and rows["tp-3"]["error"].startswith("exit 2: error: --tp=3")

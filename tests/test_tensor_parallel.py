@@ -84,16 +84,17 @@ def _check_mappings(group) -> dict[str, tuple[dict, dict]]:
     cases = {
         "copy_to_tp": (copy_to_tp, xs_full, ds_full, xs_full[r], ssum(ds_full)),
         "reduce_from_tp": (reduce_from_tp, xs_full, ds_full, ssum(xs_full), ds_full[r]),
-        "scatter_to_tp": (scatter_to_tp, same, ds_last, _chunk(same[0], -1, group),
-                          torch.cat(ds_last, -1)),
-        "gather_from_tp": (gather_from_tp, xs_last, ds_full, torch.cat(xs_last, -1),
-                           _chunk(ds_full[r], -1, group)),
-        "scatter_to_sp": (scatter_to_sp, same, ds_first, _chunk(same[0], 0, group),
-                          torch.cat(ds_first, 0)),
-        "gather_from_sp": (gather_from_sp, xs_first, ds_full, torch.cat(xs_first, 0),
-                           _chunk(ssum(ds_full), 0, group)),
-        "reduce_scatter_to_sp": (reduce_scatter_to_sp, xs_full, ds_first,
-                                 _chunk(ssum(xs_full), 0, group), torch.cat(ds_first, 0)),
+        "scatter_to_tp": (scatter_to_tp, same, ds_last, _chunk(same[0], -1, group), torch.cat(ds_last, -1)),
+        "gather_from_tp": (gather_from_tp, xs_last, ds_full, torch.cat(xs_last, -1), _chunk(ds_full[r], -1, group)),
+        "scatter_to_sp": (scatter_to_sp, same, ds_first, _chunk(same[0], 0, group), torch.cat(ds_first, 0)),
+        "gather_from_sp": (gather_from_sp, xs_first, ds_full, torch.cat(xs_first, 0), _chunk(ssum(ds_full), 0, group)),
+        "reduce_scatter_to_sp": (
+            reduce_scatter_to_sp,
+            xs_full,
+            ds_first,
+            _chunk(ssum(xs_full), 0, group),
+            torch.cat(ds_first, 0),
+        ),
     }
     counts = {}
     for name, (fn, xs, ds, y_expected, dx_expected) in cases.items():
@@ -156,11 +157,18 @@ def _linear_case(layer_cls, kwargs: dict, group, n_in: int, n_out: int, seed: in
 def _check_layers(group) -> dict:
     """Every layer config against its reference; init error messages; MLP collectives."""
     for sp, gather_output in itertools.product([False, True], repeat=2):
-        _linear_case(ColumnParallelLinear, {"sequence_parallel": sp, "gather_output": gather_output},
-                     group, H, 2 * H, seed=11)
+        _linear_case(
+            ColumnParallelLinear, {"sequence_parallel": sp, "gather_output": gather_output}, group, H, 2 * H, seed=11
+        )
     for sp, input_is_parallel in itertools.product([False, True], repeat=2):
-        _linear_case(RowParallelLinear, {"sequence_parallel": sp, "input_is_parallel": input_is_parallel},
-                     group, 2 * H, H, seed=12)
+        _linear_case(
+            RowParallelLinear,
+            {"sequence_parallel": sp, "input_is_parallel": input_is_parallel},
+            group,
+            2 * H,
+            H,
+            seed=12,
+        )
 
     for sp in (False, True):
         torch.manual_seed(13)

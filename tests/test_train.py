@@ -5,6 +5,7 @@ single-process run, exact resume, resume under another layout, export, outputs.
 Each launch runs several trainings in one set of processes (a Trainer builds fresh
 groups each time), so the 8-process start-up is paid once.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,13 +23,39 @@ from tests.dist_utils import run_distributed
 
 STEPS = 20
 MODEL = ["--n-layers", "4", "--n-heads", "4", "--d-model", "32", "--max-seq-len", "32", "--vocab-multiple", "128"]
-TRAIN = ["--seq-len", "32", "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4", "--warmup-steps", "5",
-         "--eps", "1e-6", "--seed", "0", "--wandb", "disabled", "--log-every", "1000"]
+TRAIN = [
+    "--seq-len",
+    "32",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--warmup-steps",
+    "5",
+    "--eps",
+    "1e-6",
+    "--seed",
+    "0",
+    "--wandb",
+    "disabled",
+    "--log-every",
+    "1000",
+]
 LAYOUTS = {
     "tp2": ["--tp", "2"],
     "pp2-1f1b": ["--pp", "2", "--schedule", "1f1b", "--micro-batches", "4"],
-    "pp2-interleaved-v2": ["--pp", "2", "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
-                           "--micro-batches", "4"],
+    "pp2-interleaved-v2": [
+        "--pp",
+        "2",
+        "--schedule",
+        "interleaved-1f1b",
+        "--virtual-stages",
+        "2",
+        "--micro-batches",
+        "4",
+    ],
     "tp2-pp2-dp2-zero0": ["--tp", "2", "--pp", "2", "--zero", "0", "--micro-batches", "2"],
     "tp2-pp2-dp2-zero1": ["--tp", "2", "--pp", "2", "--zero", "1", "--micro-batches", "2"],
     "tp2-pp2-dp2-zero2": ["--tp", "2", "--pp", "2", "--zero", "2", "--micro-batches", "2"],
@@ -37,17 +64,52 @@ LAYOUTS = {
 }
 DP4_ZERO1 = ["--zero", "1"]
 # pp2 × dp2, m = 4: gradients reduced after the last backward or after every micro-batch
-PP2_DP2 = {"zero2-interleaved": ["--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--zero", "2",
-                                 "--bucket-numel", "3000"],
-           "zero3-1f1b": ["--schedule", "1f1b", "--zero", "3", "--unit-numel", "3000"]}
-GRAD_SYNC = {f"pp2-dp2-{name}-{sync}": ["--pp", "2", "--micro-batches", "4", *argv, "--grad-sync", sync]
-             for name, argv in PP2_DP2.items() for sync in ("last", "every")}
-GRAD_SYNC["pp2-dp2-zero2-zb-h1-every"] = ["--pp", "2", "--micro-batches", "4", "--schedule", "zb-h1", "--zero", "2",
-                                          "--grad-sync", "every"]
+PP2_DP2 = {
+    "zero2-interleaved": [
+        "--schedule",
+        "interleaved-1f1b",
+        "--virtual-stages",
+        "2",
+        "--zero",
+        "2",
+        "--bucket-numel",
+        "3000",
+    ],
+    "zero3-1f1b": ["--schedule", "1f1b", "--zero", "3", "--unit-numel", "3000"],
+}
+GRAD_SYNC = {
+    f"pp2-dp2-{name}-{sync}": ["--pp", "2", "--micro-batches", "4", *argv, "--grad-sync", sync]
+    for name, argv in PP2_DP2.items()
+    for sync in ("last", "every")
+}
+GRAD_SYNC["pp2-dp2-zero2-zb-h1-every"] = [
+    "--pp",
+    "2",
+    "--micro-batches",
+    "4",
+    "--schedule",
+    "zb-h1",
+    "--zero",
+    "2",
+    "--grad-sync",
+    "every",
+]
 LOW_PRECISION = {
     "tp2-sp-selective-bf16": ["--tp", "2", "--sequence-parallel", "--recompute", "selective", "--precision", "bf16"],
-    "pp2-zb-h1-full-fp16": ["--pp", "2", "--schedule", "zb-h1", "--micro-batches", "2", "--recompute", "full",
-                            "--precision", "fp16", "--zero", "2"],
+    "pp2-zb-h1-full-fp16": [
+        "--pp",
+        "2",
+        "--schedule",
+        "zb-h1",
+        "--micro-batches",
+        "2",
+        "--recompute",
+        "full",
+        "--precision",
+        "fp16",
+        "--zero",
+        "2",
+    ],
 }
 
 
@@ -62,20 +124,33 @@ def train(base: str, name: str, *extra: str) -> list[float]:
 
 
 def launch_single(base: str) -> dict[str, list[float]]:
-    return {"single": train(base, "single", "--steps", str(STEPS), "--save", os.path.join(base, "single", "ckpt"),
-                            "--export", os.path.join(base, "single.safetensors"))}
+    return {
+        "single": train(
+            base,
+            "single",
+            "--steps",
+            str(STEPS),
+            "--save",
+            os.path.join(base, "single", "ckpt"),
+            "--export",
+            os.path.join(base, "single.safetensors"),
+        )
+    }
 
 
 def launch_two(base: str) -> dict[str, list[float]]:
     """tp2, pp2 (1F1B, interleaved); bf16 / fp16 variants; pp2 1F1B again as 10 steps +
     resume for 10."""
-    out = {name: train(base, name, "--steps", str(STEPS), *LAYOUTS[name])
-           for name in ("tp2", "pp2-1f1b", "pp2-interleaved-v2")}
+    out = {
+        name: train(base, name, "--steps", str(STEPS), *LAYOUTS[name])
+        for name in ("tp2", "pp2-1f1b", "pp2-interleaved-v2")
+    }
     out.update({name: train(base, name, "--steps", str(STEPS), *argv) for name, argv in LOW_PRECISION.items()})
     ckpt = os.path.join(base, "resume", "ckpt")
-    first = train(base, "resume", "--steps", "10", "--lr-decay-steps", str(STEPS), "--save", ckpt,
-                  *LAYOUTS["pp2-1f1b"])
-    out["resume-exact"] = first + train(base, "resume", "--steps", str(STEPS), "--load", ckpt, *LAYOUTS["pp2-1f1b"])[10:]
+    first = train(base, "resume", "--steps", "10", "--lr-decay-steps", str(STEPS), "--save", ckpt, *LAYOUTS["pp2-1f1b"])
+    out["resume-exact"] = (
+        first + train(base, "resume", "--steps", str(STEPS), "--load", ckpt, *LAYOUTS["pp2-1f1b"])[10:]
+    )
     return out
 
 
@@ -84,8 +159,17 @@ def launch_four_first(base: str) -> dict[str, list[float]]:
     10 steps (for the 8-rank resume)."""
     out = {"dp4-zero3": train(base, "dp4-zero3", "--steps", str(STEPS), *LAYOUTS["dp4-zero3"])}
     out.update({name: train(base, name, "--steps", str(STEPS), *argv) for name, argv in GRAD_SYNC.items()})
-    train(base, "dp4-zero1", "--steps", "10", "--lr-decay-steps", str(STEPS), "--save",
-          os.path.join(base, "dp4-zero1", "ckpt"), *DP4_ZERO1)
+    train(
+        base,
+        "dp4-zero1",
+        "--steps",
+        "10",
+        "--lr-decay-steps",
+        str(STEPS),
+        "--save",
+        os.path.join(base, "dp4-zero1", "ckpt"),
+        *DP4_ZERO1,
+    )
     return out
 
 
@@ -95,14 +179,31 @@ def launch_eight(base: str) -> dict[str, list[float]]:
     out = {}
     for stage in range(4):
         name = f"tp2-pp2-dp2-zero{stage}"
-        extra = ["--save", os.path.join(base, name, "ckpt"), "--save-every", "10",
-                 "--export", os.path.join(base, "3d.safetensors")] if stage == 3 else []
+        extra = (
+            [
+                "--save",
+                os.path.join(base, name, "ckpt"),
+                "--save-every",
+                "10",
+                "--export",
+                os.path.join(base, "3d.safetensors"),
+            ]
+            if stage == 3
+            else []
+        )
         out[name] = train(base, name, "--steps", str(STEPS), *LAYOUTS[name], *extra)
     if dist.get_rank() == 0:
         shutil.copytree(os.path.join(base, "dp4-zero1"), os.path.join(base, "from-dp4"))
     dist.barrier()
-    out["dp4-zero1->3d-zero3"] = train(base, "from-dp4", "--steps", str(STEPS), "--load",
-                                       os.path.join(base, "from-dp4", "ckpt"), *LAYOUTS["tp2-pp2-dp2-zero3"])
+    out["dp4-zero1->3d-zero3"] = train(
+        base,
+        "from-dp4",
+        "--steps",
+        str(STEPS),
+        "--load",
+        os.path.join(base, "from-dp4", "ckpt"),
+        *LAYOUTS["tp2-pp2-dp2-zero3"],
+    )
     return out
 
 
@@ -116,8 +217,13 @@ def launch_four_second(base: str) -> dict[str, list[float]]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, list[float]]]:
     base = str(tmp_path_factory.mktemp("train"))
     losses: dict[str, list[float]] = {}
-    for fn, world in ((launch_single, 1), (launch_two, 2), (launch_four_first, 4), (launch_eight, 8),
-                      (launch_four_second, 4)):
+    for fn, world in (
+        (launch_single, 1),
+        (launch_two, 2),
+        (launch_four_first, 4),
+        (launch_eight, 8),
+        (launch_four_second, 4),
+    ):
         losses.update(run_distributed(fn, world, base, timeout=600)[0])
     return base, losses
 
@@ -178,8 +284,9 @@ def test_resume_continues_exactly(runs) -> None:
 @pytest.mark.parametrize("resumed", ["dp4-zero1->3d-zero3", "3d-zero3->dp4-zero1"])
 def test_resume_under_another_layout(runs, resumed: str) -> None:
     _, losses = runs
-    torch.testing.assert_close(torch.tensor(losses[resumed][-10:]), torch.tensor(losses["single"][10:]),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(losses[resumed][-10:]), torch.tensor(losses["single"][10:]), rtol=1e-5, atol=0
+    )
 
 
 def test_export_is_the_tp1_model_and_matches_across_layouts(runs) -> None:
@@ -189,7 +296,10 @@ def test_export_is_the_tp1_model_and_matches_across_layouts(runs) -> None:
     from research.model import GPT, GPTConfig
 
     base, _ = runs
-    single, sharded = load_file(os.path.join(base, "single.safetensors")), load_file(os.path.join(base, "3d.safetensors"))
+    single, sharded = (
+        load_file(os.path.join(base, "single.safetensors")),
+        load_file(os.path.join(base, "3d.safetensors")),
+    )
     with safe_open(os.path.join(base, "3d.safetensors"), "pt") as f:
         config = GPTConfig(**json.loads(f.metadata()["model"]))
     model = GPT(config)
@@ -207,8 +317,17 @@ def test_run_folder_holds_config_metrics_and_summary(runs) -> None:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    for key in ("loss", "grad_norm", "lr", "loss_scale", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu",
-                "mem_peak_bytes"):
+    for key in (
+        "loss",
+        "grad_norm",
+        "lr",
+        "loss_scale",
+        "step_time_s",
+        "tokens_per_s",
+        "tflops_per_device",
+        "mfu",
+        "mem_peak_bytes",
+    ):
         assert key in rows[0], key
     assert rows[0]["loss_scale"] is None and rows[0]["mfu"] is None and rows[0]["mem_peak_bytes"] > 0
     with open(os.path.join(out, "summary.json")) as f:
@@ -251,18 +370,34 @@ def bad_load(base: str, case: str) -> str:
     elif case == "shape":
         extra = ["--d-model", "64"]
     try:
-        run([*MODEL, *TRAIN, "--data-cache", os.path.join(base, "cache"), "--out", os.path.join(base, f"out-{case}"),
-             "--steps", "21", "--load", ckpt, *extra])
+        run(
+            [
+                *MODEL,
+                *TRAIN,
+                "--data-cache",
+                os.path.join(base, "cache"),
+                "--out",
+                os.path.join(base, f"out-{case}"),
+                "--steps",
+                "21",
+                "--load",
+                ckpt,
+                *extra,
+            ]
+        )
     except CheckpointError as e:
         return str(e)
     return "no error"
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("incomplete", "is incomplete"),
-    ("corrupt", "__0_0.distcp is damaged"),
-    ("shape", r"another model shape: d_model=32 there, 64 here"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("incomplete", "is incomplete"),
+        ("corrupt", "__0_0.distcp is damaged"),
+        ("shape", r"another model shape: d_model=32 there, 64 here"),
+    ],
+)
 def test_bad_checkpoints_are_refused_clearly(runs, case: str, expected: str) -> None:
     base, _ = runs
     message = run_distributed(bad_load, 1, base, case, timeout=120)[0]
@@ -270,8 +405,13 @@ def test_bad_checkpoints_are_refused_clearly(runs, case: str, expected: str) -> 
 
 
 def test_the_command_line_fails_with_one_sentence(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "experiments.train", "--tp", "3", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "WORLD_SIZE": "8"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--tp", "3", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "WORLD_SIZE": "8"},
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == "error: --tp=3 × --pp=1 = 3 does not divide the world size 8"
 
@@ -279,12 +419,38 @@ def test_the_command_line_fails_with_one_sentence(tmp_path) -> None:
 def test_torchrun_runs_the_tiny_config(tmp_path) -> None:
     """The README's main job, shortened: the tiny 3D config through torchrun, wandb offline."""
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "torch.distributed.run",  # torchrun, of the Python running the tests
-           "--standalone", "--nproc_per_node=4", "-m", "experiments.train",
-           "--config", "experiments/configs/tiny.yaml", "--tp", "2", "--pp", "2", "--zero", "2",
-           "--micro-batches", "4", "--steps", "2", "--out", str(out), "--data-cache", str(tmp_path / "cache")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",  # torchrun, of the Python running the tests
+        "--standalone",
+        "--nproc_per_node=4",
+        "-m",
+        "experiments.train",
+        "--config",
+        "experiments/configs/tiny.yaml",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--zero",
+        "2",
+        "--micro-batches",
+        "4",
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+        "--data-cache",
+        str(tmp_path / "cache"),
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done 2 steps | final loss" in proc.stderr
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))

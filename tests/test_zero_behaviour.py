@@ -1,5 +1,6 @@
 """ZeroOptimizer semantics beyond the parity matrix: no_sync accumulation, changing module
 order, other inner optimizers and step backends, fp16 loss scaling, and bad input."""
+
 from __future__ import annotations
 
 
@@ -45,8 +46,9 @@ def alternate_block_order(model: TinyLM, step: int) -> None:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_module_order_changing_between_steps(stage: int) -> None:
-    out = run_distributed(zero_train, 2, stage, STEPS, BATCH, MICRO, lr=LR, zero_kwargs=SMALL,
-                          before_step=alternate_block_order)
+    out = run_distributed(
+        zero_train, 2, stage, STEPS, BATCH, MICRO, lr=LR, zero_kwargs=SMALL, before_step=alternate_block_order
+    )
     ref = reference_run(STEPS, BATCH, MICRO, 2, torch.optim.AdamW, lr=LR, before_step=alternate_block_order)
     assert_matches(out[0], ref)
 
@@ -55,23 +57,30 @@ def test_module_order_changing_between_steps(stage: int) -> None:
 @pytest.mark.parametrize("stage", [1, 3])
 def test_other_elementwise_optimizers(optimizer: str, kwargs: dict, stage: int) -> None:
     cls = getattr(torch.optim, optimizer)
-    out = run_distributed(zero_train, 2, stage, STEPS, BATCH, MICRO, optimizer_class=cls, lr=LR,
-                          zero_kwargs=SMALL, **kwargs)
+    out = run_distributed(
+        zero_train, 2, stage, STEPS, BATCH, MICRO, optimizer_class=cls, lr=LR, zero_kwargs=SMALL, **kwargs
+    )
     assert_matches(out[0], reference_run(STEPS, BATCH, MICRO, 2, cls, lr=LR, **kwargs))
 
 
 @pytest.mark.parametrize("backend", ["torch", "torch_fused"])
 def test_step_backends_agree(backend: str) -> None:
-    out = run_distributed(zero_train, 2, 2, STEPS, BATCH, MICRO, lr=LR,
-                          zero_kwargs={**SMALL, "step_backend": backend})
+    out = run_distributed(zero_train, 2, 2, STEPS, BATCH, MICRO, lr=LR, zero_kwargs={**SMALL, "step_backend": backend})
     assert_matches(out[0], reference(2))
 
 
 def fp16_overflow_on_one_rank() -> dict:
     """Rank 1 alone sees an inf gradient on the second step: every rank must skip it."""
     model = make_model()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=2, param_dtype=torch.float16, lr=LR,
-                        loss_scaler=DynamicLossScaler(hysteresis=1), **SMALL)
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        stage=2,
+        param_dtype=torch.float16,
+        lr=LR,
+        loss_scaler=DynamicLossScaler(hysteresis=1),
+        **SMALL,
+    )
     idx = torch.randint(0, 37, (4, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
     scales, changed = [], []
     for step in range(3):
@@ -99,8 +108,9 @@ def test_fp16_overflow_on_one_rank_skips_everywhere() -> None:
 def test_fp16_tracks_fp32() -> None:
     """With a scale that never overflows here (2^10), fp16 follows the fp32 reference."""
     scaler = DynamicLossScaler(init_scale=2.0**10)
-    out = run_distributed(zero_train, 2, 3, STEPS, BATCH, MICRO, torch.float16, lr=LR,
-                          zero_kwargs={**SMALL, "loss_scaler": scaler})
+    out = run_distributed(
+        zero_train, 2, 3, STEPS, BATCH, MICRO, torch.float16, lr=LR, zero_kwargs={**SMALL, "loss_scaler": scaler}
+    )
     assert_matches(out[0], reference(2), rtol=0, atol=3e-2, loss_rtol=2e-2)
 
 

@@ -1,4 +1,5 @@
 """Sharded ZeroOptimizer checkpoints load under a different data-parallel size and stage."""
+
 from __future__ import annotations
 
 import torch

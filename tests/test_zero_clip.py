@@ -6,6 +6,7 @@ marked replicated over the model-parallel group (the 1-D ones, as TP replicates 
 row-parallel biases) must be counted once, the others (standing in for TP shards) on
 each rank, so ‖g‖² = 2·Σ_unmarked g² + Σ_marked g².
 """
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,15 @@ def norm_with_marks(stage: int) -> float:
     for p in model.parameters():
         if p.ndim == 1:
             comm.mark_replicated(p, mp)
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, process_group=dp, model_parallel_group=mp,
-                        bucket_numel=1500, unit_numel=500)
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        stage=stage,
+        process_group=dp,
+        model_parallel_group=mp,
+        bucket_numel=1500,
+        unit_numel=500,
+    )
     idx, tgt = batches(1, 8)[0]
     rows = slice(4 * (rank % 2), 4 * (rank % 2) + 4)  # the data-parallel index
     opt.backward(model(idx[rows], tgt[rows]))
@@ -42,8 +50,9 @@ def expected_norm() -> float:
     idx, tgt = batches(1, 8)[0]
     for rows in (slice(0, 4), slice(4, 8)):
         (model(idx[rows], tgt[rows]) / 2).backward()
-    sq = sum((2 if p.ndim > 1 else 1) * p.grad.double().pow(2).sum().item()
-             for p in model.parameters() if p.requires_grad)
+    sq = sum(
+        (2 if p.ndim > 1 else 1) * p.grad.double().pow(2).sum().item() for p in model.parameters() if p.requires_grad
+    )
     return math.sqrt(sq)
 
 

@@ -3,6 +3,7 @@ full bucket exists from its first gradient until its reduce-scatter is retired, 
 most `MAX_IN_FLIGHT` reductions stay unretired, so a synced backward holds the shards plus
 at most MAX_IN_FLIGHT + 1 full buckets (the next one fills while they fly). Under
 `no_sync()` every bucket accumulates in full until the synced backward."""
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@ bf16 params and gradients, P = Ψ plus alignment padding; plus one 4-byte step c
 Communication per step and rank (ring algorithms, fp32 reduce dtype, B = 4P bytes):
     stages 0-2: 2B(N-1)/N (all-reduce = reduce-scatter + all-gather), stage 3: 3B(N-1)/N.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -34,8 +35,16 @@ def one_step(model: nn.Module, opt: ZeroOptimizer, dtype: torch.dtype) -> None:
 def measure_memory(stage: int) -> dict:
     model = mlp()
     psi = sum(p.numel() for p in model.parameters())
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, param_dtype=torch.bfloat16,
-                        reduce_dtype=torch.bfloat16, bucket_numel=4000, unit_numel=1000, resident_numel=0)
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        stage=stage,
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.bfloat16,
+        bucket_numel=4000,
+        unit_numel=1000,
+        resident_numel=0,
+    )
     one_step(model, opt, torch.bfloat16)
     padded = sum(b.numel for b in opt.buckets)
     return {"psi": psi, "padded": padded, "buckets": len(opt.buckets), **opt.memory_breakdown()}
@@ -63,8 +72,12 @@ def measure_comm(stage: int) -> dict:
     one_step(model, opt, torch.float32)  # the first step records the order stage 3 prefetches in
     with comm.tracking() as log:
         one_step(model, opt, torch.float32)
-    return {"padded": sum(b.numel for b in opt.buckets), "log": log.as_dict(), "bytes": log.total_bytes(),
-            "params": sum(len(b.params) for b in opt.buckets)}
+    return {
+        "padded": sum(b.numel for b in opt.buckets),
+        "log": log.as_dict(),
+        "bytes": log.total_bytes(),
+        "params": sum(len(b.params) for b in opt.buckets),
+    }
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -79,7 +92,9 @@ def test_comm_bytes_match_theory(stage: int, world: int) -> None:
         flags = 2 * 2 * 4 * (m["params"] + 1) * (N - 1) // N
         assert m["bytes"] == factor * B * (N - 1) // N + flags, m["log"]
         ops = set(m["log"]["world"])
-        assert ops == ({"all_reduce"} if stage == 0 else {"reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"}), ops
+        assert ops == (
+            {"all_reduce"} if stage == 0 else {"reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"}
+        ), ops
 
 
 def measure_tied_stage3_comm() -> dict:
@@ -92,8 +107,12 @@ def measure_tied_stage3_comm() -> dict:
             opt.step()
             opt.zero_grad()
     tied = next(b.numel for b in opt.buckets if any(p is model.emb.weight for p in b.params))
-    return {"padded": sum(b.numel for b in opt.buckets), "tied": tied, "bytes": log.total_bytes(op="all_gather_into_tensor")
-            + log.total_bytes(op="reduce_scatter_tensor"), "log": log.as_dict()}
+    return {
+        "padded": sum(b.numel for b in opt.buckets),
+        "tied": tied,
+        "bytes": log.total_bytes(op="all_gather_into_tensor") + log.total_bytes(op="reduce_scatter_tensor"),
+        "log": log.as_dict(),
+    }
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -12,6 +12,7 @@ of each rank's rows scaled by 1/world, as DDP averages it: a full-batch backward
 matmuls split over more threads, sum in another order, and Adam turns that rounding
 difference of a near-zero gradient element into a visible step difference.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,9 @@ def build(name: str) -> nn.Module:
         return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     import transformers
 
-    config = transformers.GPT2Config(vocab_size=61, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=61, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     model = transformers.GPT2LMHeadModel(config)
     for block in model.transformer.h:
         block.attn.c_attn.bias.requires_grad_(False)

@@ -1,4 +1,5 @@
 """Gradient reduction overlaps backward; stage 3 frees gathered parameters after use."""
+
 from __future__ import annotations
 
 import pytest

@@ -3,6 +3,7 @@
 The model has tied and frozen parameters, a buffer, prime sizes and two param groups; the
 runs use an LR scheduler, two micro-batches of gradient accumulation and clipping.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,22 +42,48 @@ def assert_matches(result, ref, rtol=1e-5, atol=1e-6, loss_rtol=1e-5) -> None:
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp32_parity(stage: int, world: int) -> None:
-    out = run_distributed(zero_train, world, stage, STEPS, BATCH, MICRO, lr=LR,
-                          zero_kwargs={"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 100})
+    out = run_distributed(
+        zero_train,
+        world,
+        stage,
+        STEPS,
+        BATCH,
+        MICRO,
+        lr=LR,
+        zero_kwargs={"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 100},
+    )
     assert_matches(out[0], reference(world))
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_tracks_fp32(stage: int, world: int) -> None:
-    out = run_distributed(zero_train, world, stage, STEPS, BATCH, MICRO, torch.bfloat16, lr=LR,
-                          zero_kwargs={"bucket_numel": 1500, "unit_numel": 500})
+    out = run_distributed(
+        zero_train,
+        world,
+        stage,
+        STEPS,
+        BATCH,
+        MICRO,
+        torch.bfloat16,
+        lr=LR,
+        zero_kwargs={"bucket_numel": 1500, "unit_numel": 500},
+    )
     assert_matches(out[0], reference(world), rtol=0, atol=BF16_PARAM_ATOL, loss_rtol=BF16_LOSS_RTOL)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_bf16_gradient_reduction_tracks_fp32(stage: int) -> None:
     """reduce_dtype=bf16 halves the gradient bytes; the run stays within the bf16 tolerance."""
-    out = run_distributed(zero_train, 4, stage, STEPS, BATCH, MICRO, torch.bfloat16, lr=LR,
-                          zero_kwargs={"bucket_numel": 1500, "unit_numel": 500, "reduce_dtype": torch.bfloat16})
+    out = run_distributed(
+        zero_train,
+        4,
+        stage,
+        STEPS,
+        BATCH,
+        MICRO,
+        torch.bfloat16,
+        lr=LR,
+        zero_kwargs={"bucket_numel": 1500, "unit_numel": 500, "reduce_dtype": torch.bfloat16},
+    )
     assert_matches(out[0], reference(4), rtol=0, atol=BF16_PARAM_ATOL, loss_rtol=BF16_LOSS_RTOL)

@@ -5,6 +5,7 @@ each backward reduces only its chunk's buckets, and stage 2-3 gradient memory st
 shards instead of holding every full bucket. Also: buckets never span chunks and come in the
 order they complete; a backward that reaches outside its scope, or gradients left under
 no_sync, are errors."""
+
 from __future__ import annotations
 
 import pytest
@@ -49,8 +50,16 @@ def train(stage: int) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = two_chunks()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, bucket_numel=WIDTH * WIDTH, unit_numel=WIDTH * WIDTH,
-                        resident_numel=0, lr=1e-2, eps=1e-6)
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        stage=stage,
+        bucket_numel=WIDTH * WIDTH,
+        unit_numel=WIDTH * WIDTH,
+        resident_numel=0,
+        lr=1e-2,
+        eps=1e-6,
+    )
     chunk_buckets = [sum(any(p in set(c.parameters()) for p in b.params) for b in opt.buckets) for c in model]
     with comm.tracking() as log:
         for step in range(STEPS):
@@ -58,9 +67,14 @@ def train(stage: int) -> dict:
                 chunked_backward(opt, model, batch(step, micro, slice(rank * ROWS, (rank + 1) * ROWS)), "chunk")
             opt.step()
             opt.zero_grad()
-    return {"state": opt.full_state_dict(), "chunk_buckets": chunk_buckets, "buckets": len(opt.buckets),
-            "reductions": log.calls(op="reduce_scatter_tensor"), "peak": opt.grad_peak_bytes,
-            "shards": opt.memory_breakdown()["grads"]}
+    return {
+        "state": opt.full_state_dict(),
+        "chunk_buckets": chunk_buckets,
+        "buckets": len(opt.buckets),
+        "reductions": log.calls(op="reduce_scatter_tensor"),
+        "peak": opt.grad_peak_bytes,
+        "shards": opt.memory_breakdown()["grads"],
+    }
 
 
 def reference(world: int) -> dict:

@@ -3,6 +3,7 @@ parameters without a gradient are not stepped (unused, used on one rank or some 
 requires_grad toggled), each keeps its own step count; `model.zero_grad()`,
 `zero_grad(set_to_none=False)` and `torch.nn.utils.clip_grad_norm_` act as in torch; and
 each misuse that would train differently raises one sentence on every rank."""
+
 from __future__ import annotations
 
 import copy
@@ -55,15 +56,25 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
 
 
-def train(model: Gated, opt: torch.optim.Optimizer, rank_batches: list[int], zero: str, clip: float | None,
-          same_modules: bool, steps: range = range(STEPS)) -> list[float]:
+def train(
+    model: Gated,
+    opt: torch.optim.Optimizer,
+    rank_batches: list[int],
+    zero: str,
+    clip: float | None,
+    same_modules: bool,
+    steps: range = range(STEPS),
+) -> list[float]:
     """The given steps; each step's loss is the mean over `rank_batches` (one rank's under
     ZeRO, both ranks' in the single-process reference, as DDP averages them)."""
     norms = []
     for step in steps:
         model.toggled.weight.requires_grad_(step not in (2, 3, 4))
-        losses = [F.cross_entropy(model(x, uses_sometimes(step, 0 if same_modules else r)), y)
-                  for r in rank_batches for x, y in [batch(step, r)]]
+        losses = [
+            F.cross_entropy(model(x, uses_sometimes(step, 0 if same_modules else r)), y)
+            for r in rank_batches
+            for x, y in [batch(step, r)]
+        ]
         (sum(losses) / len(losses)).backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
@@ -136,14 +147,17 @@ def misuse(stage: int, what: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("what,sentence", [
-    ("cast", "no longer lives in ZeroOptimizer's buffers"),
-    ("replaced", "has a gradient but ZeroOptimizer does not train it"),
-    ("unfrozen", "has a gradient but ZeroOptimizer does not train it"),
-    ("ddp", "do not wrap it in DDP"),
-    ("hand-grad", "was assigned by hand"),
-    ("clip-value", "holds no values"),
-])
+@pytest.mark.parametrize(
+    "what,sentence",
+    [
+        ("cast", "no longer lives in ZeroOptimizer's buffers"),
+        ("replaced", "has a gradient but ZeroOptimizer does not train it"),
+        ("unfrozen", "has a gradient but ZeroOptimizer does not train it"),
+        ("ddp", "do not wrap it in DDP"),
+        ("hand-grad", "was assigned by hand"),
+        ("clip-value", "holds no values"),
+    ],
+)
 @pytest.mark.parametrize("stage", [1, 3])
 def test_misuse_raises_one_sentence(stage: int, what: str, sentence: str) -> None:
     messages = run_distributed(misuse, 2, stage, what, timeout=60)

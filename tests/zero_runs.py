@@ -1,4 +1,5 @@
 """Distributed training loops with ZeroOptimizer, run on every rank by the tests."""
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,13 @@ def zero_train(
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make()
     opt = ZeroOptimizer(
-        model, optimizer_class, stage=stage, param_groups=no_decay_groups(model),
-        param_dtype=param_dtype, **(zero_kwargs or {}), **opt_kwargs,
+        model,
+        optimizer_class,
+        stage=stage,
+        param_groups=no_decay_groups(model),
+        param_dtype=param_dtype,
+        **(zero_kwargs or {}),
+        **opt_kwargs,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     if load is not None:

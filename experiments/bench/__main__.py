@@ -10,6 +10,7 @@ torch.distributed.pipelining's 1F1B and interleaved 1F1B on 4 ranks), each with 
 default settings; see their docstrings for the method. The machine is assumed noisy:
 implementations alternate step by step and ratios are of medians.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,16 @@ def ratio_rows(zero: dict, pipe: dict) -> list[list[str]]:
             goal = "-" if r["goal"] is None else f"{r['goal']} 1 ({'met' if r['met'] else 'missed'})"
             rows.append(["zero_vs_torch", f"dp={world}", r["ours"], r["theirs"], f"{r['ratio']:.3f}", goal])
     for r in pipe["rows"]:
-        rows.append(["pipeline_bubble", f"pp={pipe['config']['pp']} v={r['v']} m={r['m']}", f"ours {r['schedule']}",
-                     "torch.distributed.pipelining", f"{r['ratio']:.3f}", "-"])
+        rows.append(
+            [
+                "pipeline_bubble",
+                f"pp={pipe['config']['pp']} v={r['v']} m={r['m']}",
+                f"ours {r['schedule']}",
+                "torch.distributed.pipelining",
+                f"{r['ratio']:.3f}",
+                "-",
+            ]
+        )
     return rows
 
 

@@ -12,6 +12,7 @@
 - ``timed(fn, device, repeats)``: median seconds of a call (CUDA events on a GPU).
 - ``median`` / ``percentile`` and ``format_table`` for plain-text result tables.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,13 @@ from parallel.launch import DEFAULT_PRELOAD, run_local
 # ---------------------------------------------------------------------------------------
 
 # Imported once by the forkserver the ranks fork from (see parallel.launch).
-_PRELOAD = (*DEFAULT_PRELOAD, "torch.distributed.fsdp", "torch.distributed.optim", "torch.nn.parallel",
-            "experiments.bench.common")
+_PRELOAD = (
+    *DEFAULT_PRELOAD,
+    "torch.distributed.fsdp",
+    "torch.distributed.optim",
+    "torch.nn.parallel",
+    "experiments.bench.common",
+)
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 900.0, threads: int = 1) -> list[Any]:
@@ -82,7 +88,9 @@ class TinyGPT(nn.Module):
         self.head.weight = self.tok.weight
         for name, p in self.named_parameters():
             if p.ndim == 2:
-                nn.init.normal_(p, std=0.02 / (2 * layers) ** 0.5 if name.endswith(("proj.weight", "fc2.weight")) else 0.02)
+                nn.init.normal_(
+                    p, std=0.02 / (2 * layers) ** 0.5 if name.endswith(("proj.weight", "fc2.weight")) else 0.02
+                )
 
     def forward(self, idx_bs: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
         x_bsh = self.tok(idx_bs) + self.pos.weight[: idx_bs.shape[1]]

@@ -9,6 +9,7 @@ bf16 params). Effective bandwidth = bytes / median step time, next to
 `torch.optim.AdamW(fused=True)` on an fp32 parameter of the same size (28 bytes per element:
 p, g, m, v read, p, m, v written) in the same run, and to the card's HBM peak where known.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,15 @@ from experiments.bench.common import timed
 from optim import fused
 
 # HBM peak bandwidth in GB/s by device-name fragment (vendor data sheets).
-HBM_PEAK_GBS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100": 3350.0,
-                "A100-SXM4-80GB": 2039.0, "A100 80GB PCIe": 1935.0, "A100": 1555.0}
+HBM_PEAK_GBS = {
+    "H200": 4800.0,
+    "H100 SXM": 3350.0,
+    "H100 PCIe": 2000.0,
+    "H100": 3350.0,
+    "A100-SXM4-80GB": 2039.0,
+    "A100 80GB PCIe": 1935.0,
+    "A100": 1555.0,
+}
 
 
 def hbm_peak(device: torch.device) -> float | None:
@@ -31,8 +39,9 @@ def hbm_peak(device: torch.device) -> float | None:
     return next((gbs for key, gbs in HBM_PEAK_GBS.items() if key in name), None)
 
 
-def ours(backend: str, n: int, grad_dtype: torch.dtype, param_dtype: torch.dtype, device: torch.device,
-         repeats: int) -> tuple[float, int]:
+def ours(
+    backend: str, n: int, grad_dtype: torch.dtype, param_dtype: torch.dtype, device: torch.device, repeats: int
+) -> tuple[float, int]:
     master = torch.randn(n, device=device)
     grad = torch.randn(n, device=device).to(grad_dtype)
     m, v = torch.zeros_like(master), torch.zeros_like(master)
@@ -41,8 +50,21 @@ def ours(backend: str, n: int, grad_dtype: torch.dtype, param_dtype: torch.dtype
 
     def run() -> None:
         step[0] += 1
-        fused.adam_step_(backend, [master], [grad], [m], [v], [out], lr=1e-4, beta1=0.9, beta2=0.95,
-                         eps=1e-8, weight_decay=0.1, adamw=True, step=step[0])
+        fused.adam_step_(
+            backend,
+            [master],
+            [grad],
+            [m],
+            [v],
+            [out],
+            lr=1e-4,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
+            adamw=True,
+            step=step[0],
+        )
 
     seconds = timed(run, device, repeats)
     return seconds, n * (grad.element_size() + 24 + out.element_size())
@@ -62,8 +84,16 @@ def measure(n: int, grad_dtype: torch.dtype, device: torch.device, repeats: int)
     rows = []
 
     def add(label: str, backend: str | None, seconds: float, nbytes: int) -> None:
-        rows.append({"label": label, "backend": backend, "seconds": seconds, "bytes": nbytes,
-                     "bytes_per_element": nbytes // n, "gbs": nbytes / seconds / 1e9})
+        rows.append(
+            {
+                "label": label,
+                "backend": backend,
+                "seconds": seconds,
+                "bytes": nbytes,
+                "bytes_per_element": nbytes // n,
+                "gbs": nbytes / seconds / 1e9,
+            }
+        )
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -84,15 +114,19 @@ def main() -> None:
     grad_dtype = torch.bfloat16 if args.grad_dtype == "bf16" else torch.float32
     peak = hbm_peak(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"device: {name}; shard: {n:,} elements; grad {args.grad_dtype}, params out bf16; "
-          f"HBM peak {peak or 'unknown'} GB/s; median of {args.repeats}")
+    print(
+        f"device: {name}; shard: {n:,} elements; grad {args.grad_dtype}, params out bf16; "
+        f"HBM peak {peak or 'unknown'} GB/s; median of {args.repeats}"
+    )
     rows = measure(n, grad_dtype, device, args.repeats)
     base_s = rows[0]["seconds"]
     print(f"{'step':40s} {'ms':>9s} {'B/elem':>7s} {'GB/s':>9s} {'% peak':>7s} {'time vs AdamW(fused)':>21s}")
     for r in rows:
         pct = f"{100 * r['gbs'] / peak:6.1f}%" if peak else "    n/a"
-        print(f"{r['label']:40s} {1e3 * r['seconds']:9.2f} {r['bytes_per_element']:7d} {r['gbs']:9.1f} {pct:>7s} "
-              f"{r['seconds'] / base_s:21.3f}")
+        print(
+            f"{r['label']:40s} {1e3 * r['seconds']:9.2f} {r['bytes_per_element']:7d} {r['gbs']:9.1f} {pct:>7s} "
+            f"{r['seconds'] / base_s:21.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Both count model FLOPs as `GPTConfig.flops_per_token` without recompute (3 × fo
 matmuls); MFU = FLOP/s / the device's dense bf16 peak (`research.metrics.peak_flops`).
 Step times are medians after `--warmup` steps. Targets (issue 6): MFU ≥ 50 % on an H100.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,22 @@ from research import data, metrics
 from research.config import parse_args as parse_run_args
 from research.trainer import load_data
 
-QUICK = ["--n-layers", "2", "--d-model", "64", "--n-heads", "4", "--max-seq-len", "64", "--seq-len", "64",
-         "--precision", "fp32", "--global-batch-size", "4"]
+QUICK = [
+    "--n-layers",
+    "2",
+    "--d-model",
+    "64",
+    "--n-heads",
+    "4",
+    "--max-seq-len",
+    "64",
+    "--seq-len",
+    "64",
+    "--precision",
+    "fp32",
+    "--global-batch-size",
+    "4",
+]
 
 
 def plain_loop(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
@@ -44,8 +59,13 @@ def plain_loop(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
     model_cfg, batches = load_data(cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = GPT(model_cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
-                            weight_decay=cfg.train.weight_decay, fused=True)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.train.lr,
+        betas=(cfg.train.beta1, cfg.train.beta2),
+        weight_decay=cfg.train.weight_decay,
+        fused=True,
+    )
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
     m = cfg.train.micro_batches
     times = []
@@ -68,8 +88,10 @@ def plain_loop(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
     step_time = statistics.median(times[warmup:])
     flops = dataclasses.replace(model_cfg, recompute="none").flops_per_token(cfg.data.seq_len)
     peak = metrics.peak_flops(device, dtype)
-    return {**metrics.throughput(cfg.train.global_batch_size * cfg.data.seq_len, step_time, flops, 1, peak),
-            "step_time_s": step_time}
+    return {
+        **metrics.throughput(cfg.train.global_batch_size * cfg.data.seq_len, step_time, flops, 1, peak),
+        "step_time_s": step_time,
+    }
 
 
 def ours(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
@@ -80,8 +102,10 @@ def ours(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
         run([*argv, "--steps", str(warmup + steps), "--out", out, "--wandb", "disabled", "--zero", "0"])
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f][warmup:]
-    return {k: statistics.median(r[k] for r in rows) if rows[0][k] is not None else None
-            for k in ("tokens_per_s", "tflops_per_device", "mfu", "step_time_s")}
+    return {
+        k: statistics.median(r[k] for r in rows) if rows[0][k] is not None else None
+        for k in ("tokens_per_s", "tflops_per_device", "mfu", "step_time_s")
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -93,7 +117,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args, rest = p.parse_known_args(argv)
     run_argv = ["--config", args.config, *(QUICK if args.quick else []), *rest]
     results = {"ours": ours(run_argv, args.steps, args.warmup), "plain": plain_loop(run_argv, args.steps, args.warmup)}
-    print(f"gpu_mfu: {args.config} {' '.join(rest)}; {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
+    print(
+        f"gpu_mfu: {args.config} {' '.join(rest)}; {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
+    )
     print(f"{'':8} {'step s':>9} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>7}")
     for name, r in results.items():
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"

@@ -38,6 +38,7 @@ than two of them compute at once. Compute actions then take longer in the steady
 in the ramp-up / drain phases, and waiting includes time spent descheduled, so measured idle
 fractions are not the bubble of a dedicated-core pipeline; they are reported as measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,11 @@ from experiments.bench.common import batch as make_batch
 from experiments.bench.common import finish, format_table, launch, median, percentile
 
 SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
-CAVEAT = ("{world} ranks on {cores} CPU core(s): ranks compete for cores, so compute actions are slower while "
-          "several ranks compute at once and the measured idle fractions include CPU contention; they are not "
-          "the bubble of a pipeline with one dedicated device per rank.")
+CAVEAT = (
+    "{world} ranks on {cores} CPU core(s): ranks compete for cores, so compute actions are slower while "
+    "several ranks compute at once and the measured idle fractions include CPU contention; they are not "
+    "the bubble of a pipeline with one dedicated device per rank."
+)
 
 
 @dataclass
@@ -97,8 +100,14 @@ def theory(pp: int, m: int, v: int) -> float:
 def _model_config(cfg: Config) -> Any:
     from research.model import GPTConfig
 
-    return GPTConfig(vocab_size=cfg.vocab, n_layers=cfg.layers, n_heads=cfg.heads, d_model=cfg.d_model,
-                     max_seq_len=cfg.seq, vocab_multiple=64)
+    return GPTConfig(
+        vocab_size=cfg.vocab,
+        n_layers=cfg.layers,
+        n_heads=cfg.heads,
+        d_model=cfg.d_model,
+        max_seq_len=cfg.seq,
+        vocab_multiple=64,
+    )
 
 
 class Ours:
@@ -112,8 +121,8 @@ class Ours:
 
     def step(self, ids: torch.Tensor, labels: torch.Tensor) -> float | None:
         mb = self.cfg.micro_batch
-        inputs = [ids[i * mb:(i + 1) * mb] for i in range(self.m)]
-        targets = [labels[i * mb:(i + 1) * mb] for i in range(self.m)]
+        inputs = [ids[i * mb : (i + 1) * mb] for i in range(self.m)]
+        targets = [labels[i * mb : (i + 1) * mb] for i in range(self.m)]
         loss = self.executor.run(inputs, targets, (self.cfg.seq, mb, self.cfg.d_model))
         return None if loss is None else float(loss)
 
@@ -139,9 +148,12 @@ class Torch:
 
         self.chunks = pipeline_chunks(_model_config(cfg), dims.pp_rank, dims.pp, v, dims.tp_group, dims.embedding_group)
         n_stages = dims.pp * v
-        self.stages = [pipelining.PipelineStage(chunk, stage_of(dims.pp_rank, c, dims.pp), n_stages,
-                                                torch.device("cpu"), group=dims.pp_group)
-                       for c, chunk in enumerate(self.chunks)]
+        self.stages = [
+            pipelining.PipelineStage(
+                chunk, stage_of(dims.pp_rank, c, dims.pp), n_stages, torch.device("cpu"), group=dims.pp_group
+            )
+            for c, chunk in enumerate(self.chunks)
+        ]
         head = self.chunks[-1]  # GPT.loss needs only the config and the (size-1) tp group
 
         def loss_fn(logits_bsv: torch.Tensor, labels_bs: torch.Tensor) -> torch.Tensor:
@@ -196,10 +208,19 @@ def run_rank(cfg: Config) -> list[dict[str, Any]] | None:
             walls = torch.tensor([rec["ours"], rec["torch"]], dtype=torch.float64)
             dist.all_reduce(walls, op=dist.ReduceOp.MAX)  # per step, the slowest rank
             gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, {"events": rec["events"], "loss_ours": rec["loss_ours"],
-                                              "loss_torch": rec["loss_torch"]})
-            out.append({"schedule": name, "v": v, "m": m, "ours_s": walls[0].tolist(), "torch_s": walls[1].tolist(),
-                        "ranks": gathered})
+            dist.all_gather_object(
+                gathered, {"events": rec["events"], "loss_ours": rec["loss_ours"], "loss_torch": rec["loss_torch"]}
+            )
+            out.append(
+                {
+                    "schedule": name,
+                    "v": v,
+                    "m": m,
+                    "ours_s": walls[0].tolist(),
+                    "torch_s": walls[1].tolist(),
+                    "ranks": gathered,
+                }
+            )
             del impls
     return out if dist.get_rank() == 0 else None
 
@@ -236,15 +257,25 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
     loss_diff = max(abs(a - b) for a, b in zip(last["loss_ours"], last["loss_torch"]))
     median_step = sorted(range(cfg.steps), key=lambda k: idles[k])[cfg.steps // 2]
     return {
-        "schedule": name, "v": v, "m": m,
-        "idle_measured": median(idles), "idle_p25": percentile(idles, 25), "idle_p75": percentile(idles, 75),
+        "schedule": name,
+        "v": v,
+        "m": m,
+        "idle_measured": median(idles),
+        "idle_p25": percentile(idles, 25),
+        "idle_p75": percentile(idles, 75),
         "idle_per_rank": [median([s[1][r] for s in per_step]) for r in range(pp)],
-        "idle_theory": theory(pp, m, v), "idle_sim": sim.bubble_fraction,
-        "t_f_ms": t_f * 1e3, "t_b_ms": t_b * 1e3,
-        "makespan_ms": median([s[2] for s in per_step]) * 1e3, "sim_makespan_ms": sim.makespan * 1e3,
-        "ours_ms": median(ours) * 1e3, "torch_ms": median(theirs) * 1e3,
-        "ours_p25_ms": percentile(ours, 25) * 1e3, "ours_p75_ms": percentile(ours, 75) * 1e3,
-        "torch_p25_ms": percentile(theirs, 25) * 1e3, "torch_p75_ms": percentile(theirs, 75) * 1e3,
+        "idle_theory": theory(pp, m, v),
+        "idle_sim": sim.bubble_fraction,
+        "t_f_ms": t_f * 1e3,
+        "t_b_ms": t_b * 1e3,
+        "makespan_ms": median([s[2] for s in per_step]) * 1e3,
+        "sim_makespan_ms": sim.makespan * 1e3,
+        "ours_ms": median(ours) * 1e3,
+        "torch_ms": median(theirs) * 1e3,
+        "ours_p25_ms": percentile(ours, 25) * 1e3,
+        "ours_p75_ms": percentile(ours, 75) * 1e3,
+        "torch_p25_ms": percentile(theirs, 25) * 1e3,
+        "torch_p75_ms": percentile(theirs, 75) * 1e3,
         "ratio": median(ours) / median(theirs),
         "paired_ratio_median": median([a / b for a, b in zip(ours, theirs)]),
         "loss_max_abs_diff": loss_diff,
@@ -255,11 +286,38 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]]) -> str:
     out = []
     for r in rows:
-        out.append([r["schedule"], r["v"], r["m"], f"{r['idle_measured']:.3f}", f"{r['idle_theory']:.3f}",
-                    f"{r['idle_sim']:.3f}", f"{r['t_f_ms']:.2f}", f"{r['t_b_ms']:.2f}", f"{r['makespan_ms']:.1f}",
-                    f"{r['sim_makespan_ms']:.1f}", f"{r['ours_ms']:.1f}", f"{r['torch_ms']:.1f}", f"{r['ratio']:.3f}"])
-    headers = ["schedule", "v", "m", "idle meas.", "idle theory", "idle sim", "t_f ms", "t_b ms", "makespan ms",
-               "sim makespan ms", "ours ms", "torch ms", "ours / torch"]
+        out.append(
+            [
+                r["schedule"],
+                r["v"],
+                r["m"],
+                f"{r['idle_measured']:.3f}",
+                f"{r['idle_theory']:.3f}",
+                f"{r['idle_sim']:.3f}",
+                f"{r['t_f_ms']:.2f}",
+                f"{r['t_b_ms']:.2f}",
+                f"{r['makespan_ms']:.1f}",
+                f"{r['sim_makespan_ms']:.1f}",
+                f"{r['ours_ms']:.1f}",
+                f"{r['torch_ms']:.1f}",
+                f"{r['ratio']:.3f}",
+            ]
+        )
+    headers = [
+        "schedule",
+        "v",
+        "m",
+        "idle meas.",
+        "idle theory",
+        "idle sim",
+        "t_f ms",
+        "t_b ms",
+        "makespan ms",
+        "sim makespan ms",
+        "ours ms",
+        "torch ms",
+        "ours / torch",
+    ]
     return format_table(headers, out)
 
 
@@ -270,7 +328,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     d = Config()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--m-factors", type=int, nargs="+", default=d.m_factors, help="micro-batches m = factor x pp")
     p.add_argument("--virtual-stages", type=int, default=d.virtual_stages, help="v of interleaved-1f1b")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per implementation per (schedule, m)")
@@ -285,8 +345,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--png", metavar="PATH", help="draw the measured timeline of 1F1B at m = 2p (median-idle step)")
     a = p.parse_args(argv)
-    cfg = Config(virtual_stages=a.virtual_stages, m_factors=a.m_factors, layers=a.layers, d_model=a.d_model,
-                 heads=a.heads, seq=a.seq, vocab=a.vocab, micro_batch=a.micro_batch, warmup=a.warmup, steps=a.steps)
+    cfg = Config(
+        virtual_stages=a.virtual_stages,
+        m_factors=a.m_factors,
+        layers=a.layers,
+        d_model=a.d_model,
+        heads=a.heads,
+        seq=a.seq,
+        vocab=a.vocab,
+        micro_batch=a.micro_batch,
+        warmup=a.warmup,
+        steps=a.steps,
+    )
     if a.quick:
         cfg.d_model, cfg.seq, cfg.warmup, cfg.steps = 32, 16, 1, 2
     cfg.png_m = 2 * cfg.pp
@@ -301,16 +371,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg, args = parse_args(argv)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     mc = _model_config(cfg)
-    print(f"pipeline_bubble: GPT layers={cfg.layers} d_model={cfg.d_model} heads={cfg.heads} seq={cfg.seq} "
-          f"vocab={cfg.vocab} (fp32, {mc.num_params():,} params), micro-batch {cfg.micro_batch}; pp={cfg.pp}, "
-          f"interleaved v={cfg.virtual_stages}; forward+backward only")
-    print(f"  {cfg.warmup} warm-up + {cfg.steps} timed steps per implementation per (schedule, m), ours and torch "
-          f"alternating; gloo on CPU, 1 thread/rank; torch {torch.__version__}, {platform.machine()}, {cores} cores")
+    print(
+        f"pipeline_bubble: GPT layers={cfg.layers} d_model={cfg.d_model} heads={cfg.heads} seq={cfg.seq} "
+        f"vocab={cfg.vocab} (fp32, {mc.num_params():,} params), micro-batch {cfg.micro_batch}; pp={cfg.pp}, "
+        f"interleaved v={cfg.virtual_stages}; forward+backward only"
+    )
+    print(
+        f"  {cfg.warmup} warm-up + {cfg.steps} timed steps per implementation per (schedule, m), ours and torch "
+        f"alternating; gloo on CPU, 1 thread/rank; torch {torch.__version__}, {platform.machine()}, {cores} cores"
+    )
     caveat = CAVEAT.format(world=cfg.pp, cores=cores)
     if cores < cfg.pp:
         print(f"  NOTE: {caveat}")
-    print("  idle: median over steps of the rank-mean of 1 - busy/makespan (our executor's events); theory "
-          "(p-1)/(v*m+p-1); sim: simulate() with the measured mean t_f, t_b, t_comm=0", flush=True)
+    print(
+        "  idle: median over steps of the rank-mean of 1 - busy/makespan (our executor's events); theory "
+        "(p-1)/(v*m+p-1); sim: simulate() with the measured mean t_f, t_b, t_comm=0",
+        flush=True,
+    )
     start = time.perf_counter()
     raw = launch(run_rank, cfg.pp, cfg, threads=1)[0]
     rows = [analyse(cfg, r) for r in raw]
@@ -318,27 +395,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print()
     print(table(rows))
     worst = max(r["loss_max_abs_diff"] for r in rows)
-    print(f"\nlosses of ours and torch agree to {worst:.2e} (max |diff| over steps and rows; same weights, same batches)")
+    print(
+        f"\nlosses of ours and torch agree to {worst:.2e} (max |diff| over steps and rows; same weights, same batches)"
+    )
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    print(f"total {elapsed:.0f} s; load average at the end {load[0]:.1f} / {load[1]:.1f} (1 / 5 min; "
-          f"this benchmark alone keeps ~{cfg.pp} ranks busy)")
+    print(
+        f"total {elapsed:.0f} s; load average at the end {load[0]:.1f} / {load[1]:.1f} (1 / 5 min; "
+        f"this benchmark alone keeps ~{cfg.pp} ranks busy)"
+    )
     png_row = next((r for r in rows if r["schedule"] == "1f1b" and r["m"] == cfg.png_m), None)
     if args.png and png_row is not None:
         from parallel.pipeline.timeline import timeline_png
 
         t0 = min(e[4] for e in png_row["_median_step_events"])
         events = [(r, k, i, c, s - t0, e - t0) for r, k, i, c, s, e in png_row["_median_step_events"]]
-        timeline_png(events, args.png, title=f"measured 1F1B, pp={cfg.pp}, m={cfg.png_m} "
-                     f"(idle {png_row['idle_measured']:.2f}, theory {png_row['idle_theory']:.2f}; {cores}-core CPU, gloo)")
+        timeline_png(
+            events,
+            args.png,
+            title=f"measured 1F1B, pp={cfg.pp}, m={cfg.png_m} "
+            f"(idle {png_row['idle_measured']:.2f}, theory {png_row['idle_theory']:.2f}; {cores}-core CPU, gloo)",
+        )
         print(f"wrote {args.png}")
     for r in rows:
         r.pop("_median_step_events")
-    results = {"config": asdict(cfg), "torch": torch.__version__, "cores": cores, "caveat": caveat,
-               "argv": sys.argv[1:] if argv is None else argv, "rows": rows, "seconds": elapsed,
-               "loadavg_end": list(load)}
-    nonfinite = [f"{r['schedule']} m={r['m']}" for r in rows
-                 if not all(math.isfinite(r[k]) for k in ("idle_measured", "idle_sim", "ours_ms", "torch_ms",
-                                                          "ratio", "loss_max_abs_diff"))]
+    results = {
+        "config": asdict(cfg),
+        "torch": torch.__version__,
+        "cores": cores,
+        "caveat": caveat,
+        "argv": sys.argv[1:] if argv is None else argv,
+        "rows": rows,
+        "seconds": elapsed,
+        "loadavg_end": list(load),
+    }
+    nonfinite = [
+        f"{r['schedule']} m={r['m']}"
+        for r in rows
+        if not all(
+            math.isfinite(r[k])
+            for k in ("idle_measured", "idle_sim", "ours_ms", "torch_ms", "ratio", "loss_max_abs_diff")
+        )
+    ]
     return finish(results, nonfinite, args.json)
 
 

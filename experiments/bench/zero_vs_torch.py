@@ -39,6 +39,7 @@ which the goals are judged, and the median (quartiles) of the paired per-step ra
 (the two steps ran back to back, so they saw the same load). Goals: zero0 / ddp <= 1.0,
 zero1 / ddp_zero < 1.0, zero3 / fsdp2_* < 1.0 (zero2 / ddp_zero is reported only).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,13 +97,21 @@ class Config:
     seed: int = 0
     bucket_numel: int | None = None  # None: ZeroOptimizer's default (see zero_options)
     unit_numel: int | None = None  # None: one transformer block's numel
-    resident_numel: int = 2**16  # fixed here so runs compare (ZeroOptimizer defaults to unit_numel // 16); --quick lowers it
+    resident_numel: int = (
+        2**16
+    )  # fixed here so runs compare (ZeroOptimizer defaults to unit_numel // 16); --quick lowers it
     step_backend: str | None = None  # ZeroOptimizer's fused step backend (None: its auto pick)
     torch_adam: str = "match"  # the baselines' torch.optim.AdamW: match (ours' kernel), default, foreach, fused
 
     def model_kwargs(self) -> dict[str, int]:
-        return {"seed": self.seed, "vocab": self.vocab, "dim": self.dim, "layers": self.layers, "heads": self.heads,
-                "seq": self.seq}
+        return {
+            "seed": self.seed,
+            "vocab": self.vocab,
+            "dim": self.dim,
+            "layers": self.layers,
+            "heads": self.heads,
+            "seq": self.seq,
+        }
 
 
 def block_numel(cfg: Config) -> int:
@@ -150,8 +159,9 @@ class Ours:
         from optim import ZeroOptimizer
 
         self.model = model
-        self.opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                 **zero_options(cfg))
+        self.opt = ZeroOptimizer(
+            model, torch.optim.AdamW, stage=stage, lr=cfg.lr, weight_decay=cfg.weight_decay, **zero_options(cfg)
+        )
 
     def forward_backward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         loss = self.model(idx, tgt)
@@ -172,8 +182,13 @@ class Ours:
 class TorchBaseline:
     """A wrapped module (DDP / FSDP2) and a torch optimizer over the model's parameters."""
 
-    def __init__(self, model: torch.nn.Module, wrapped: torch.nn.Module, opt: torch.optim.Optimizer,
-                 state_of: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        wrapped: torch.nn.Module,
+        opt: torch.optim.Optimizer,
+        state_of: torch.optim.Optimizer,
+    ) -> None:
         self.model, self.wrapped, self.opt, self.state_of = model, wrapped, opt, state_of
 
     def forward_backward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -189,11 +204,13 @@ class TorchBaseline:
 
     def memory(self) -> dict[str, int]:
         params = list(dict.fromkeys(self.model.parameters()))
-        return model_state_bytes({
-            "params": params,
-            "grads": [p.grad for p in params],
-            "optim": optimizer_state_tensors(self.state_of),
-        })
+        return model_state_bytes(
+            {
+                "params": params,
+                "grads": [p.grad for p in params],
+                "optim": optimizer_state_tensors(self.state_of),
+            }
+        )
 
 
 def build(method: str, cfg: Config, mesh: Any) -> Ours | TorchBaseline:
@@ -283,8 +300,13 @@ def run_round(cfg: Config, mesh: Any, batches: list, first: int) -> dict[str, di
     out = {}
     for j, m in enumerate(methods):
         t_ms = (times[j] * 1e3).tolist()
-        out[m] = {"times_ms": t_ms[0], "fwd_bwd_ms": t_ms[1], "cpu_ms": t_ms[2],
-                  "losses": (losses[j] / world).tolist(), "memory": [mm[m] for mm in memories]}
+        out[m] = {
+            "times_ms": t_ms[0],
+            "fwd_bwd_ms": t_ms[1],
+            "cpu_ms": t_ms[2],
+            "losses": (losses[j] / world).tolist(),
+            "memory": [mm[m] for mm in memories],
+        }
     return out
 
 
@@ -337,11 +359,20 @@ def ratios(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             ratio = a["median_ms"] / b["median_ms"]
             paired = [x / y for x, y in zip(a["times_ms"], b["times_ms"])]
             met = None if goal is None else (ratio <= 1.0 if goal == "<=" else ratio < 1.0)
-            out.append({"ours": ours, "theirs": theirs, "ratio": ratio, "goal": goal, "met": met,
-                        "paired_median": median(paired), "paired_p25": percentile(paired, 25),
-                        "paired_p75": percentile(paired, 75),
-                        "cpu_ratio": a["cpu_median_ms"] / b["cpu_median_ms"],
-                        "round_ratios": [x / y for x, y in zip(a["round_medians_ms"], b["round_medians_ms"])]})
+            out.append(
+                {
+                    "ours": ours,
+                    "theirs": theirs,
+                    "ratio": ratio,
+                    "goal": goal,
+                    "met": met,
+                    "paired_median": median(paired),
+                    "paired_p25": percentile(paired, 25),
+                    "paired_p75": percentile(paired, 75),
+                    "cpu_ratio": a["cpu_median_ms"] / b["cpu_median_ms"],
+                    "round_ratios": [x / y for x, y in zip(a["round_medians_ms"], b["round_medians_ms"])],
+                }
+            )
     return out
 
 
@@ -349,12 +380,34 @@ def method_table(per_method: dict[str, dict[str, Any]]) -> str:
     rows = []
     for m, e in per_method.items():
         mem = e["memory_rank0"]
-        rows.append([m, f"{e['median_ms']:.1f}", f"{e['p25_ms']:.1f}-{e['p75_ms']:.1f}", f"{e['fwd_bwd_median_ms']:.1f}",
-                     f"{e['cpu_median_ms']:.1f}", f"{e['final_loss']:.6f}",
-                     mib(mem["params"]), mib(mem["grads"]), mib(mem["optim"]), mib(sum(mem.values())),
-                     mib(e["memory_max_total"])])
-    headers = ["method", "median ms", "p25-p75 ms", "fwd+bwd ms", "cpu ms", "final loss", "params MiB", "grads MiB", "optim MiB",
-               "total MiB (rank 0)", "max total MiB (any rank)"]
+        rows.append(
+            [
+                m,
+                f"{e['median_ms']:.1f}",
+                f"{e['p25_ms']:.1f}-{e['p75_ms']:.1f}",
+                f"{e['fwd_bwd_median_ms']:.1f}",
+                f"{e['cpu_median_ms']:.1f}",
+                f"{e['final_loss']:.6f}",
+                mib(mem["params"]),
+                mib(mem["grads"]),
+                mib(mem["optim"]),
+                mib(sum(mem.values())),
+                mib(e["memory_max_total"]),
+            ]
+        )
+    headers = [
+        "method",
+        "median ms",
+        "p25-p75 ms",
+        "fwd+bwd ms",
+        "cpu ms",
+        "final loss",
+        "params MiB",
+        "grads MiB",
+        "optim MiB",
+        "total MiB (rank 0)",
+        "max total MiB (any rank)",
+    ]
     return format_table(headers, rows)
 
 
@@ -364,44 +417,92 @@ def ratio_table(rs: list[dict[str, Any]]) -> str:
         goal = "-" if r["goal"] is None else f"{r['goal']} 1.0"
         met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
         rounds = " ".join(f"{x:.2f}" for x in r["round_ratios"])
-        rows.append([f"{r['ours']} / {r['theirs']}", f"{r['ratio']:.3f}", goal, met,
-                     f"{r['paired_median']:.3f} ({r['paired_p25']:.2f}-{r['paired_p75']:.2f})",
-                     f"{r['cpu_ratio']:.3f}", rounds])
-    return format_table(["ours / theirs", "ratio of medians", "goal", "met", "paired median (p25-p75)",
-                         "cpu ratio", "per-round ratios"], rows)
+        rows.append(
+            [
+                f"{r['ours']} / {r['theirs']}",
+                f"{r['ratio']:.3f}",
+                goal,
+                met,
+                f"{r['paired_median']:.3f} ({r['paired_p25']:.2f}-{r['paired_p75']:.2f})",
+                f"{r['cpu_ratio']:.3f}",
+                rounds,
+            ]
+        )
+    return format_table(
+        [
+            "ours / theirs",
+            "ratio of medians",
+            "goal",
+            "met",
+            "paired median (p25-p75)",
+            "cpu ratio",
+            "per-round ratios",
+        ],
+        rows,
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     d = Config()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--world-sizes", type=int, nargs="+", default=d.world_sizes)
     p.add_argument("--methods", nargs="+", choices=METHODS, default=d.methods)
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per method per round")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps before them")
-    p.add_argument("--rounds", type=int, default=d.rounds,
-                   help="rounds of fresh models; within a round the methods take turns step by step")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=d.rounds,
+        help="rounds of fresh models; within a round the methods take turns step by step",
+    )
     p.add_argument("--dim", type=int, default=d.dim)
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--heads", type=int, default=d.heads)
     p.add_argument("--seq", type=int, default=d.seq)
     p.add_argument("--vocab", type=int, default=d.vocab)
     p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per rank per step")
-    p.add_argument("--bucket-numel", type=int, default=None, help="ZeroOptimizer bucket_numel (default: its own, 2**24)")
+    p.add_argument(
+        "--bucket-numel", type=int, default=None, help="ZeroOptimizer bucket_numel (default: its own, 2**24)"
+    )
     p.add_argument("--unit-numel", type=int, default=None, help="ZeroOptimizer unit_numel (default: one block)")
-    p.add_argument("--resident-numel", type=int, default=d.resident_numel,
-                   help="ZeroOptimizer resident_numel: stage-3 units smaller than this stay gathered")
+    p.add_argument(
+        "--resident-numel",
+        type=int,
+        default=d.resident_numel,
+        help="ZeroOptimizer resident_numel: stage-3 units smaller than this stay gathered",
+    )
     p.add_argument("--step-backend", default=None, help="ZeroOptimizer step_backend (default: its auto pick)")
-    p.add_argument("--torch-adam", choices=["match", "default", "foreach", "fused"], default=d.torch_adam,
-                   help="torch.optim.AdamW implementation of the baselines; match (default): the kernel family "
-                        "of ZeroOptimizer's step backend (torch_fused -> fused=True, torch -> foreach=True); "
-                        "default: torch's own default")
+    p.add_argument(
+        "--torch-adam",
+        choices=["match", "default", "foreach", "fused"],
+        default=d.torch_adam,
+        help="torch.optim.AdamW implementation of the baselines; match (default): the kernel family "
+        "of ZeroOptimizer's step backend (torch_fused -> fused=True, torch -> foreach=True); "
+        "default: torch's own default",
+    )
     p.add_argument("--quick", action="store_true", help="tiny model, 1 round, few steps (smoke test)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     a = p.parse_args(argv)
-    cfg = Config(world_sizes=a.world_sizes, methods=a.methods, steps=a.steps, warmup=a.warmup, rounds=a.rounds,
-                 dim=a.dim, layers=a.layers, heads=a.heads, seq=a.seq, vocab=a.vocab, micro_batch=a.micro_batch,
-                 bucket_numel=a.bucket_numel, unit_numel=a.unit_numel, resident_numel=a.resident_numel, step_backend=a.step_backend,
-                 torch_adam=a.torch_adam)
+    cfg = Config(
+        world_sizes=a.world_sizes,
+        methods=a.methods,
+        steps=a.steps,
+        warmup=a.warmup,
+        rounds=a.rounds,
+        dim=a.dim,
+        layers=a.layers,
+        heads=a.heads,
+        seq=a.seq,
+        vocab=a.vocab,
+        micro_batch=a.micro_batch,
+        bucket_numel=a.bucket_numel,
+        unit_numel=a.unit_numel,
+        resident_numel=a.resident_numel,
+        step_backend=a.step_backend,
+        torch_adam=a.torch_adam,
+    )
     if a.quick:
         cfg.steps, cfg.warmup, cfg.rounds = 3, 1, 1
         cfg.dim, cfg.layers, cfg.heads, cfg.seq, cfg.vocab, cfg.micro_batch = 64, 2, 2, 32, 256, 2
@@ -424,20 +525,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = make_model(**cfg.model_kwargs())
     numel = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     opts = zero_options(cfg)
-    print(f"zero_vs_torch: TinyGPT dim={cfg.dim} layers={cfg.layers} heads={cfg.heads} seq={cfg.seq} "
-          f"vocab={cfg.vocab} ({numel:,} params, fp32), micro-batch {cfg.micro_batch}/rank, AdamW lr={cfg.lr} "
-          f"wd={cfg.weight_decay}")
-    print(f"  {cfg.rounds} rounds x {cfg.warmup} warm-up + {cfg.steps} timed steps per method, interleaved; "
-          f"gloo on CPU, 1 thread/rank; torch {torch.__version__}, {platform.machine()}")
+    print(
+        f"zero_vs_torch: TinyGPT dim={cfg.dim} layers={cfg.layers} heads={cfg.heads} seq={cfg.seq} "
+        f"vocab={cfg.vocab} ({numel:,} params, fp32), micro-batch {cfg.micro_batch}/rank, AdamW lr={cfg.lr} "
+        f"wd={cfg.weight_decay}"
+    )
+    print(
+        f"  {cfg.rounds} rounds x {cfg.warmup} warm-up + {cfg.steps} timed steps per method, interleaved; "
+        f"gloo on CPU, 1 thread/rank; torch {torch.__version__}, {platform.machine()}"
+    )
     backend = opts["step_backend"] or f"None (auto: {_auto_backend()})"
-    print(f"  ZeroOptimizer options: bucket_numel={opts['bucket_numel']:,} unit_numel={opts['unit_numel']:,} "
-          f"resident_numel={opts['resident_numel']:,} step_backend={backend}")
-    print(f"  baselines: torch.optim.AdamW {torch_adam_kwargs(cfg) or '(torch defaults)'} (--torch-adam {cfg.torch_adam}); "
-          f"DDP(gradient_as_bucket_view=True), bucket_cap_mb default", flush=True)
-    results: dict[str, Any] = {"config": asdict(cfg), "numel": numel, "zero_options": opts,
-                               "zero_step_backend": opts["step_backend"] or _auto_backend(),
-                               "torch_adam_kwargs": torch_adam_kwargs(cfg),
-                               "torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv, "worlds": {}}
+    print(
+        f"  ZeroOptimizer options: bucket_numel={opts['bucket_numel']:,} unit_numel={opts['unit_numel']:,} "
+        f"resident_numel={opts['resident_numel']:,} step_backend={backend}"
+    )
+    print(
+        f"  baselines: torch.optim.AdamW {torch_adam_kwargs(cfg) or '(torch defaults)'} (--torch-adam {cfg.torch_adam}); "
+        f"DDP(gradient_as_bucket_view=True), bucket_cap_mb default",
+        flush=True,
+    )
+    results: dict[str, Any] = {
+        "config": asdict(cfg),
+        "numel": numel,
+        "zero_options": opts,
+        "zero_step_backend": opts["step_backend"] or _auto_backend(),
+        "torch_adam_kwargs": torch_adam_kwargs(cfg),
+        "torch": torch.__version__,
+        "argv": sys.argv[1:] if argv is None else argv,
+        "worlds": {},
+    }
     start = time.perf_counter()
     for world in cfg.world_sizes:
         t0 = time.perf_counter()
@@ -450,19 +566,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(method_table(per_method))
         print()
         print(ratio_table(rs))
-        print(f"\nfinal losses agree to {spread:.2e} (max - min over methods; "
-              f"initial loss {next(iter(per_method.values()))['losses'][0]:.6f})", flush=True)
+        print(
+            f"\nfinal losses agree to {spread:.2e} (max - min over methods; "
+            f"initial loss {next(iter(per_method.values()))['losses'][0]:.6f})",
+            flush=True,
+        )
         results["worlds"][str(world)] = {"methods": per_method, "ratios": rs, "seconds": elapsed, "loss_spread": spread}
     print("\ngoals (ratio of median step times, ours / theirs):")
     for world, w in results["worlds"].items():
         for r in w["ratios"]:
             if r["goal"] is not None:
                 verdict = "met" if r["met"] else "MISSED"
-                print(f"  world {world}: {r['ours']} / {r['theirs']} = {r['ratio']:.3f} (goal {r['goal']} 1.0) {verdict}")
+                print(
+                    f"  world {world}: {r['ours']} / {r['theirs']} = {r['ratio']:.3f} (goal {r['goal']} 1.0) {verdict}"
+                )
     results["seconds"] = time.perf_counter() - start
     print(f"total {results['seconds']:.0f} s")
     nonfinite = [
-        f"world {world} {m}" for world, w in results["worlds"].items() for m, e in w["methods"].items()
+        f"world {world} {m}"
+        for world, w in results["worlds"].items()
+        for m, e in w["methods"].items()
         if not all(math.isfinite(x) for x in [e["median_ms"], e["final_loss"], *e["memory_rank0"].values()])
     ]
     return finish(results, nonfinite, args.json)

@@ -24,6 +24,7 @@ Data sharding, loss normalisation, LR schedule, logging, RNG and trainer state, 
 evaluation are Trainer's own. As under DeepSpeed or FSDP, `trainer.save_model()` gathers
 the weights and must run on every rank.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,14 @@ from optim.zero import ZeroOptimizer
 
 # Trainer's internal steps that ZeroTrainer replaces (transformers 5.23); a version without one
 # would silently take Trainer's own path (DDP, param.grad clipping), so importing refuses it.
-TRAINER_HOOKS = ("_prepare_for_training", "_clip_grad_norm", "_get_grad_norm", "_save_optimizer_and_scheduler",
-                 "_load_optimizer_and_scheduler", "_save")
+TRAINER_HOOKS = (
+    "_prepare_for_training",
+    "_clip_grad_norm",
+    "_get_grad_norm",
+    "_save_optimizer_and_scheduler",
+    "_load_optimizer_and_scheduler",
+    "_save",
+)
 ZERO_OPTIMIZER_DIR = "zero_optimizer"  # inside checkpoint-N/: the optimizer's DCP checkpoint
 ELEMENTWISE_OPTIMS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop")
 ZERO_KWARGS = ("param_dtype", "reduce_dtype", "bucket_numel", "unit_numel", "resident_numel", "step_backend")
@@ -130,8 +137,12 @@ class ZeroTrainer(Trainer):
             ]
             cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model)
             zero = ZeroOptimizer(
-                model, cls, stage=self.zero_stage, param_groups=[g for g in groups if g["params"]],
-                **kwargs, **self.zero_kwargs,
+                model,
+                cls,
+                stage=self.zero_stage,
+                param_groups=[g for g in groups if g["params"]],
+                **kwargs,
+                **self.zero_kwargs,
             )
             self.optimizer = _AcceleratedZero(zero)
         return self.optimizer

@@ -31,6 +31,7 @@ Precision: "32-true" or "bf16-mixed" (autocast); bf16 compute weights with fp32 
 are `ZeroStrategy(param_dtype=torch.bfloat16)`. Imports Lightning (`pytorch_lightning`, else
 `lightning.pytorch`) at import time: `optim` itself never imports this module.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,7 +55,9 @@ except ImportError:
     try:
         import lightning.pytorch as pl  # the unified "lightning" package
     except ImportError:
-        raise ImportError("optim.integrations.lightning needs PyTorch Lightning; pip install pytorch-lightning") from None
+        raise ImportError(
+            "optim.integrations.lightning needs PyTorch Lightning; pip install pytorch-lightning"
+        ) from None
 
 __all__ = ["ZeroPrecision", "ZeroStrategy"]
 
@@ -89,7 +92,9 @@ class ZeroPrecision(pl.plugins.precision.Precision):
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
         if not isinstance(optimizer, ZeroOptimizer):
-            raise TypeError(f"ZeroPrecision clips a ZeroOptimizer's gradients, not a {type(optimizer).__name__}'s; use it with ZeroStrategy")
+            raise TypeError(
+                f"ZeroPrecision clips a ZeroOptimizer's gradients, not a {type(optimizer).__name__}'s; use it with ZeroStrategy"
+            )
         optimizer.clip_grad_norm_(float(clip_val))
 
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
@@ -156,7 +161,9 @@ class ZeroStrategy(pl.strategies.DDPStrategy):
         super().setup_optimizers(trainer)
         given = [o for o in self.optimizers if not isinstance(o, pl.core.optimizer._MockOptimizer)]
         if len(given) != 1:
-            raise ValueError(f"configure_optimizers returned {len(given)} optimizers; ZeroStrategy trains with exactly one")
+            raise ValueError(
+                f"configure_optimizers returned {len(given)} optimizers; ZeroStrategy trains with exactly one"
+            )
         zero = self._taken(given[0]) if isinstance(given[0], ZeroOptimizer) else self._build(given[0])
         for config in self.lr_scheduler_configs:  # Lightning checked they drive this optimizer
             _point_scheduler_at(config.scheduler, zero)
@@ -180,7 +187,9 @@ class ZeroStrategy(pl.strategies.DDPStrategy):
         groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in optimizer.param_groups]
         accepted = inspect.signature(type(optimizer)).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        return ZeroOptimizer(module, type(optimizer), stage=self.stage, param_groups=groups, **defaults, **self.zero_kwargs)
+        return ZeroOptimizer(
+            module, type(optimizer), stage=self.stage, param_groups=groups, **defaults, **self.zero_kwargs
+        )
 
     def _taken(self, zero: ZeroOptimizer) -> ZeroOptimizer:
         """A ZeroOptimizer configure_optimizers built itself, if it is what the strategy would build."""
@@ -257,7 +266,9 @@ class ZeroStrategy(pl.strategies.DDPStrategy):
         rank writes its shards; the masters once, under "model"), the rest of `checkpoint` in
         meta.pt from global rank 0."""
         if storage_options is not None:
-            raise TypeError("ZeroStrategy saves through torch.distributed.checkpoint and takes no storage_options; drop them")
+            raise TypeError(
+                "ZeroStrategy saves through torch.distributed.checkpoint and takes no storage_options; drop them"
+            )
         path = Path(self.broadcast(str(filepath)))
         if self.is_global_zero and path.is_file():
             path.unlink()
@@ -268,14 +279,18 @@ class ZeroStrategy(pl.strategies.DDPStrategy):
             state["optimizer"] = {k: v for k, v in checkpoint["optimizer_states"][0].items() if k != "params"}
         dcp.save(state, checkpoint_id=path)
         if self.is_global_zero:
-            torch.save({k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}, path / META)
+            torch.save(
+                {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}, path / META
+            )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the module (and, when fitting, the optimizer) from a folder `save_checkpoint`
         wrote, at any world size and stage; returns the rest of the checkpoint for Lightning."""
         path = Path(self.broadcast(str(checkpoint_path)))
         if not (path / META).is_file():
-            raise FileNotFoundError(f"{path} is not a ZeroStrategy checkpoint (a folder with {META}); pass a folder ZeroStrategy saved")
+            raise FileNotFoundError(
+                f"{path} is not a ZeroStrategy checkpoint (a folder with {META}); pass a folder ZeroStrategy saved"
+            )
         module, zero = self.lightning_module, self.zero_optimizer
         if zero is None:
             dcp.load({"model": _module_entries(module, trainable=True)}, checkpoint_id=path)

@@ -25,6 +25,7 @@ and W (weight gradients only), see `parallel.pipeline.split_backward`.
 Per compute action the executor records (rank, kind, micro-batch, chunk, start, end) in
 `events`, the format `parallel.pipeline.timeline` draws.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,11 +48,16 @@ class PipelineExecutor:
     """Executes `schedule(name, pp, rank, microbatches, len(chunks))` on `chunks` (this
     rank's model chunks, chunk c holding virtual stage c·pp + rank)."""
 
-    def __init__(self, chunks: list[nn.Module], schedule_name: str, microbatches: int,
-                 pp_group: dist.ProcessGroup | None = None,
-                 no_sync: Callable[[], ContextManager] | None = None,
-                 sync_chunk: Callable[[nn.Module], ContextManager] | None = None,
-                 scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        schedule_name: str,
+        microbatches: int,
+        pp_group: dist.ProcessGroup | None = None,
+        no_sync: Callable[[], ContextManager] | None = None,
+        sync_chunk: Callable[[nn.Module], ContextManager] | None = None,
+        scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.chunks, self.m = chunks, microbatches
         self.group = pp_group
         self.pp, self.rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
@@ -67,8 +73,13 @@ class PipelineExecutor:
         self.device = _device_of(chunks)
         self.events: list[tuple[int, str, int, int, float, float]] = []
 
-    def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor],
-            activation_shape: tuple[int, ...], activation_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    def run(
+        self,
+        inputs: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        activation_shape: tuple[int, ...],
+        activation_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor | None:
         """One step over the m micro-batches (`inputs[i]`, `targets[i]`; only the ranks
         holding the first / last virtual stage read them). Returns the mean loss over
         micro-batches on the rank holding the last stage, None elsewhere."""

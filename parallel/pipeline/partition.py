@@ -5,6 +5,7 @@ divides L. Otherwise the split is refused unless `allow_uneven`: then the L mod 
 layers go one each to the middle stages first (the first stage also runs the embedding
 and the last the head and loss, so they are the heavier ones), never dropped.
 """
+
 from __future__ import annotations
 
 

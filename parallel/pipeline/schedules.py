@@ -66,8 +66,7 @@ def rank_chunk_of(stage: int, pp: int) -> tuple[int, int]:
 SCHEDULES: dict[str, Callable[[int, int, int, int], list[Action]]] = {}
 
 
-def register(name: str, *, interleaved=False, needs_m_ge_pp=False, needs_m_div_pp=False,
-             split_backward=False):
+def register(name: str, *, interleaved=False, needs_m_ge_pp=False, needs_m_div_pp=False, split_backward=False):
     """Add a compute-order builder ``fn(pp, rank, m, v) -> [Action]`` to SCHEDULES; the flags
     drive ``validate`` and tell executors whether B is split into B + W."""
 
@@ -154,8 +153,11 @@ def validate(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> 
         raise ScheduleError("schedule", f"unknown pipeline schedule {name!r}; known schedules: {', '.join(SCHEDULES)}.")
     fn, m, v = SCHEDULES[name], microbatches, virtual_stages
     if v > 1 and not fn.interleaved:
-        raise ScheduleError("virtual_stages", f"{name} does not interleave, so virtual_stages must be 1, got {v} "
-                            f"(use {', '.join(k for k, f in SCHEDULES.items() if f.interleaved)}).")
+        raise ScheduleError(
+            "virtual_stages",
+            f"{name} does not interleave, so virtual_stages must be 1, got {v} "
+            f"(use {', '.join(k for k, f in SCHEDULES.items() if f.interleaved)}).",
+        )
     if fn.needs_m_ge_pp and m < pp:
         raise ScheduleError("microbatches", f"{name} with pp={pp} needs at least {pp} micro-batches, got {m}.")
     if fn.needs_m_div_pp and m % pp:
@@ -224,5 +226,7 @@ def check_consistent(name: str, pp: int, microbatches: int, virtual_stages: int 
                     raise ValueError(f"rank {r} of {name} runs micro-batch {i} chunk {c} out of order F < B < W.")
     for key in set(sent) | set(recvd):
         if sent[key] != recvd[key]:
-            raise ValueError(f"{name}: rank {key[0]} sends {key[2]} to rank {key[1]} as {sent[key]} "
-                             f"but rank {key[1]} receives {recvd[key]}.")
+            raise ValueError(
+                f"{name}: rank {key[0]} sends {key[2]} to rank {key[1]} as {sent[key]} "
+                f"but rank {key[1]} receives {recvd[key]}."
+            )

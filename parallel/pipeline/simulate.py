@@ -52,9 +52,16 @@ def peak_in_flight(plan, split_backward: bool) -> int:
     return peak
 
 
-def simulate(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
-             t_forward: float = 1.0, t_backward: float = 2.0, t_weight: float | None = None,
-             t_comm: float = 0.0) -> SimResult:
+def simulate(
+    name: str,
+    pp: int,
+    microbatches: int,
+    virtual_stages: int = 1,
+    t_forward: float = 1.0,
+    t_backward: float = 2.0,
+    t_weight: float | None = None,
+    t_comm: float = 0.0,
+) -> SimResult:
     """Run all ranks' lists of ``schedule(name, ...)``; raise RuntimeError on a deadlock
     (no rank can progress) naming each stuck rank's next action."""
     v, split = virtual_stages, splits_backward(name)
@@ -78,11 +85,15 @@ def simulate(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
                         break  # wait for the peer's SEND
                     mb, chunk, arrival = q.popleft()
                     if (mb, chunk) != (a.microbatch, a.chunk):
-                        raise RuntimeError(f"rank {r} expected {a} but rank {a.peer} sent micro-batch {mb} chunk {chunk}.")
+                        raise RuntimeError(
+                            f"rank {r} expected {a} but rank {a.peer} sent micro-batch {mb} chunk {chunk}."
+                        )
                     ready[r] = max(ready[r], arrival)
                 elif a.kind.startswith("SEND"):
                     s = stage_of(r, a.chunk, pp) + (1 if a.kind == "SEND_F" else -1)
-                    channels[r, a.peer, a.kind[-1]].append((a.microbatch, rank_chunk_of(s, pp)[1], last_end[r] + t_comm))
+                    channels[r, a.peer, a.kind[-1]].append(
+                        (a.microbatch, rank_chunk_of(s, pp)[1], last_end[r] + t_comm)
+                    )
                 else:
                     start = max(clock[r], ready[r])
                     end = start + cost[a.kind]

@@ -14,6 +14,7 @@ if some weight is fed by two boundary nodes (a weight used twice), W falls back 
 backward from the output for all weights, so nothing is ever counted twice. Gradients accumulate through autograd's AccumulateGrad, so
 parameter hooks (an optimizer's, sequence-parallel sync) see them as in a plain backward.
 """
+
 from __future__ import annotations
 
 from typing import Callable, ContextManager
@@ -55,9 +56,13 @@ def _reaches(root: Node, target: Node) -> dict[Node, bool]:
 class WeightGradients:
     """The W step of one (micro-batch, chunk): `run` accumulates ∂L/∂W into the weights."""
 
-    def __init__(self, out: torch.Tensor | GradientEdge, grad: torch.Tensor | None,
-                 parts: list[tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]],
-                 rest: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        out: torch.Tensor | GradientEdge,
+        grad: torch.Tensor | None,
+        parts: list[tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]],
+        rest: list[torch.Tensor],
+    ) -> None:
         self.out, self.grad, self.parts, self.rest = out, grad, parts, rest
 
     def run(self, deferred: Callable[[bool], ContextManager]) -> None:
@@ -81,8 +86,9 @@ class WeightGradients:
                 torch.autograd.backward(edges, grad_tensors=grads, inputs=weights, retain_graph=not last)
 
 
-def backward_input(out: torch.Tensor | GradientEdge, grad: torch.Tensor | None, x: torch.Tensor | None,
-                   weights: list[torch.Tensor]) -> tuple[torch.Tensor | None, WeightGradients]:
+def backward_input(
+    out: torch.Tensor | GradientEdge, grad: torch.Tensor | None, x: torch.Tensor | None, weights: list[torch.Tensor]
+) -> tuple[torch.Tensor | None, WeightGradients]:
     """B: (∂L/∂x or None, the W step still to run). `out` is the chunk's output (or its
     gradient edge) or the loss, `grad` the gradient arriving at it (None for a loss)."""
     root = out.node if isinstance(out, GradientEdge) else out.grad_fn
@@ -95,8 +101,12 @@ def backward_input(out: torch.Tensor | GradientEdge, grad: torch.Tensor | None, 
     for node in reaches_x:
         if not reaches_x.get(node):
             continue
-        fed = [w for c, _ in node.next_functions if c is not None and not reaches_x.get(c, False)
-               for w in _weights_below(c, accumulators)]
+        fed = [
+            w
+            for c, _ in node.next_functions
+            if c is not None and not reaches_x.get(c, False)
+            for w in _weights_below(c, accumulators)
+        ]
         if fed:
             boundary[node] = fed
             for w in fed:

@@ -38,8 +38,9 @@ def timeline_png(result, path: str, title: str = "") -> None:
     fig, ax = plt.subplots(figsize=(min(max(6.0, 0.28 * per_rank + 3), 26), 0.55 * ranks + 1.2))
     for rank, kind, mb, chunk, start, end in events:
         color = _COLORS.get(kind, ("#bbbbbb",) * 4)[chunk % 4]
-        ax.broken_barh([(start - t0, end - start)], (rank - 0.4, 0.8), facecolors=color,
-                       edgecolors="black", linewidth=0.4)
+        ax.broken_barh(
+            [(start - t0, end - start)], (rank - 0.4, 0.8), facecolors=color, edgecolors="black", linewidth=0.4
+        )
         ax.text((start + end) / 2 - t0, rank, str(mb), ha="center", va="center", fontsize=7, clip_on=True)
     ax.set_ylim(ranks - 0.5, -0.5)
     ax.set_xlim(0, t1 - t0)
@@ -47,9 +48,11 @@ def timeline_png(result, path: str, title: str = "") -> None:
     ax.set_xlabel("time")
     kinds = [k for k in "FBW" if any(e[1] == k for e in events)]
     names = {"F": "forward", "B": "backward" if "W" not in kinds else "backward (input)", "W": "weight grad"}
-    handles = [Patch(facecolor=_COLORS[k][c % 4], edgecolor="black",
-                     label=names[k] + (f" chunk {c}" if chunks > 1 else ""))
-               for k in kinds for c in range(chunks)]
+    handles = [
+        Patch(facecolor=_COLORS[k][c % 4], edgecolor="black", label=names[k] + (f" chunk {c}" if chunks > 1 else ""))
+        for k in kinds
+        for c in range(chunks)
+    ]
     ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
     if title:
         ax.set_title(title)
@@ -63,9 +66,18 @@ def chrome_trace(events, path: str) -> None:
     event per compute action, ts and dur in microseconds."""
     out = []
     for rank, kind, mb, chunk, start, end in _events(events):
-        out.append({"name": f"{kind}{mb}" + (f".{chunk}" if chunk else ""), "cat": kind, "ph": "X",
-                    "pid": rank, "tid": 0, "ts": start * 1e6, "dur": (end - start) * 1e6,
-                    "args": {"microbatch": mb, "chunk": chunk}})
+        out.append(
+            {
+                "name": f"{kind}{mb}" + (f".{chunk}" if chunk else ""),
+                "cat": kind,
+                "ph": "X",
+                "pid": rank,
+                "tid": 0,
+                "ts": start * 1e6,
+                "dur": (end - start) * 1e6,
+                "args": {"microbatch": mb, "chunk": chunk},
+            }
+        )
     ranks = sorted({e["pid"] for e in out})
     meta = [{"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"pp rank {r}"}} for r in ranks]
     with open(path, "w") as f:

@@ -97,7 +97,5 @@ def vocab_parallel_cross_entropy(
     """
     tp = tp_size(group)
     if vocab_size is not None and not 0 < vocab_size <= tp * logits_sbv.size(-1):
-        raise ValueError(
-            f"vocab_size={vocab_size} must be in [1, tp·v_local={tp * logits_sbv.size(-1)}]"
-        )
+        raise ValueError(f"vocab_size={vocab_size} must be in [1, tp·v_local={tp * logits_sbv.size(-1)}]")
     return _VocabParallelCrossEntropy.apply(logits_sbv, targets_sb, group, vocab_size)

@@ -195,8 +195,10 @@ class ColumnParallelLinear(_TPModule):
         return gather_from_tp(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return (f"{self.in_features}, {self.out_features} (local {self.weight.shape[0]}), "
-                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"{self.in_features}, {self.out_features} (local {self.weight.shape[0]}), "
+            f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class RowParallelLinear(_TPModule):
@@ -246,8 +248,10 @@ class RowParallelLinear(_TPModule):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"{self.in_features} (local {self.weight.shape[1]}), {self.out_features}, "
-                f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"{self.in_features} (local {self.weight.shape[1]}), {self.out_features}, "
+            f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class VocabParallelEmbedding(_TPModule):
@@ -290,5 +294,7 @@ class VocabParallelEmbedding(_TPModule):
         return reduce_from_tp(out_sbh, self.group)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, ids [{self.vocab_start}, "
-                f"{self.vocab_end}), sequence_parallel={self.sequence_parallel}")
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, ids [{self.vocab_start}, "
+            f"{self.vocab_end}), sequence_parallel={self.sequence_parallel}"
+        )

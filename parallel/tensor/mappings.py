@@ -74,9 +74,7 @@ def _chunk(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """This rank's contiguous 1/tp chunk of ``x`` along ``dim``."""
     tp = tp_size(group)
     if x.size(dim) % tp != 0:
-        raise ValueError(
-            f"dim {dim} of size {x.size(dim)} (shape {tuple(x.shape)}) is not divisible by tp={tp}"
-        )
+        raise ValueError(f"dim {dim} of size {x.size(dim)} (shape {tuple(x.shape)}) is not divisible by tp={tp}")
     return x.chunk(tp, dim=dim)[tp_rank(group)].contiguous()
 
 

@@ -1,6 +1,7 @@
 """Rebuild ``stdlib.jsonl.gz``, the embedded default corpus, from this interpreter's standard
 library: ``python research/corpus/build.py`` (CPython 3.11 gives the shipped file; the gzip
 header carries no name or time, so the output is byte-for-byte reproducible)."""
+
 from __future__ import annotations
 
 import gzip
@@ -10,15 +11,66 @@ import sysconfig
 from pathlib import Path
 
 # Pure-Python modules of CPython's Lib/, sorted; ~1.5 MB of source in all.
-MODULES = sorted([
-    "abc", "argparse", "ast", "base64", "bisect", "calendar", "cmd", "codecs", "collections/__init__",
-    "colorsys", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "enum", "fnmatch",
-    "fractions", "functools", "getopt", "gettext", "glob", "graphlib", "gzip", "heapq", "hmac",
-    "json/__init__", "json/decoder", "json/encoder", "keyword", "linecache", "numbers", "operator", "os",
-    "pathlib", "pickle", "pprint", "queue", "random", "re/__init__", "reprlib", "sched", "secrets", "shlex",
-    "shutil", "statistics", "string", "tempfile", "textwrap", "threading", "tokenize", "traceback", "types",
-    "warnings", "weakref",
-])
+MODULES = sorted(
+    [
+        "abc",
+        "argparse",
+        "ast",
+        "base64",
+        "bisect",
+        "calendar",
+        "cmd",
+        "codecs",
+        "collections/__init__",
+        "colorsys",
+        "configparser",
+        "contextlib",
+        "copy",
+        "csv",
+        "dataclasses",
+        "datetime",
+        "enum",
+        "fnmatch",
+        "fractions",
+        "functools",
+        "getopt",
+        "gettext",
+        "glob",
+        "graphlib",
+        "gzip",
+        "heapq",
+        "hmac",
+        "json/__init__",
+        "json/decoder",
+        "json/encoder",
+        "keyword",
+        "linecache",
+        "numbers",
+        "operator",
+        "os",
+        "pathlib",
+        "pickle",
+        "pprint",
+        "queue",
+        "random",
+        "re/__init__",
+        "reprlib",
+        "sched",
+        "secrets",
+        "shlex",
+        "shutil",
+        "statistics",
+        "string",
+        "tempfile",
+        "textwrap",
+        "threading",
+        "tokenize",
+        "traceback",
+        "types",
+        "warnings",
+        "weakref",
+    ]
+)
 
 
 def main() -> None:

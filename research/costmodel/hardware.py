@@ -1,4 +1,5 @@
 """GPUs and clusters the planner knows: memory, peak FLOP/s, bandwidths."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +9,6 @@ import torch
 from research.metrics import gpu_peak_flops
 
 MiB, GiB = 2**20, 2**30
-
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """A training layout (tp, pp, dp, v, ZeRO stage, micro-batching, recompute, SP, precision,
 when gradients are reduced)."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -14,7 +15,6 @@ if TYPE_CHECKING:
 
 Recompute = Literal["none", "selective", "full"]
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
 
 
 @dataclass(frozen=True)
@@ -56,19 +56,31 @@ class Layout:
         return run_spec(cfg.to_dict())[1]
 
     def describe(self) -> str:
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} v={self.virtual_stages} zero={self.zero} "
-                f"mbs={self.micro_batch_size} recompute={self.recompute} sp={int(self.sp)}"
-                + (" grad_sync=every" if self.grad_sync == "every" else ""))
+        return (
+            f"tp={self.tp} pp={self.pp} dp={self.dp} v={self.virtual_stages} zero={self.zero} "
+            f"mbs={self.micro_batch_size} recompute={self.recompute} sp={int(self.sp)}"
+            + (" grad_sync=every" if self.grad_sync == "every" else "")
+        )
 
 
 def run_spec(config: Mapping[str, Mapping[str, Any]]) -> tuple[GPTConfig, Layout, int]:
     """(model, layout, sequence length) of a run's resolved config as a dict of sections
     (`RunConfig.to_dict()`: summary.json's "config", config.yaml)."""
     par, tr = config["parallel"], config["train"]
-    layout = Layout(tp=par["tp"], pp=par["pp"], dp=par["dp"], zero=par["zero"], virtual_stages=par["virtual_stages"],
-                    schedule=par["schedule"], micro_batch_size=tr["micro_batch_size"],
-                    micro_batches=tr["micro_batches"], recompute=config["model"]["recompute"],
-                    sequence_parallel=par["sequence_parallel"], precision=tr["precision"],
-                    reduce_dtype=tr["reduce_dtype"], grad_sync=par.get("grad_sync", "last"),
-                    unit_numel=par.get("unit_numel", DEFAULT_UNIT_NUMEL))
+    layout = Layout(
+        tp=par["tp"],
+        pp=par["pp"],
+        dp=par["dp"],
+        zero=par["zero"],
+        virtual_stages=par["virtual_stages"],
+        schedule=par["schedule"],
+        micro_batch_size=tr["micro_batch_size"],
+        micro_batches=tr["micro_batches"],
+        recompute=config["model"]["recompute"],
+        sequence_parallel=par["sequence_parallel"],
+        precision=tr["precision"],
+        reduce_dtype=tr["reduce_dtype"],
+        grad_sync=par.get("grad_sync", "last"),
+        unit_numel=par.get("unit_numel", DEFAULT_UNIT_NUMEL),
+    )
     return GPTConfig(**config["model"]), layout, config["data"]["seq_len"]

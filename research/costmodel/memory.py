@@ -41,6 +41,7 @@ are not counted, as at m = 1); stage 3 holds two gathered units
 (current and prefetched); plus `RESERVED_BYTES` (CUDA context, NCCL / cuBLAS workspaces,
 allocator slack).
 """
+
 from __future__ import annotations
 
 import functools
@@ -64,7 +65,6 @@ if TYPE_CHECKING:
 RESERVED_BYTES = 2 * GiB
 
 
-
 @dataclass(frozen=True)
 class _Module:
     """A module as `optim.stage3.stage3_units` sees it: the numels of the trainable
@@ -85,10 +85,18 @@ def _chunk(model: GPTConfig, tp: int, n_layers: int, pre: bool, post: bool) -> _
         return _Module((out_local * in_local,) + ((bias,) if bias else ()))
 
     norm = _Module((h,) if model.norm == "rmsnorm" else (h, h))
-    attn = _Module(children=(linear(3 * h // t, h, 3 * h // t if model.qkv_bias else None),
-                             linear(h, h // t, h if model.bias else None)))
-    mlp = _Module(children=(linear(mlp_in // t, h, mlp_in // t if model.bias else None),
-                            linear(h, f // t, h if model.bias else None)))
+    attn = _Module(
+        children=(
+            linear(3 * h // t, h, 3 * h // t if model.qkv_bias else None),
+            linear(h, h // t, h if model.bias else None),
+        )
+    )
+    mlp = _Module(
+        children=(
+            linear(mlp_in // t, h, mlp_in // t if model.bias else None),
+            linear(h, f // t, h if model.bias else None),
+        )
+    )
     block = _Module(children=(norm, attn, norm, mlp))
     children: list[_Module] = []
     if pre or (post and model.tie_embeddings):
@@ -129,8 +137,9 @@ def _units(root: _Module, unit_numel: int) -> list[tuple[int, int]]:
     return visit(root, True)[0]
 
 
-def unit_sizes(model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int,
-               unit_numel: int = DEFAULT_UNIT_NUMEL) -> list[tuple[int, int]]:
+def unit_sizes(
+    model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int, unit_numel: int = DEFAULT_UNIT_NUMEL
+) -> list[tuple[int, int]]:
     """(numel, aligned numel) of the stage-3 units of pipeline rank `pp_rank`, which
     together hold all its parameters. Chunk c is virtual stage c·pp + pp_rank, with the
     layers `layer_ranges` gives it."""
@@ -156,8 +165,9 @@ class RankParams:
 _RANK_PARAMS: dict[tuple, RankParams] = {}
 
 
-def rank_params(model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int,
-                unit_numel: int = DEFAULT_UNIT_NUMEL) -> RankParams:
+def rank_params(
+    model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int, unit_numel: int = DEFAULT_UNIT_NUMEL
+) -> RankParams:
     """`RankParams` of pipeline rank `pp_rank` (memoized)."""
     key = (*vars(model).values(), tp, pp, virtual_stages, pp_rank, unit_numel)
     if key not in _RANK_PARAMS:
@@ -165,8 +175,11 @@ def rank_params(model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank
         resident = default_resident_numel(unit_numel)
         sharded = sorted((a for raw, a in units if raw >= resident), reverse=True)
         _RANK_PARAMS[key] = RankParams(
-            numel=sum(raw for raw, _ in units), aligned=sum(a for _, a in units),
-            resident=sum(a for raw, a in units if raw < resident), largest_units=sum(sharded[:2]))
+            numel=sum(raw for raw, _ in units),
+            aligned=sum(a for _, a in units),
+            resident=sum(a for raw, a in units if raw < resident),
+            largest_units=sum(sharded[:2]),
+        )
     return _RANK_PARAMS[key]
 
 
@@ -194,8 +207,6 @@ def predict_model_states(model: GPTConfig, layout: Layout, pp_rank: int = 0) -> 
     optimized = psi / (d if stage >= 1 else 1)
     master = 4 * optimized if P < 4 else 0
     return ModelStates(params, grads, master + 8 * optimized)
-
-
 
 
 def layer_activation_bytes(model: GPTConfig, seq_len: int, layout: Layout, recompute: Recompute | None = None) -> float:

@@ -1,4 +1,5 @@
 """Every valid layout of a model on a cluster, estimated, ranked and explained."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,6 @@ from research.model import GPTConfig
 
 if TYPE_CHECKING:
     pass
-
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,15 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def candidate_layouts(model: GPTConfig, cluster: Cluster, global_batch_size: int, seq_len: int,
-                      max_virtual_stages: int = 8, max_micro_batch_size: int = 32,
-                      **fixed: object) -> Iterator[tuple[Layout, tuple[str, str] | None, int]]:
+def candidate_layouts(
+    model: GPTConfig,
+    cluster: Cluster,
+    global_batch_size: int,
+    seq_len: int,
+    max_virtual_stages: int = 8,
+    max_micro_batch_size: int = 32,
+    **fixed: object,
+) -> Iterator[tuple[Layout, tuple[str, str] | None, int]]:
     """Every (tp, pp, dp, v, zero, b, recompute, SP, grad_sync) on `cluster`, tp inside a
     node, b a divisor of `max_micro_batch_size`, interleaved 1F1B when v > 1, grad_sync
     every only where it differs (ZeRO 2-3 with m > 1): (layout, None, 1) when it can run,
@@ -79,9 +85,12 @@ def candidate_layouts(model: GPTConfig, cluster: Cluster, global_batch_size: int
 
     gpus = cluster.gpus
     for tp in choices("tp", [k for k in _divisors(min(gpus, cluster.gpus_per_node)) if gpus % k == 0]):
-        variants = [(zero, recompute, sp) for zero in choices("zero", [0, 1, 2, 3])
-                    for recompute in choices("recompute", ["none", "selective", "full"])
-                    for sp in choices("sequence_parallel", [False, True] if tp > 1 else [False])]
+        variants = [
+            (zero, recompute, sp)
+            for zero in choices("zero", [0, 1, 2, 3])
+            for recompute in choices("recompute", ["none", "selective", "full"])
+            for sp in choices("sequence_parallel", [False, True] if tp > 1 else [False])
+        ]
         for pp in choices("pp", _divisors(gpus // tp)):
             dp = gpus // (tp * pp)
             for v in choices("virtual_stages", list(range(1, (max_virtual_stages if pp > 1 else 1) + 1))):
@@ -97,8 +106,14 @@ def candidate_layouts(model: GPTConfig, cluster: Cluster, global_batch_size: int
                         for grad_sync in choices("grad_sync", _grad_syncs(zero, m)):
                             layout = Layout(tp, pp, dp, zero, v, name, mbs, m, recompute, sp, grad_sync=grad_sync)
                             if layout.sp and seq_len % tp:
-                                yield layout, ("sequence parallelism needs seq_len divisible by tp",
-                                               f"seq_len={seq_len}, tp={tp}"), 1
+                                yield (
+                                    layout,
+                                    (
+                                        "sequence parallelism needs seq_len divisible by tp",
+                                        f"seq_len={seq_len}, tp={tp}",
+                                    ),
+                                    1,
+                                )
                             else:
                                 yield layout, None, 1
 
@@ -108,8 +123,9 @@ def _grad_syncs(zero: int, m: int) -> list[str]:
     return ["last", "every"] if zero >= 2 and m > 1 else ["last"]
 
 
-def _why_invalid(model: GPTConfig, tp: int, pp: int, dp: int, v: int, mbs: int, m: int, schedule_name: str,
-                 global_batch_size: int) -> tuple[str, str] | None:
+def _why_invalid(
+    model: GPTConfig, tp: int, pp: int, dp: int, v: int, mbs: int, m: int, schedule_name: str, global_batch_size: int
+) -> tuple[str, str] | None:
     """(reason, detail) why this split cannot run the model and batch, or None."""
     try:
         model.validate_tp(tp)
@@ -136,8 +152,12 @@ def plan(model: GPTConfig, cluster: Cluster, global_batch_size: int, seq_len: in
             continue
         memory = predict_memory(model, layout, seq_len)
         if memory.total > capacity:
-            result.reject("does not fit in memory", layout,
-                          f"needs {memory.total / GiB:.2f} GiB > {capacity / GiB:.2f} GiB", miss=memory.total)
+            result.reject(
+                "does not fit in memory",
+                layout,
+                f"needs {memory.total / GiB:.2f} GiB > {capacity / GiB:.2f} GiB",
+                miss=memory.total,
+            )
             continue
         result.ranked.append(estimate(model, layout, seq_len, cluster))
     result.ranked.sort(key=lambda e: (e.time.total, e.memory.total, e.layout.zero))

@@ -30,6 +30,7 @@ parameter through HBM.
 Bandwidth of a group that spans nodes: min(intra, k·inter) with k of its GPUs per node
 (NCCL runs k rings through k NICs); p2p across nodes uses one NIC.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,7 +50,6 @@ if TYPE_CHECKING:
 # any value in 0.60-0.70 keeps every row within 15%). Element-wise memory traffic, pipeline
 # bubbles and communication are modelled on their own, not folded into η.
 MATMUL_EFFICIENCY = 0.65
-
 
 
 def forward_flops_per_token(model: GPTConfig, seq_len: int) -> tuple[float, float, float]:

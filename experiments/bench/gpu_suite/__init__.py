@@ -47,6 +47,7 @@ run cut short keeps what it measured. Exit status 1 if a part failed.
 Modules: `runner` (processes, limits, result files), `parts` (the measurements), `report`
 (the markdown); this one holds the list of parts and the command line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,12 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     names = [p.name for p in PARTS]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu-smoke", action="store_true", help="every part on a tiny model on the CPU (CUDA hidden)")
-    p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_suite",
-                   help="folder of the results (default: $OUT if set)")
-    p.add_argument("--budget", type=float, default=None,
-                   help=f"seconds for all parts (default {GPU_BUDGET_S:g}; 240 with --cpu-smoke)")
-    p.add_argument("--config", default="experiments/configs/gpt-1.3b.yaml",
-                   help="the model of mfu, memory and zero_stages")
+    p.add_argument(
+        "--out", default=os.environ.get("OUT") or "runs/gpu_suite", help="folder of the results (default: $OUT if set)"
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help=f"seconds for all parts (default {GPU_BUDGET_S:g}; 240 with --cpu-smoke)",
+    )
+    p.add_argument(
+        "--config", default="experiments/configs/gpt-1.3b.yaml", help="the model of mfu, memory and zero_stages"
+    )
     p.add_argument("--data-cache", default=None, help="token cache of the training command (default: its own)")
     p.add_argument("--parts", nargs="+", choices=names, default=names, help="the parts to run (in the suite's order)")
     args = p.parse_args(argv)
@@ -110,4 +117,3 @@ def main(argv: list[str] | None = None) -> int:
     results = run_suite(parts, ctx, budget, Path(args.out), command)
     print(f"[gpu_suite] {results['seconds']:.0f} s; wrote {args.out}/gpu_suite.json, gpu_suite.md, gpu_suite.log")
     return 1 if any(r["status"] == "failed" for r in results["parts"].values()) else 0
-

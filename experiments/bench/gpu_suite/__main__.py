@@ -1,4 +1,5 @@
 """`python -m experiments.bench.gpu_suite`."""
+
 import sys
 
 from experiments.bench.gpu_suite import main

@@ -1,4 +1,5 @@
 """The suite's parts: each takes a `Context` and returns its numbers with a `status`."""
+
 from __future__ import annotations
 
 import functools
@@ -55,8 +56,9 @@ def _model_config(cfg: RunConfig) -> GPTConfig:
 
 def _describe(cfg: RunConfig) -> str:
     mc = _model_config(cfg)
-    return (f"{mc.n_layers} layers, d_model {mc.d_model}, {mc.num_params() / 1e6:,.1f}M parameters, "
-            f"{cfg.train.precision}")
+    return (
+        f"{mc.n_layers} layers, d_model {mc.d_model}, {mc.num_params() / 1e6:,.1f}M parameters, {cfg.train.precision}"
+    )
 
 
 def _build_model(cfg: RunConfig, device: torch.device) -> GPT:
@@ -72,8 +74,13 @@ def _build_ours(cfg: RunConfig, device: torch.device) -> tuple[GPT, ZeroOptimize
 
 def _tokens(cfg: RunConfig, batch: int, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Random (ids, labels) [batch, seq] (what the numbers are does not change time or memory)."""
-    x = torch.randint(0, _model_config(cfg).vocab_size, (batch, seq + 1), device=device,
-                      generator=torch.Generator(device).manual_seed(0))
+    x = torch.randint(
+        0,
+        _model_config(cfg).vocab_size,
+        (batch, seq + 1),
+        device=device,
+        generator=torch.Generator(device).manual_seed(0),
+    )
     return x[:, :-1], x[:, 1:]
 
 
@@ -119,14 +126,23 @@ def _cpu_name() -> str:
 def environment(ctx: Context) -> dict[str, Any]:
     """The machine, its software, and its copy bandwidth and matmul rate measured here."""
     device = ctx.device
-    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                            "triton": _version("triton"), "cpu_cores": os.cpu_count()}
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "cpu_cores": os.cpu_count(),
+    }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         nccl = torch.cuda.nccl.version()
-        info.update(device=props.name, memory_gib=props.total_memory / GiB, sms=props.multi_processor_count,
-                    capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda,
-                    nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl))
+        info.update(
+            device=props.name,
+            memory_gib=props.total_memory / GiB,
+            sms=props.multi_processor_count,
+            capability=f"{props.major}.{props.minor}",
+            cuda=torch.version.cuda,
+            nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
+        )
         copy_bytes, n, dtype = 2 * GiB, 8192, torch.bfloat16
     else:
         info.update(device=_cpu_name(), memory_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB)
@@ -138,10 +154,17 @@ def environment(ctx: Context) -> dict[str, Any]:
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     matmul_s = timed(lambda: a @ b, device, 20)
     peak = metrics.peak_flops(device, dtype)
-    return {"status": "ok", **info, "copy_bytes": copy_bytes, "copy_gbs": 2 * copy_bytes / copy_s / 1e9,
-            "datasheet_gbs": fused_step_bandwidth.hbm_peak(device), "matmul_n": n,
-            "matmul_dtype": str(dtype).removeprefix("torch."), "matmul_tflops": 2 * n**3 / matmul_s / 1e12,
-            "datasheet_tflops": peak / 1e12 if peak else None}
+    return {
+        "status": "ok",
+        **info,
+        "copy_bytes": copy_bytes,
+        "copy_gbs": 2 * copy_bytes / copy_s / 1e9,
+        "datasheet_gbs": fused_step_bandwidth.hbm_peak(device),
+        "matmul_n": n,
+        "matmul_dtype": str(dtype).removeprefix("torch."),
+        "matmul_tflops": 2 * n**3 / matmul_s / 1e12,
+        "datasheet_tflops": peak / 1e12 if peak else None,
+    }
 
 
 PYTEST = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider"]
@@ -172,8 +195,12 @@ def cuda_tests(ctx: Context) -> dict[str, Any]:
         output, rc = _text(e.stdout) + _text(e.stderr), None
     print(output)
     counts = _pytest_counts(output)
-    result = {"command": " ".join(["python", *PYTEST[1:]]), "returncode": rc, **counts,
-              "tail": output.strip().splitlines()[-40:]}
+    result = {
+        "command": " ".join(["python", *PYTEST[1:]]),
+        "returncode": rc,
+        **counts,
+        "tail": output.strip().splitlines()[-40:],
+    }
     if rc is None:
         return {**result, "status": "failed", "reason": f"pytest did not finish within {timeout:.0f} s"}
     if rc not in (0, 5) or counts["failed"] or counts["errors"]:  # 5: no test selected
@@ -195,30 +222,46 @@ def fused_step(ctx: Context) -> dict[str, Any]:
         r["time_vs_adamw"] = r["seconds"] / rows[0]["seconds"]
     picked = fused.pick_backend(device)
     of_copy = next(r["of_copy"] for r in rows if r["backend"] == picked)
-    return {"status": "ok", "numel": n, "copy_gbs": copy, "picked_backend": picked, "rows": rows,
-            "goal": _goal(of_copy, ">=", 0.85)}
+    return {
+        "status": "ok",
+        "numel": n,
+        "copy_gbs": copy,
+        "picked_backend": picked,
+        "rows": rows,
+        "goal": _goal(of_copy, ">=", 0.85),
+    }
 
 
 def mfu(ctx: Context) -> dict[str, Any]:
     """The training command and the plain loop through `gpu_mfu.main`."""
-    argv = ["--config", ctx.config, *(["--quick", "--steps", "2", "--warmup", "1"] if ctx.smoke else
-                                      ["--steps", "10", "--warmup", "3"])]
+    argv = [
+        "--config",
+        ctx.config,
+        *(["--quick", "--steps", "2", "--warmup", "1"] if ctx.smoke else ["--steps", "10", "--warmup", "3"]),
+    ]
     if ctx.data_cache:
         argv += ["--data-cache", ctx.data_cache]
     r = gpu_mfu.main(argv)
     matmul = ctx.earlier.get("environment", {}).get("matmul_tflops")
-    rows = [{"loop": name, **r[name], "of_matmul": r[name]["tflops_per_device"] / matmul if matmul else None}
-            for name in ("ours", "plain")]
-    return {"status": "ok", "argv": argv, "rows": rows, "matmul_tflops": matmul,
-            "goals": {"mfu": _goal(r["ours"]["mfu"], ">=", 0.5),
-                      "ours_vs_plain": _goal(r["ratio_step_time"], "<=", 1.03)}}
+    rows = [
+        {"loop": name, **r[name], "of_matmul": r[name]["tflops_per_device"] / matmul if matmul else None}
+        for name in ("ours", "plain")
+    ]
+    return {
+        "status": "ok",
+        "argv": argv,
+        "rows": rows,
+        "matmul_tflops": matmul,
+        "goals": {"mfu": _goal(r["ours"]["mfu"], ">=", 0.5), "ours_vs_plain": _goal(r["ratio_step_time"], "<=", 1.03)},
+    }
 
 
 RECOMPUTE = ("none", "selective", "full")
 
 
-def _forward_backward_bytes(model: GPT, opt: ZeroOptimizer, batch: tuple[torch.Tensor, torch.Tensor],
-                            device: torch.device) -> tuple[int | None, int]:
+def _forward_backward_bytes(
+    model: GPT, opt: ZeroOptimizer, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device
+) -> tuple[int | None, int]:
     """(CUDA peak allocated during one forward + backward minus what was allocated before
     it, None on the CPU; peak bytes saved for backward)."""
     before = _allocated(device)
@@ -237,8 +280,15 @@ def _forward_backward_bytes(model: GPT, opt: ZeroOptimizer, batch: tuple[torch.T
 def memory(ctx: Context) -> dict[str, Any]:
     """Measured model states and activations next to the planner's prediction."""
     device = ctx.device
-    base = ["--config", ctx.config, *(gpu_mfu.QUICK if ctx.smoke else []), "--micro-batch-size", "1",
-            "--global-batch-size", "1"]
+    base = [
+        "--config",
+        ctx.config,
+        *(gpu_mfu.QUICK if ctx.smoke else []),
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+    ]
     seq_lens = (32, 64) if ctx.smoke else (1024, 2048)
     _single_process_group()
     rows = []
@@ -256,15 +306,20 @@ def memory(ctx: Context) -> dict[str, Any]:
             cfg_s = parse_run_args([*argv, "--seq-len", str(seq)], 1)
             predicted = predict_memory(_model_config(cfg_s), Layout.from_run_config(cfg_s), seq)
             acts_cuda, acts_saved = _forward_backward_bytes(model, opt, _tokens(cfg, 1, seq, device), device)
-            rows.append({
-                "seq_len": seq, "recompute": recompute,
-                "states_cuda": states_cuda, "states_tensors": states_tensors,
-                "states_predicted": predicted.model_states.total,
-                "activations_cuda": acts_cuda, "activations_saved": acts_saved,
-                "activations_predicted": predicted.activations,
-                "peak_cuda": None if acts_cuda is None else states_cuda + acts_cuda,
-                "peak_predicted": predicted.total - RESERVED_BYTES,
-            })
+            rows.append(
+                {
+                    "seq_len": seq,
+                    "recompute": recompute,
+                    "states_cuda": states_cuda,
+                    "states_tensors": states_tensors,
+                    "states_predicted": predicted.model_states.total,
+                    "activations_cuda": acts_cuda,
+                    "activations_saved": acts_saved,
+                    "activations_predicted": predicted.activations,
+                    "peak_cuda": None if acts_cuda is None else states_cuda + acts_cuda,
+                    "peak_predicted": predicted.total - RESERVED_BYTES,
+                }
+            )
         del model, opt
         _free(device)
     return {"status": "ok", "model": f"{_describe(cfg)}, ZeRO stage {cfg.parallel.zero}, micro-batch 1", "rows": rows}
@@ -276,8 +331,9 @@ def _step_fns(method: str, cfg: RunConfig, device: torch.device) -> tuple[Callab
     clip = tr.clip_grad or math.inf
     if method == "plain":
         model = _build_model(cfg, device)
-        opt = torch.optim.AdamW(weight_decay_groups(model, tr.weight_decay), lr=tr.lr, betas=(tr.beta1, tr.beta2),
-                                eps=tr.eps, fused=True)
+        opt = torch.optim.AdamW(
+            weight_decay_groups(model, tr.weight_decay), lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps, fused=True
+        )
         dtype = DTYPES[tr.precision]
 
         def forward_backward(ids: torch.Tensor, labels: torch.Tensor) -> None:
@@ -289,6 +345,7 @@ def _step_fns(method: str, cfg: RunConfig, device: torch.device) -> tuple[Callab
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
+
         return forward_backward, step
 
     model, zero = _build_ours(cfg, device)
@@ -300,14 +357,22 @@ def _step_fns(method: str, cfg: RunConfig, device: torch.device) -> tuple[Callab
         zero.clip_grad_norm_(clip)
         zero.step()
         zero.zero_grad()
+
     return forward_backward, step
 
 
 def zero_stages(ctx: Context) -> dict[str, Any]:
     """Step times of ZeroOptimizer stages 0-3 and of the plain loop at world size 1."""
     device = ctx.device
-    argv = ["--config", ctx.config, *(gpu_mfu.QUICK if ctx.smoke else []), "--micro-batch-size", "4",
-            "--global-batch-size", "4"]
+    argv = [
+        "--config",
+        ctx.config,
+        *(gpu_mfu.QUICK if ctx.smoke else []),
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "4",
+    ]
     warmup, steps = (1, 2) if ctx.smoke else (2, 5)
     _single_process_group()
     rows = []
@@ -325,13 +390,23 @@ def zero_stages(ctx: Context) -> dict[str, Any]:
             if i >= warmup:
                 fb_s.append(t1 - t0)
                 step_s.append(t2 - t1)
-        rows.append({"method": method, "fwd_bwd_ms": 1e3 * median(fb_s), "step_ms": 1e3 * median(step_s),
-                     "total_ms": 1e3 * median([a + b for a, b in zip(fb_s, step_s)])})
+        rows.append(
+            {
+                "method": method,
+                "fwd_bwd_ms": 1e3 * median(fb_s),
+                "step_ms": 1e3 * median(step_s),
+                "total_ms": 1e3 * median([a + b for a, b in zip(fb_s, step_s)]),
+            }
+        )
         del forward_backward, step
         _free(device)
     for r in rows:
         r["total_vs_plain"] = r["total_ms"] / rows[0]["total_ms"]
         r["step_vs_plain"] = r["step_ms"] / rows[0]["step_ms"]
-    return {"status": "ok", "model": f"{_describe(cfg)}, 4 x {cfg.data.seq_len} tokens per step", "warmup": warmup,
-            "steps": steps, "rows": rows}
-
+    return {
+        "status": "ok",
+        "model": f"{_describe(cfg)}, 4 x {cfg.data.seq_len} tokens per step",
+        "warmup": warmup,
+        "steps": steps,
+        "rows": rows,
+    }

@@ -1,4 +1,5 @@
 """gpu_suite.md: a header, a summary table and one table per part, ready for docs/benchmarks.md."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -44,10 +45,22 @@ def _verdict(goal: dict[str, Any]) -> str:
 
 
 def environment_md(r: dict[str, Any]) -> str:
-    rows = [["copy bandwidth (read + write), GB/s", f"{r['copy_bytes'] / MiB:,.0f} MiB copy",
-             _num(r["copy_gbs"], ".0f"), _num(r["datasheet_gbs"], ".0f"), _ratio(r["copy_gbs"], r["datasheet_gbs"])],
-            [f"{r['matmul_dtype']} matmul, TFLOP/s", f"{r['matmul_n']}³", _num(r["matmul_tflops"], ".3g"),
-             _num(r["datasheet_tflops"], ".1f"), _ratio(r["matmul_tflops"], r["datasheet_tflops"])]]
+    rows = [
+        [
+            "copy bandwidth (read + write), GB/s",
+            f"{r['copy_bytes'] / MiB:,.0f} MiB copy",
+            _num(r["copy_gbs"], ".0f"),
+            _num(r["datasheet_gbs"], ".0f"),
+            _ratio(r["copy_gbs"], r["datasheet_gbs"]),
+        ],
+        [
+            f"{r['matmul_dtype']} matmul, TFLOP/s",
+            f"{r['matmul_n']}³",
+            _num(r["matmul_tflops"], ".3g"),
+            _num(r["datasheet_tflops"], ".1f"),
+            _ratio(r["matmul_tflops"], r["datasheet_tflops"]),
+        ],
+    ]
     return format_table(["ceiling", "measured on", "measured", "datasheet", "measured / datasheet"], rows)
 
 
@@ -58,49 +71,106 @@ def cuda_tests_md(r: dict[str, Any]) -> str:
 
 
 def fused_step_md(r: dict[str, Any]) -> str:
-    rows = [[x["label"], f"{1e3 * x['seconds']:.2f}", x["bytes_per_element"], f"{x['gbs']:.1f}", _pct(x["of_copy"]),
-             f"{x['time_vs_adamw']:.3f}", _verdict(r["goal"]) if x["backend"] == r["picked_backend"] else "-"]
-            for x in r["rows"]]
+    rows = [
+        [
+            x["label"],
+            f"{1e3 * x['seconds']:.2f}",
+            x["bytes_per_element"],
+            f"{x['gbs']:.1f}",
+            _pct(x["of_copy"]),
+            f"{x['time_vs_adamw']:.3f}",
+            _verdict(r["goal"]) if x["backend"] == r["picked_backend"] else "-",
+        ]
+        for x in r["rows"]
+    ]
     headers = ["step", "ms", "B/element", "GB/s", "of copy bandwidth", "time / AdamW(fused)", "goal"]
-    return (f"{r['numel']:,} elements, bf16 gradients and parameter copies; copy bandwidth "
-            f"{_num(r['copy_gbs'], '.0f')} GB/s; ZeroOptimizer picks `{r['picked_backend']}`.\n\n"
-            + format_table(headers, rows))
+    return (
+        f"{r['numel']:,} elements, bf16 gradients and parameter copies; copy bandwidth "
+        f"{_num(r['copy_gbs'], '.0f')} GB/s; ZeroOptimizer picks `{r['picked_backend']}`.\n\n"
+        + format_table(headers, rows)
+    )
 
 
 def mfu_md(r: dict[str, Any]) -> str:
-    rows = [[x["loop"], f"{x['step_time_s']:.4f}", f"{x['tokens_per_s']:,.0f}", f"{x['tflops_per_device']:.3g}",
-             _pct(x["mfu"]), _pct(x["of_matmul"]), _verdict(r["goals"]["mfu"]) if x["loop"] == "ours" else "-"]
-            for x in r["rows"]]
+    rows = [
+        [
+            x["loop"],
+            f"{x['step_time_s']:.4f}",
+            f"{x['tokens_per_s']:,.0f}",
+            f"{x['tflops_per_device']:.3g}",
+            _pct(x["mfu"]),
+            _pct(x["of_matmul"]),
+            _verdict(r["goals"]["mfu"]) if x["loop"] == "ours" else "-",
+        ]
+        for x in r["rows"]
+    ]
     ratio = r["goals"]["ours_vs_plain"]
-    return (format_table(["loop", "step s", "tokens/s", "TFLOP/s", "MFU", "of measured matmul", "goal (MFU)"], rows)
-            + f"\n\nStep time ours / plain: {ratio['value']:.3f} (goal {_verdict(ratio)}); "
-            f"`python -m experiments.bench.gpu_mfu {' '.join(r['argv'])}`.")
+    return (
+        format_table(["loop", "step s", "tokens/s", "TFLOP/s", "MFU", "of measured matmul", "goal (MFU)"], rows)
+        + f"\n\nStep time ours / plain: {ratio['value']:.3f} (goal {_verdict(ratio)}); "
+        f"`python -m experiments.bench.gpu_mfu {' '.join(r['argv'])}`."
+    )
 
 
 def memory_md(r: dict[str, Any]) -> str:
-    rows = [[x["seq_len"], x["recompute"],
-             _mib(x["states_cuda"]), _mib(x["states_tensors"]), _mib(x["states_predicted"]),
-             _ratio(x["states_cuda"] or x["states_tensors"], x["states_predicted"]),
-             _mib(x["activations_cuda"]), _mib(x["activations_saved"]), _mib(x["activations_predicted"]),
-             _ratio(x["activations_cuda"], x["activations_predicted"]),
-             _ratio(x["activations_saved"], x["activations_predicted"]),
-             _mib(x["peak_cuda"]), _mib(x["peak_predicted"]), _ratio(x["peak_cuda"], x["peak_predicted"])]
-            for x in r["rows"]]
-    headers = ["seq", "recompute", "states CUDA", "states tensors", "states planner", "ratio", "acts CUDA peak",
-               "acts saved", "acts planner", "ratio CUDA", "ratio saved", "peak CUDA", "peak planner", "ratio"]
-    return (f"{r['model']}. MiB; ratios are measured / planner (states: CUDA, else tensors). \"acts saved\": "
-            "the bytes saved for backward, which under full recompute leave out the layer recomputed in backward "
-            f"(the planner counts it); the planner's peak leaves out its {RESERVED_BYTES / GiB:g} GiB reserve for "
-            "the CUDA context and workspaces.\n\n"
-            + format_table(headers, rows))
+    rows = [
+        [
+            x["seq_len"],
+            x["recompute"],
+            _mib(x["states_cuda"]),
+            _mib(x["states_tensors"]),
+            _mib(x["states_predicted"]),
+            _ratio(x["states_cuda"] or x["states_tensors"], x["states_predicted"]),
+            _mib(x["activations_cuda"]),
+            _mib(x["activations_saved"]),
+            _mib(x["activations_predicted"]),
+            _ratio(x["activations_cuda"], x["activations_predicted"]),
+            _ratio(x["activations_saved"], x["activations_predicted"]),
+            _mib(x["peak_cuda"]),
+            _mib(x["peak_predicted"]),
+            _ratio(x["peak_cuda"], x["peak_predicted"]),
+        ]
+        for x in r["rows"]
+    ]
+    headers = [
+        "seq",
+        "recompute",
+        "states CUDA",
+        "states tensors",
+        "states planner",
+        "ratio",
+        "acts CUDA peak",
+        "acts saved",
+        "acts planner",
+        "ratio CUDA",
+        "ratio saved",
+        "peak CUDA",
+        "peak planner",
+        "ratio",
+    ]
+    return (
+        f'{r["model"]}. MiB; ratios are measured / planner (states: CUDA, else tensors). "acts saved": '
+        "the bytes saved for backward, which under full recompute leave out the layer recomputed in backward "
+        f"(the planner counts it); the planner's peak leaves out its {RESERVED_BYTES / GiB:g} GiB reserve for "
+        "the CUDA context and workspaces.\n\n" + format_table(headers, rows)
+    )
 
 
 def zero_stages_md(r: dict[str, Any]) -> str:
-    rows = [[x["method"], f"{x['fwd_bwd_ms']:.2f}", f"{x['step_ms']:.2f}", f"{x['total_ms']:.2f}",
-             f"{x['total_vs_plain']:.3f}", f"{x['step_vs_plain']:.3f}"] for x in r["rows"]]
-    return (f"{r['model']}; medians of {r['steps']} steps after {r['warmup']}.\n\n"
-            + format_table(["optimizer", "fwd+bwd ms", "clip+step+zero_grad ms", "total ms", "total / plain",
-                            "step / plain"], rows))
+    rows = [
+        [
+            x["method"],
+            f"{x['fwd_bwd_ms']:.2f}",
+            f"{x['step_ms']:.2f}",
+            f"{x['total_ms']:.2f}",
+            f"{x['total_vs_plain']:.3f}",
+            f"{x['step_vs_plain']:.3f}",
+        ]
+        for x in r["rows"]
+    ]
+    return f"{r['model']}; medians of {r['steps']} steps after {r['warmup']}.\n\n" + format_table(
+        ["optimizer", "fwd+bwd ms", "clip+step+zero_grad ms", "total ms", "total / plain", "step / plain"], rows
+    )
 
 
 def _header(results: dict[str, Any]) -> list[str]:
@@ -109,24 +179,37 @@ def _header(results: dict[str, Any]) -> list[str]:
         machine = f"{env['device']}, {env['memory_gib']:.1f} GiB"
         if "sms" in env:
             machine += f", {env['sms']} SMs, compute capability {env['capability']}"
-        software = (f"torch {env['torch']}" + (f" (CUDA {env['cuda']}, NCCL {env['nccl']})" if "cuda" in env else "")
-                    + f", triton {env['triton'] or '-'}, Python {env['python']}")
+        software = (
+            f"torch {env['torch']}"
+            + (f" (CUDA {env['cuda']}, NCCL {env['nccl']})" if "cuda" in env else "")
+            + f", triton {env['triton'] or '-'}, Python {env['python']}"
+        )
         machine += f"; {env['cpu_cores']} CPU cores"
     else:
         machine, software = "unknown (the environment part did not run)", f"torch {torch.__version__}"
-    lines = [f"### GPU suite, {results['date'][:10]}: {machine.split(',')[0]}", "",
-             f"- command: `{results['command']}`", f"- machine: {machine}", f"- software: {software}"]
+    lines = [
+        f"### GPU suite, {results['date'][:10]}: {machine.split(',')[0]}",
+        "",
+        f"- command: `{results['command']}`",
+        f"- machine: {machine}",
+        f"- software: {software}",
+    ]
     if results.get("commit"):
         lines.append(f"- commit: {results['commit']}")
-    lines.append(f"- time: {results.get('seconds', 0):.0f} s of a {results['budget_s']:.0f} s budget"
-                 + (" (--cpu-smoke: tiny models on the CPU)" if results["smoke"] else ""))
+    lines.append(
+        f"- time: {results.get('seconds', 0):.0f} s of a {results['budget_s']:.0f} s budget"
+        + (" (--cpu-smoke: tiny models on the CPU)" if results["smoke"] else "")
+    )
     return lines
 
 
 def markdown(results: dict[str, Any], parts: list[Part]) -> str:
     """The header, a summary table, then one section per part (its table when ok)."""
-    summary = [[p.name, r["status"], f"{r.get('seconds', 0):.1f}", r.get("limit_s", "-"), note(r)]
-               for p in parts if (r := results["parts"].get(p.name))]
+    summary = [
+        [p.name, r["status"], f"{r.get('seconds', 0):.1f}", r.get("limit_s", "-"), note(r)]
+        for p in parts
+        if (r := results["parts"].get(p.name))
+    ]
     lines = [*_header(results), "", format_table(["part", "status", "seconds", "limit s", "note"], summary)]
     for p in parts:
         r = results["parts"].get(p.name)

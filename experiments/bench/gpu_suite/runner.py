@@ -1,5 +1,6 @@
 """Runs the suite's parts: each in a fresh process under its time limit, failing softly;
 the result files rewritten after every part."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,8 +58,11 @@ def _failure(e: BaseException) -> dict[str, Any]:
     lines = traceback.format_exc().rstrip().splitlines()
     print("\n".join(lines), file=sys.stderr)
     message = str(e).strip().splitlines()
-    return {"status": "failed", "error": f"{type(e).__name__}: {message[0] if message else ''}",
-            "traceback": lines[-15:]}
+    return {
+        "status": "failed",
+        "error": f"{type(e).__name__}: {message[0] if message else ''}",
+        "traceback": lines[-15:],
+    }
 
 
 def _child(run: Callable[[Context], dict[str, Any]], ctx: Context, log: str, conn: Connection) -> None:
@@ -120,12 +124,18 @@ def run_suite(parts: list[Part], ctx: Context, budget_s: float, out: Path, comma
     log = out / "gpu_suite.log"
     log.write_text("")
     _CTX.set_forkserver_preload(["torch"])
-    results: dict[str, Any] = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "commit": _commit(), "smoke": ctx.smoke, "budget_s": budget_s, "parts": {}}
+    results: dict[str, Any] = {
+        "command": command,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "smoke": ctx.smoke,
+        "budget_s": budget_s,
+        "parts": {},
+    }
     start = time.monotonic()
     scale = budget_s / GPU_BUDGET_S
     for i, part in enumerate(parts):
-        reserved = scale * sum(p.budget_s for p in parts[i + 1:])  # what the later parts are promised
+        reserved = scale * sum(p.budget_s for p in parts[i + 1 :])  # what the later parts are promised
         limit = budget_s - (time.monotonic() - start) - reserved
         if limit < MIN_PART_S:
             result = {"status": "skipped", "reason": f"the suite's budget is spent ({limit:.0f} s left for this part)"}
@@ -133,22 +143,30 @@ def run_suite(parts: list[Part], ctx: Context, budget_s: float, out: Path, comma
             result = run_part(part, dataclasses.replace(ctx, limit_s=limit, earlier=dict(results["parts"])), log)
         results["parts"][part.name] = result
         results["seconds"] = round(time.monotonic() - start, 1)
-        print(f"[gpu_suite] {part.name}: {result['status']} ({result.get('seconds', 0):.1f} s) {note(result)}",
-              flush=True)
+        print(
+            f"[gpu_suite] {part.name}: {result['status']} ({result.get('seconds', 0):.1f} s) {note(result)}", flush=True
+        )
         write_results(results, parts, out)
     return results
 
 
 def _commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
-
 
 
 def write_results(results: dict[str, Any], parts: list[Part], out: Path) -> None:
     (out / "gpu_suite.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "gpu_suite.md").write_text(markdown(results, parts))
-
