@@ -19,7 +19,8 @@ import json
 import math
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -146,9 +147,8 @@ class Trainer:
             par.schedule,
             tr.micro_batches,
             dims.pp_group,
-            no_sync=self.opt.no_sync,
-            scale_loss=self.opt.scale_loss,
-            sync_chunk=self.opt.sync_only if par.grad_sync == "every" else None,
+            optimizer=self.opt,
+            grad_sync=par.grad_sync,
         )
         seq = cfg.data.seq_len // (dims.tp if par.sequence_parallel and dims.tp > 1 else 1)
         self.activation_shape = (seq, tr.micro_batch_size, cfg.model.d_model)
@@ -355,7 +355,7 @@ def _keep_metrics_before(path: str, start_step: int) -> None:
 def _merge(total: dict, step_log: dict) -> None:
     for group, ops in step_log.items():
         for op, entry in ops.items():
-            into = total.setdefault(group, {}).setdefault(op, {k: 0 for k in entry})
+            into = total.setdefault(group, {}).setdefault(op, dict.fromkeys(entry, 0))
             for k, v in entry.items():
                 into[k] += v
 
@@ -364,7 +364,7 @@ def _device() -> torch.device:
     """One GPU per rank (LOCAL_RANK) when CUDA is there, else the CPU (torchrun gives each
     process OMP_NUM_THREADS=1 unless told otherwise)."""
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")

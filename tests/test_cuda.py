@@ -488,7 +488,7 @@ def pipeline_losses(device: str) -> list[float] | None:
         lr=3e-3,
         eps=1e-6,
     )
-    executor = PipelineExecutor(chunks, "1f1b", M, dims.pp_group, no_sync=opt.no_sync)
+    executor = PipelineExecutor(chunks, "1f1b", M, dims.pp_group, optimizer=opt)
     losses = []
     for ids, labels in batches(3, M * MB, CONFIG.max_seq_len, CONFIG.vocab_size):
         loss = executor.run(

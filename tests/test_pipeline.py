@@ -70,7 +70,7 @@ def train_pipeline(schedule: str, virtual_stages: int, stage: int) -> tuple[list
         bucket_numel=3000,
         unit_numel=2000,
     )
-    executor = PipelineExecutor(chunks, schedule, M, dims.pp_group, no_sync=opt.no_sync)
+    executor = PipelineExecutor(chunks, schedule, M, dims.pp_group, optimizer=opt)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     losses, norms = [], []
     for ids, labels in batches():
@@ -119,7 +119,7 @@ def test_pipeline_matches_single_process(pp: int, schedule: str, v: int, stage: 
 
 
 def test_layer_ranges() -> None:
-    assert layer_ranges(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert layer_ranges(8, 4) == [range(2), range(2, 4), range(4, 6), range(6, 8)]
     with pytest.raises(ValueError, match="7 layers do not split evenly into 4 pipeline stages"):
         layer_ranges(7, 4)
     uneven = layer_ranges(10, 4, allow_uneven=True)
@@ -146,7 +146,7 @@ def train_3d(stage: int) -> tuple[list[float | None], list[float], dict]:
         bucket_numel=3000,
         unit_numel=1000,
     )
-    executor = PipelineExecutor(chunks, "1f1b", M, dims.pp_group, no_sync=opt.no_sync)
+    executor = PipelineExecutor(chunks, "1f1b", M, dims.pp_group, optimizer=opt)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     mb = MB // dims.dp
     losses, norms = [], []
@@ -265,18 +265,26 @@ def train_fp16_pipeline(overflow_at: int | None) -> tuple[list, list[float], lis
         loss_scaler=DynamicLossScaler(init_scale=2.0**10, hysteresis=1),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
-    poison = {"on": False}
-    executor = PipelineExecutor(
-        chunks,
-        "1f1b",
-        M,
-        dims.pp_group,
-        no_sync=opt.no_sync,
-        scale_loss=lambda loss: opt.scale_loss(loss) * (float("inf") if poison["on"] else 1.0),
-    )
+
+    class PoisonedLossScale:
+        """`opt` as the executor sees it, with an infinite loss scale while `on`."""
+
+        on = False
+
+        def no_sync(self):
+            return opt.no_sync()
+
+        def sync_only(self, module):
+            return opt.sync_only(module)
+
+        def scale_loss(self, loss):
+            return opt.scale_loss(loss) * (float("inf") if self.on else 1.0)
+
+    poison = PoisonedLossScale()
+    executor = PipelineExecutor(chunks, "1f1b", M, dims.pp_group, optimizer=poison)
     losses, scales, changed = [], [], []
     for step, (ids, labels) in enumerate(batches()):
-        poison["on"] = step == overflow_at
+        poison.on = step == overflow_at
         before = {k: v.clone() for k, v in opt.full_state_dict().items()}
         loss = executor.run(
             [ids[i * MB : (i + 1) * MB] for i in range(M)],
