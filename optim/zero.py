@@ -15,12 +15,15 @@ concatenated batch. A parameter with no gradient on any rank in a step (unused i
 frozen, its `.grad` cleared) is not stepped: no update, no weight decay, no step count; each
 parameter keeps its own step count, as torch's per-parameter state does. The inner optimizer
 must be elementwise, so that it is exact on flat shards.
+
+The hooks that do a step's work, in firing order, are mapped in docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -400,7 +403,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             "params": size(
                 [b.param_buffer for b in self.buckets]
                 + [b.param_shard for b in self.buckets]
-                + [p for p in self.model.parameters()]
+                + list(self.model.parameters())
             ),
             "grads": size([b.grad_buffer for b in self.buckets] + [b.grad_shard for b in self.buckets]),
             "master": size([b.master for b in self.buckets]),
