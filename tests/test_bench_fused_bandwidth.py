@@ -21,6 +21,7 @@ def test_fused_step_bandwidth_smoke_on_cpu() -> None:
         text=True,
         timeout=110,
         cwd=ROOT,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("torch.optim.AdamW", "zero3d"))]

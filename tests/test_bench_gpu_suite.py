@@ -3,7 +3,7 @@ GPU suite runs on a tiny model with CUDA hidden, and both result files are writt
 
 The parts that measure something on a CPU (environment, fused_step, mfu, memory,
 zero_stages) must be ok; `pytest -m cuda` can only skip there (or pass, were a test to run
-without CUDA). ~20-40 s on a 2-core machine; ZERO3D_SKIP_BENCH=1 skips it.
+without CUDA). ZERO3D_SKIP_BENCH=1 skips it.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@
 Runs the real command in a subprocess (it launches its own rank processes) and checks that
 the table has a row for every (schedule, m) with finite numbers, that the JSON agrees, that
 our executor and torch.distributed.pipelining computed the same losses, and that the
-measured timeline PNG is written. ~35-45 s on a 2-core machine. Set ZERO3D_SKIP_BENCH=1 to
-skip it.
+measured timeline PNG is written. Set ZERO3D_SKIP_BENCH=1 to skip it.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Runs the real command in a subprocess (it launches its own rank processes) and checks
 that every method and every ratio is in the printed table and the JSON, with finite
-numbers, and that all methods trained the same thing (fp32 losses agree). It takes
-~15-35 s on a 2-core machine, so it is part of the default suite; its timeout keeps a
-slow or stuck run from holding the suite. Set ZERO3D_SKIP_BENCH=1 to skip it.
+numbers, and that all methods trained the same thing (fp32 losses agree). It is part of
+the default suite; its timeout keeps a slow or stuck run from holding the suite. Set
+ZERO3D_SKIP_BENCH=1 to skip it.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Every CPU benchmark against PyTorch's own implementations, in one command, with one
 table of ratios measured in this run (ours / theirs: < 1 means ours is faster).
 
-    python -m experiments.bench                      # ~5 min on 2 cores
+    python -m experiments.bench                      # both benchmarks with their defaults
     python -m experiments.bench --json bench.json    # also write every number
 
 Runs `zero_vs_torch` (ZeroOptimizer stages 0-3 against DDP, DDP + ZeroRedundancyOptimizer
 and FSDP2 on 2 and 4 gloo ranks) and `pipeline_bubble` (our PipelineExecutor against
 torch.distributed.pipelining's 1F1B and interleaved 1F1B on 4 ranks), each with its
-default settings; see their docstrings for the method. The machine is assumed noisy:
-implementations alternate step by step and ratios are of medians.
+default settings (their `--help` describes the method). The machine is assumed noisy:
+implementations alternate step by step and ratios are of medians. Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from experiments.bench import pipeline_bubble, zero_vs_torch
-from experiments.bench.common import finish, format_table
+from experiments.bench.common import HelpFormatter, finish, format_table
 
 
 def ratio_rows(zero: dict, pipe: dict) -> list[list[str]]:
@@ -41,8 +41,8 @@ def ratio_rows(zero: dict, pipe: dict) -> list[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke run of both benchmarks (~1 min)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run of both benchmarks")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     quick = ["--quick"] if args.quick else []

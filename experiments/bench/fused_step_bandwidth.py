@@ -8,16 +8,17 @@ low-precision parameter copy: n·(g + 4·2·3 + p) bytes (28 per element with bf
 bf16 params). Effective bandwidth = bytes / median step time, next to
 `torch.optim.AdamW(fused=True)` on an fp32 parameter of the same size (28 bytes per element:
 p, g, m, v read, p, m, v written) in the same run, and to the card's HBM peak where known.
+Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
-import argparse
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
-from experiments.bench.common import timed
+from experiments.bench.common import arg, config_from, config_parser, timed
 from optim import fused
 
 # HBM peak bandwidth in GB/s by device-name fragment (vendor data sheets).
@@ -30,6 +31,13 @@ HBM_PEAK_GBS = {
     "A100 80GB PCIe": 1935.0,
     "A100": 1555.0,
 }
+
+
+@dataclass
+class Config:
+    numel: float | None = arg(None, "shard elements (None: 1e9 on a GPU, 4e6 on the CPU)")
+    grad_dtype: Literal["bf16", "fp32"] = arg("bf16", "dtype of the gradient read by the step")
+    repeats: int = arg(20, "timed steps (the median is reported)")
 
 
 def hbm_peak(device: torch.device) -> float | None:
@@ -103,12 +111,8 @@ def measure(n: int, grad_dtype: torch.dtype, device: torch.device, repeats: int)
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--numel", type=float, default=None, help="shard elements (default: 1e9 on GPU, 4e6 on CPU)")
-    ap.add_argument("--grad-dtype", choices=["bf16", "fp32"], default="bf16")
-    ap.add_argument("--repeats", type=int, default=20)
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = config_from(Config, config_parser(Config, __doc__).parse_args(argv))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n = int(args.numel or (1e9 if device.type == "cuda" else 4e6))
     grad_dtype = torch.bfloat16 if args.grad_dtype == "bf16" else torch.float32

@@ -14,21 +14,24 @@ plain   `research.model.GPT` (the same modules, so the same attention kernel:
 Both count model FLOPs as `GPTConfig.flops_per_token` without recompute (3 × forward
 matmuls); MFU = FLOP/s / the device's dense bf16 peak (`research.metrics.peak_flops`).
 Step times are medians after `--warmup` steps. Targets (issue 6): MFU ≥ 50 % on an H100.
+Flags other than these are the training command's (`python -m experiments.train --help`).
+Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from experiments.bench.common import arg, config_from, config_parser
 from research import data, metrics
 from research.config import parse_args as parse_run_args
 from research.trainer import load_data
@@ -49,6 +52,13 @@ QUICK = [
     "--global-batch-size",
     "4",
 ]
+
+
+@dataclass
+class Config:
+    config: str = arg("experiments/configs/gpt-1.3b.yaml", "the training command's YAML config")
+    steps: int = arg(10, "timed steps")
+    warmup: int = arg(3, "untimed steps before them")
 
 
 def plain_loop(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
@@ -109,13 +119,11 @@ def ours(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", default="experiments/configs/gpt-1.3b.yaml")
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--warmup", type=int, default=3)
+    p = config_parser(Config, __doc__)
     p.add_argument("--quick", action="store_true", help="a tiny fp32 model (CPU smoke run)")
-    args, rest = p.parse_known_args(argv)
-    run_argv = ["--config", args.config, *(QUICK if args.quick else []), *rest]
+    known, rest = p.parse_known_args(argv)
+    args = config_from(Config, known)
+    run_argv = ["--config", args.config, *(QUICK if known.quick else []), *rest]
     results = {"ours": ours(run_argv, args.steps, args.warmup), "plain": plain_loop(run_argv, args.steps, args.warmup)}
     print(
         f"gpu_mfu: {args.config} {' '.join(rest)}; {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"

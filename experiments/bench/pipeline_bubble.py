@@ -1,16 +1,16 @@
 """Pipeline bubble of our PipelineExecutor, against theory, the simulator and torch's own
 pipelining schedules.
 
-Run (CPU, gloo; it starts its own 4 rank processes, no torchrun needed):
+Run (CPU, gloo; it starts its own --pp rank processes, no torchrun needed):
 
-    python -m experiments.bench.pipeline_bubble                  # pp=4, m = 4, 8, 16, 32; ~2 min on 2 cores
-    python -m experiments.bench.pipeline_bubble --quick          # smoke run (~35-45 s)
+    python -m experiments.bench.pipeline_bubble                  # pp=4, m = 4, 8, 16, 32
+    python -m experiments.bench.pipeline_bubble --quick          # smoke run
     python -m experiments.bench.pipeline_bubble --json out.json --png timeline_1f1b_m8.png
 
-What runs: a GPT from `research.model` (default 8 layers, d_model 128, 4 heads, seq 64,
-vocab 256, fp32, micro-batch 2) split by `pipeline_chunks` over pp=4 ranks, with schedule
-"1f1b" (v=1) and "interleaved-1f1b" (v=2 chunks per rank), for m = p, 2p, 4p, 8p
-micro-batches. Forward + backward only (no optimizer: the bubble lives in the pipeline
+What runs: a GPT from `research.model` (fp32; sizes: see the flags) split by
+`pipeline_chunks` over pp ranks, with schedule "1f1b" (v=1) and "interleaved-1f1b"
+(v = --virtual-stages chunks per rank), for m = factor × p micro-batches (--m-factors).
+Forward + backward only (no optimizer: the bubble lives in the pipeline
 part of a step; the weights stay fixed, so both implementations see the same model).
 
 For every (schedule, m) two implementations are built from the same seeded chunks and
@@ -37,6 +37,7 @@ The machine matters: with 4 ranks on 2 CPU cores, ranks compete for cores whenev
 than two of them compute at once. Compute actions then take longer in the steady state than
 in the ramp-up / drain phases, and waiting includes time spent descheduled, so measured idle
 fractions are not the bubble of a dedicated-core pipeline; they are reported as measured.
+Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -48,14 +49,14 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from experiments.bench.common import arg, config_from, config_parser, finish, format_table, launch, median, percentile
 from experiments.bench.common import batch as make_batch
-from experiments.bench.common import finish, format_table, launch, median, percentile
 
 SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 CAVEAT = (
@@ -67,18 +68,22 @@ CAVEAT = (
 
 @dataclass
 class Config:
-    pp: int = 4
-    virtual_stages: int = 2
-    m_factors: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    layers: int = 8
-    d_model: int = 128
-    heads: int = 4
-    seq: int = 64
-    vocab: int = 256
-    micro_batch: int = 2
-    warmup: int = 1
-    steps: int = 6
-    png_m: int = 8  # the 1F1B run whose measured timeline --png draws
+    pp: int = arg(4, "pipeline ranks (processes)")
+    virtual_stages: int = arg(2, "v of interleaved-1f1b")
+    m_factors: tuple[int, ...] = arg((1, 2, 4, 8), "micro-batches m = factor x pp")
+    layers: int = arg(8, "transformer blocks")
+    d_model: int = arg(128, "hidden size")
+    heads: int = arg(4, "attention heads")
+    seq: int = arg(64, "tokens per sequence")
+    vocab: int = arg(256, "vocabulary size")
+    micro_batch: int = arg(2, "sequences per micro-batch")
+    warmup: int = arg(1, "untimed steps before the timed ones")
+    steps: int = arg(6, "timed steps per implementation per (schedule, m)")
+
+    @property
+    def png_m(self) -> int:
+        """The 1F1B run whose measured timeline --png draws: m = 2p."""
+        return 2 * self.pp
 
     def schedules(self) -> list[tuple[str, int]]:
         return [("1f1b", 1), ("interleaved-1f1b", self.virtual_stages)]
@@ -123,14 +128,15 @@ class Ours:
         mb = self.cfg.micro_batch
         inputs = [ids[i * mb : (i + 1) * mb] for i in range(self.m)]
         targets = [labels[i * mb : (i + 1) * mb] for i in range(self.m)]
+        self.t0 = time.perf_counter()
         loss = self.executor.run(inputs, targets, (self.cfg.seq, mb, self.cfg.d_model))
         return None if loss is None else float(loss)
 
     def events(self) -> list[tuple]:
         """This step's compute actions with absolute perf_counter times (comparable across
-        the local processes: CLOCK_MONOTONIC)."""
-        t0 = self.executor._t0
-        return [(r, k, i, c, t0 + s, t0 + e) for r, k, i, c, s, e in self.executor.events]
+        the local processes: CLOCK_MONOTONIC). The executor's event times count from the
+        start of its run, which begins right after `t0` (the offset is the call itself)."""
+        return [(r, k, i, c, self.t0 + s, self.t0 + e) for r, k, i, c, s, e in self.executor.events]
 
     def zero_grad(self) -> None:
         for chunk in self.chunks:
@@ -327,39 +333,16 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
-    d = Config()
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--m-factors", type=int, nargs="+", default=d.m_factors, help="micro-batches m = factor x pp")
-    p.add_argument("--virtual-stages", type=int, default=d.virtual_stages, help="v of interleaved-1f1b")
-    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per implementation per (schedule, m)")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps before them")
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--d-model", type=int, default=d.d_model)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--seq", type=int, default=d.seq)
-    p.add_argument("--vocab", type=int, default=d.vocab)
-    p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per micro-batch")
-    p.add_argument("--quick", action="store_true", help="smaller model, few steps (smoke test, < 60 s)")
+    p = config_parser(Config, __doc__)
+    p.add_argument("--quick", action="store_true", help="smaller model, few steps (smoke test)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--png", metavar="PATH", help="draw the measured timeline of 1F1B at m = 2p (median-idle step)")
     a = p.parse_args(argv)
-    cfg = Config(
-        virtual_stages=a.virtual_stages,
-        m_factors=a.m_factors,
-        layers=a.layers,
-        d_model=a.d_model,
-        heads=a.heads,
-        seq=a.seq,
-        vocab=a.vocab,
-        micro_batch=a.micro_batch,
-        warmup=a.warmup,
-        steps=a.steps,
-    )
+    cfg = config_from(Config, a)
     if a.quick:
         cfg.d_model, cfg.seq, cfg.warmup, cfg.steps = 32, 16, 1, 2
-    cfg.png_m = 2 * cfg.pp
+    if cfg.pp < 2:
+        p.error(f"--pp={cfg.pp}: a pipeline needs at least 2 ranks")
     if cfg.layers % (cfg.pp * cfg.virtual_stages):
         p.error(f"--layers={cfg.layers} must split evenly into pp x v = {cfg.pp * cfg.virtual_stages} stages")
     if cfg.steps < 1 or cfg.warmup < 1 or min(cfg.m_factors) < 1:

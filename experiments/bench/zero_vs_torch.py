@@ -2,12 +2,12 @@
 
 Run (CPU, gloo; it starts its own rank processes, no torchrun needed):
 
-    python -m experiments.bench.zero_vs_torch                          # 2 and 4 ranks, ~2 min on 2 cores
-    python -m experiments.bench.zero_vs_torch --quick --world-sizes 2  # tiny smoke run (~15 s)
+    python -m experiments.bench.zero_vs_torch                          # 2 and 4 ranks
+    python -m experiments.bench.zero_vs_torch --quick --world-sizes 2  # tiny smoke run
     python -m experiments.bench.zero_vs_torch --json results.json      # also write the numbers
 
 Methods, all training the same seeded TinyGPT (experiments/bench/common.py) on the same
-global batches with AdamW (lr 1e-3, weight decay 0.1 on every parameter), fp32:
+global batches with AdamW (--lr, --weight-decay on every parameter), fp32:
 
     zero0..zero3        optim.ZeroOptimizer(model, torch.optim.AdamW, stage=s, ...)
     ddp                 DistributedDataParallel + torch.optim.AdamW
@@ -28,7 +28,7 @@ A step is forward + backward + optimizer step + zero_grad, started after a barri
 time is the slowest rank's. Per method the table shows the median (and quartiles) over
 all timed steps of all rounds, the median forward+backward time and the median CPU time
 (process time of the slowest rank: insensitive to waiting), and the global mean training
-loss of the last step (the methods should agree to ~1e-6 in fp32). Model-state memory
+loss of the last step (the same for every method up to fp32 rounding). Model-state memory
 per rank is measured after the last optimizer step (before zero_grad) from the tensors
 that exist, each storage once: ZeroOptimizer.memory_breakdown() for ours (master +
 optimizer reported as "optim"), params / .grad / optimizer.state for the baselines (local
@@ -38,6 +38,7 @@ Ratios are ours / theirs (< 1: ours is faster): the ratio of the median step tim
 which the goals are judged, and the median (quartiles) of the paired per-step ratios
 (the two steps ran back to back, so they saw the same load). Goals: zero0 / ddp <= 1.0,
 zero1 / ddp_zero < 1.0, zero3 / fsdp2_* < 1.0 (zero2 / ddp_zero is reported only).
+Results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -48,15 +49,17 @@ import math
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from experiments.bench.common import batch as make_batch
 from experiments.bench.common import (
+    arg,
+    config_from,
+    config_parser,
     finish,
     format_table,
     launch,
@@ -67,6 +70,7 @@ from experiments.bench.common import (
     optimizer_state_tensors,
     percentile,
 )
+from experiments.bench.common import batch as make_batch
 
 METHODS = ["zero0", "zero1", "zero2", "zero3", "ddp", "ddp_zero", "fsdp2_reshard", "fsdp2_noreshard"]
 # (ours, theirs, goal): goal "<=" means ratio <= 1.0, "<" means ratio < 1.0, None: reported only
@@ -81,27 +85,33 @@ PAIRINGS = [
 
 @dataclass
 class Config:
-    world_sizes: list[int] = field(default_factory=lambda: [2, 4])
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
-    steps: int = 10
-    warmup: int = 2
-    rounds: int = 2
-    dim: int = 256
-    layers: int = 4
-    heads: int = 4
-    seq: int = 64
-    vocab: int = 1024
-    micro_batch: int = 2  # sequences per rank per step (the global batch grows with the world size)
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    seed: int = 0
-    bucket_numel: int | None = None  # None: ZeroOptimizer's default (see zero_options)
-    unit_numel: int | None = None  # None: one transformer block's numel
-    resident_numel: int = (
-        2**16
-    )  # fixed here so runs compare (ZeroOptimizer defaults to unit_numel // 16); --quick lowers it
-    step_backend: str | None = None  # ZeroOptimizer's fused step backend (None: its auto pick)
-    torch_adam: str = "match"  # the baselines' torch.optim.AdamW: match (ours' kernel), default, foreach, fused
+    world_sizes: tuple[int, ...] = arg((2, 4), "world sizes to run, one launch each")
+    methods: tuple[str, ...] = arg(tuple(METHODS), "methods to run", choices=METHODS)
+    steps: int = arg(10, "timed steps per method per round")
+    warmup: int = arg(2, "untimed steps before them")
+    rounds: int = arg(2, "rounds of fresh models; within a round the methods take turns step by step")
+    dim: int = arg(256, "TinyGPT hidden size")
+    layers: int = arg(4, "TinyGPT blocks")
+    heads: int = arg(4, "attention heads")
+    seq: int = arg(64, "tokens per sequence")
+    vocab: int = arg(1024, "vocabulary size")
+    micro_batch: int = arg(2, "sequences per rank per step (the global batch grows with the world size)")
+    lr: float = arg(1e-3, "AdamW learning rate")
+    weight_decay: float = arg(0.1, "AdamW weight decay (every parameter)")
+    seed: int = arg(0, "model seed")
+    bucket_numel: int | None = arg(None, "ZeroOptimizer bucket_numel (None: its default, optim.DEFAULT_BUCKET_NUMEL)")
+    unit_numel: int | None = arg(None, "ZeroOptimizer unit_numel (None: one transformer block's numel)")
+    resident_numel: int = arg(
+        2**16,
+        "ZeroOptimizer resident_numel: stage-3 units smaller than this stay gathered; fixed here so that "
+        "runs compare (ZeroOptimizer's own default is unit_numel // 16); --quick lowers it",
+    )
+    step_backend: str | None = arg(None, "ZeroOptimizer step_backend (None: its auto pick)")
+    torch_adam: Literal["match", "default", "foreach", "fused"] = arg(
+        "match",
+        "torch.optim.AdamW of the baselines; match: the kernel family of ZeroOptimizer's step backend "
+        "(torch_fused -> fused=True, torch -> foreach=True); default: torch's own default",
+    )
 
     def model_kwargs(self) -> dict[str, int]:
         return {
@@ -119,12 +129,10 @@ def block_numel(cfg: Config) -> int:
 
 
 def zero_options(cfg: Config) -> dict[str, Any]:
-    """ZeroOptimizer keyword options used. Gradient buckets: ZeroOptimizer's default
-    (2**24 elements: one bucket for the default model), against DDP's default buckets (2
-    here: a 1 MB first one and a 25 MB one), so defaults meet defaults. On this 2-core gloo
-    box, one-block buckets (5) were 1.02-1.07x slower on 4 ranks (more collective launches
-    than overlap gains) and 2**18 15-35 % slower. Stage-3 units of one block each, the root
-    unit holding the embeddings and the final norm: the same grouping as the FSDP2 wrapping."""
+    """ZeroOptimizer keyword options used. Gradient buckets: ZeroOptimizer's default against
+    DDP's default buckets, so defaults meet defaults (other sizes measured: docs/benchmarks.md).
+    Stage-3 units of one block each, the root unit holding the embeddings and the final norm:
+    the same grouping as the FSDP2 wrapping."""
     from optim.zero import DEFAULT_BUCKET_NUMEL
 
     n = block_numel(cfg)
@@ -443,66 +451,11 @@ def ratio_table(rs: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
-    d = Config()
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--world-sizes", type=int, nargs="+", default=d.world_sizes)
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=d.methods)
-    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per method per round")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps before them")
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=d.rounds,
-        help="rounds of fresh models; within a round the methods take turns step by step",
-    )
-    p.add_argument("--dim", type=int, default=d.dim)
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--seq", type=int, default=d.seq)
-    p.add_argument("--vocab", type=int, default=d.vocab)
-    p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per rank per step")
-    p.add_argument(
-        "--bucket-numel", type=int, default=None, help="ZeroOptimizer bucket_numel (default: its own, 2**24)"
-    )
-    p.add_argument("--unit-numel", type=int, default=None, help="ZeroOptimizer unit_numel (default: one block)")
-    p.add_argument(
-        "--resident-numel",
-        type=int,
-        default=d.resident_numel,
-        help="ZeroOptimizer resident_numel: stage-3 units smaller than this stay gathered",
-    )
-    p.add_argument("--step-backend", default=None, help="ZeroOptimizer step_backend (default: its auto pick)")
-    p.add_argument(
-        "--torch-adam",
-        choices=["match", "default", "foreach", "fused"],
-        default=d.torch_adam,
-        help="torch.optim.AdamW implementation of the baselines; match (default): the kernel family "
-        "of ZeroOptimizer's step backend (torch_fused -> fused=True, torch -> foreach=True); "
-        "default: torch's own default",
-    )
+    p = config_parser(Config, __doc__)
     p.add_argument("--quick", action="store_true", help="tiny model, 1 round, few steps (smoke test)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     a = p.parse_args(argv)
-    cfg = Config(
-        world_sizes=a.world_sizes,
-        methods=a.methods,
-        steps=a.steps,
-        warmup=a.warmup,
-        rounds=a.rounds,
-        dim=a.dim,
-        layers=a.layers,
-        heads=a.heads,
-        seq=a.seq,
-        vocab=a.vocab,
-        micro_batch=a.micro_batch,
-        bucket_numel=a.bucket_numel,
-        unit_numel=a.unit_numel,
-        resident_numel=a.resident_numel,
-        step_backend=a.step_backend,
-        torch_adam=a.torch_adam,
-    )
+    cfg = config_from(Config, a)
     if a.quick:
         cfg.steps, cfg.warmup, cfg.rounds = 3, 1, 1
         cfg.dim, cfg.layers, cfg.heads, cfg.seq, cfg.vocab, cfg.micro_batch = 64, 2, 2, 32, 256, 2

@@ -2,8 +2,8 @@
 
 Writes gpu_suite.json, gpu_suite.md (tables ready for docs/benchmarks.md) and gpu_suite.log.
 
-    python -m experiments.bench.gpu_suite                  # GPU: at most --budget (480 s), into $OUT or runs/gpu_suite
-    python -m experiments.bench.gpu_suite --cpu-smoke      # CPU: every part on a tiny model (CI, well under a minute)
+    python -m experiments.bench.gpu_suite                  # GPU: at most --budget seconds, into --out
+    python -m experiments.bench.gpu_suite --cpu-smoke      # CPU: every part on a tiny model (CI)
     python -m experiments.bench.gpu_suite --parts environment fused_step --out DIR
 
 The parts, in order; each returns a dict with a `status` (ok / failed / skipped, with a
@@ -45,18 +45,20 @@ the console gets a line per part. Both result files are rewritten after every pa
 run cut short keeps what it measured. Exit status 1 if a part failed.
 
 Modules: `runner` (processes, limits, result files), `parts` (the measurements), `report`
-(the markdown); this one holds the list of parts and the command line.
+(the markdown); this one holds the list of parts and the command line. Results:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from experiments.bench.common import arg, config_from, config_parser
 from experiments.bench.gpu_suite.parts import (
     cuda_tests,
     environment,
@@ -73,7 +75,7 @@ from experiments.bench.gpu_suite.report import (
     mfu_md,
     zero_stages_md,
 )
-from experiments.bench.gpu_suite.runner import GPU_BUDGET_S, Context, Part, run_suite
+from experiments.bench.gpu_suite.runner import GPU_BUDGET_S, SMOKE_BUDGET_S, Context, Part, run_suite
 
 PARTS = [
     Part("environment", environment, 30, environment_md),
@@ -85,32 +87,33 @@ PARTS = [
 ]
 
 
+NAMES = tuple(p.name for p in PARTS)
+
+
+@dataclass
+class Options:
+    cpu_smoke: bool = arg(False, "every part on a tiny model on the CPU (CUDA hidden)")
+    out: str = arg(
+        help="folder of the results ($OUT when set)", factory=lambda: os.environ.get("OUT") or "runs/gpu_suite"
+    )
+    budget: float | None = arg(
+        None, f"seconds for all parts (None: {GPU_BUDGET_S:g}, or {SMOKE_BUDGET_S:g} with --cpu-smoke)"
+    )
+    config: str = arg("experiments/configs/gpt-1.3b.yaml", "the model of mfu, memory and zero_stages")
+    data_cache: str | None = arg(None, "token cache of the training command (None: its own)")
+    parts: tuple[str, ...] = arg(NAMES, "the parts to run (in the suite's order)", choices=NAMES)
+
+
 def main(argv: list[str] | None = None) -> int:
-    names = [p.name for p in PARTS]
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cpu-smoke", action="store_true", help="every part on a tiny model on the CPU (CUDA hidden)")
-    p.add_argument(
-        "--out", default=os.environ.get("OUT") or "runs/gpu_suite", help="folder of the results (default: $OUT if set)"
-    )
-    p.add_argument(
-        "--budget",
-        type=float,
-        default=None,
-        help=f"seconds for all parts (default {GPU_BUDGET_S:g}; 240 with --cpu-smoke)",
-    )
-    p.add_argument(
-        "--config", default="experiments/configs/gpt-1.3b.yaml", help="the model of mfu, memory and zero_stages"
-    )
-    p.add_argument("--data-cache", default=None, help="token cache of the training command (default: its own)")
-    p.add_argument("--parts", nargs="+", choices=names, default=names, help="the parts to run (in the suite's order)")
-    args = p.parse_args(argv)
+    p = config_parser(Options, __doc__)
+    args = config_from(Options, p.parse_args(argv))
     if args.cpu_smoke:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before the forkserver starts: the parts inherit it
     elif not torch.cuda.is_available():
         p.error("no CUDA device here: run it on a GPU, or with --cpu-smoke")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the GPU machine has no network: never wait for the Hub
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    budget = args.budget or (240.0 if args.cpu_smoke else GPU_BUDGET_S)
+    budget = args.budget or (SMOKE_BUDGET_S if args.cpu_smoke else GPU_BUDGET_S)
     command = " ".join(["python -m experiments.bench.gpu_suite", *(sys.argv[1:] if argv is None else argv)])
     ctx = Context(smoke=args.cpu_smoke, config=args.config, data_cache=args.data_cache)
     parts = [part for part in PARTS if part.name in args.parts]

@@ -3,6 +3,7 @@ the result files rewritten after every part."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -25,6 +26,7 @@ from experiments.bench.gpu_suite.report import markdown, note
 
 ROOT = Path(__file__).resolve().parents[3]
 GPU_BUDGET_S = 480.0  # the parts' budgets add up to this; --budget scales them
+SMOKE_BUDGET_S = 240.0  # --cpu-smoke's default budget
 MIN_PART_S = 5.0  # a part left less than this is skipped
 _CTX = mp.get_context("forkserver")
 
@@ -76,7 +78,7 @@ def _child(run: Callable[[Context], dict[str, Any]], ctx: Context, log: str, con
         result = run(ctx)
         if dist.is_initialized():
             dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - every failure is the part's result
+    except BaseException as e:  # every failure is the part's result
         result = _failure(e)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -101,10 +103,8 @@ def run_part(part: Part, ctx: Context, log: Path) -> dict[str, Any]:
     writer.close()
     result = None
     if reader.poll(ctx.limit_s):
-        try:
+        with contextlib.suppress(EOFError):  # it died without a result
             result = reader.recv()
-        except EOFError:  # it died without a result
-            pass
     if result is None and proc.is_alive():
         _kill(proc)
         result = {"status": "failed", "error": f"timed out after {ctx.limit_s:.0f} s (killed)"}
