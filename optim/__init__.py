@@ -3,4 +3,4 @@
 from optim.scaler import DynamicLossScaler
 from optim.zero import ZeroOptimizer
 
-__all__ = ["ZeroOptimizer", "DynamicLossScaler"]
+__all__ = ["DynamicLossScaler", "ZeroOptimizer"]

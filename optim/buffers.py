@@ -19,12 +19,13 @@ shard.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from optim.sharding import Sharding
+from parallel.marks import NO_MARKS, ParamMarks
 
 ALIGN = 16  # elements; keeps every parameter view 64-byte aligned in fp32
 
@@ -54,6 +55,7 @@ class FlatBucket:
     needs_carry: bool = field(init=False, default=False)
     reduced: bool = field(init=False, default=False)
     on_grad_bytes: Callable[[int], None] | None = None  # told +/- bytes of each transient full gradient buffer
+    marks: ParamMarks = NO_MARKS  # what its parameters (all marked alike) are across ranks
 
     def __post_init__(self) -> None:
         self.shapes = [p.shape for p in self.params]

@@ -5,8 +5,8 @@
 Every element of every bucket is owned by exactly one data-parallel rank (its shard),
 so summing each rank's owned part over the data-parallel group counts it once. Across
 model-parallel ranks (tensor / pipeline) each rank holds different parameters, except
-those marked replicated with `parallel.comm.mark_replicated(param, group)` (norms and
-row-parallel biases under TP, tied embeddings across pipeline stages): their bucket
+those marked replicated with `parallel.marks.mark_replicated(module, name, group)` (norms
+and row-parallel biases under TP, tied embeddings across pipeline stages): their bucket
 counts only on the rank that is rank 0 of every group it is replicated over (w_e ∈ {0, 1}).
 """
 
@@ -19,9 +19,9 @@ from optim.buffers import FlatBucket
 from parallel import comm
 
 
-def counts_in_norm(params: list[torch.nn.Parameter]) -> bool:
-    """Whether this rank's copy of these (equally marked) parameters enters the norm."""
-    return all(dist.get_rank(g) == 0 for g in comm.replicated_groups(params[0]))
+def counts_in_norm(bucket: FlatBucket) -> bool:
+    """Whether this rank's copy of the bucket's (equally marked) parameters enters the norm."""
+    return all(dist.get_rank(g) == 0 for g in bucket.marks.replicated)
 
 
 def owned_grad(bucket: FlatBucket) -> torch.Tensor:
@@ -45,7 +45,7 @@ def global_grad_norm(
     device = buckets[0].grad_shard.device if buckets else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for bucket in buckets:
-        if counts_in_norm(bucket.params):
+        if counts_in_norm(bucket):
             sq += torch.linalg.vector_norm(owned_grad(bucket), dtype=torch.float32).double() ** 2
     for group in groups:
         comm.all_reduce(sq, group=group)

@@ -26,8 +26,9 @@ non-capturable path, and handed to the kernels as fp32 scalars.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -360,7 +361,7 @@ if triton is not None:
         v = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
         if L2:
             g = g + l2 * p
-        if LERP_FROM_M:
+        if LERP_FROM_M:  # noqa: SIM108 - a branch on a triton constexpr, kept as the compiler sees it
             m = m + lerp_weight * (g - m)
         else:
             m = g - (g - m) * (1.0 - lerp_weight)

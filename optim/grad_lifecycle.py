@@ -101,7 +101,7 @@ class GradLifecycle:
                 "backward(), so compute them with loss.backward() and clear them with opt.zero_grad()"
             )
         for k, b in enumerate(self.buckets):
-            for group in comm.tied_groups(b.params[0]) if tied else ():
+            for group in b.marks.tied if tied else ():
                 start = self._first_index[k]
                 comm.all_reduce(flags[start : start + len(b.params)], op=dist.ReduceOp.MAX, group=group)
         everyone = flags.tolist()
@@ -183,7 +183,7 @@ class GradLifecycle:
         with a gradient this step, in fp32. A collective: every rank must call it."""
         self._finish_grads()
         grads = {}
-        for k, b in enumerate(self.buckets):
+        for b in self.buckets:
             flat = self._gather_flat(b, b.grad_shard.float() * self._unscale)
             for i, p in enumerate(b.params):
                 if b.got[i]:

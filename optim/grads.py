@@ -26,8 +26,8 @@ So during backward a stage-2 rank holds its shards plus a few full buckets, not 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist

@@ -93,38 +93,18 @@ def sharded_tensor_from_flat(
 ) -> ShardedTensor:
     """A ``ShardedTensor`` of ``global_shape`` whose local shards are views of ``local_pieces``.
 
-    ``local_pieces``: ``(flat_start, t)`` with ``t`` 1-D, holding flat
-    ``[flat_start, flat_start + t.numel())`` of the parameter on this rank.
-    ``all_ranges[r]``: the flat ranges that group rank ``r`` holds; together they
-    must tile ``[0, prod(global_shape))``. Each range becomes the boxes of
-    :func:`flat_range_boxes`; the shard of box ``b`` is
-    ``t[lo : lo + prod(b.sizes)].view(b.sizes)`` with ``lo = flat(b.offsets) - flat_start``,
-    so ``dcp.load`` writes straight into ``t``'s storage. The global metadata is
-    built locally (no collective). Placements name the GLOBAL rank of group rank
-    ``r``, which is what ``ShardedTensor`` compares with ``dist.get_rank()``.
-    A 0-dim shape has one box with empty offsets and sizes. A parameter with no
-    elements gets one empty box on group rank 0, backed by a fresh empty tensor.
+    ``local_pieces``: ``(flat_start, t)`` with ``t`` 1-D, holding flat ``[flat_start, flat_start + t.numel())``
+    of the parameter on this rank. ``all_ranges[r]``: the flat ranges that group rank ``r`` holds; together
+    they must tile ``[0, prod(global_shape))``. Each range becomes the boxes of :func:`flat_range_boxes`; the
+    shard of box ``b`` is ``t[lo : lo + prod(b.sizes)].view(b.sizes)`` with ``lo = flat(b.offsets) -
+    flat_start``, so ``dcp.load`` writes straight into ``t``'s storage. The global metadata is built locally
+    (no collective). Placements name the GLOBAL rank of group rank ``r``, which is what ``ShardedTensor``
+    compares with ``dist.get_rank()``. A 0-dim shape has one box with empty offsets and sizes. A parameter
+    with no elements gets one empty box on group rank 0, backed by a fresh empty tensor.
     """
     shape = list(global_shape)
     group = group if group is not None else dist.group.WORLD
-    my_rank = dist.get_rank(group)
-    if my_rank < 0:
-        raise ValueError("this rank is not a member of `group`")
-    n = dist.get_world_size(group)
-    if len(all_ranges) != n:
-        raise ValueError(f"all_ranges has {len(all_ranges)} entries but the group has {n} ranks")
-    if any(t.dim() != 1 for _, t in local_pieces):
-        raise ValueError("local pieces must be 1-D tensors")
-    mine = sorted((s, s + t.numel()) for s, t in local_pieces if t.numel())
-    if mine != sorted((s, e) for s, e in all_ranges[my_rank] if e > s):
-        raise ValueError(f"local pieces {mine} do not match all_ranges[{my_rank}] = {all_ranges[my_rank]}")
-    dtypes = {t.dtype for _, t in local_pieces}
-    if len(dtypes) > 1:
-        raise ValueError(f"local pieces mix dtypes {dtypes}")
-    dtype = dtypes.pop() if dtypes else torch.float32
-    devices = {t.device for _, t in local_pieces}
-    device = devices.pop() if len(devices) == 1 else torch.device("cpu")
-
+    my_rank, dtype, device = _check_pieces(local_pieces, all_ranges, group)
     strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
     local_shards: list[Shard] = []
     metas: list[ShardMetadata] = []
@@ -134,11 +114,10 @@ def sharded_tensor_from_flat(
             # an empty box keeps the key in this rank's DCP plan: a rank without local
             # shards drops it, and DCP then mistakes the checkpoint for a pre-2.4 one. It
             # sits past the end of dim 0 so that save-plan dedup never confuses it with data.
-            boxes = [([shape[0]] + [0] * (len(shape) - 1), [0] + shape[1:])]
+            boxes = [([shape[0]] + [0] * (len(shape) - 1), [0, *shape[1:]])]
         placement = f"rank:{dist.get_global_rank(group, r)}/{device}"
-        for offsets, sizes in boxes:
-            if not shape:
-                offsets, sizes = [], []
+        for box in boxes:
+            offsets, sizes = box if shape else ([], [])  # a 0-dim tensor is one box without dims
             meta = ShardMetadata(shard_offsets=offsets, shard_sizes=sizes, placement=placement)
             metas.append(meta)
             if r == my_rank:
@@ -156,6 +135,31 @@ def sharded_tensor_from_flat(
     props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False, pin_memory=pinned)
     st_meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(shape), tensor_properties=props)
     return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, st_meta, process_group=group)
+
+
+def _check_pieces(
+    local_pieces: list[tuple[int, torch.Tensor]], all_ranges: list[list[tuple[int, int]]], group: dist.ProcessGroup
+) -> tuple[int, torch.dtype, torch.device]:
+    """This rank's index in `group`, and the dtype and device of its pieces, once the pieces
+    are checked against `all_ranges` (ValueError saying what does not match)."""
+    my_rank = dist.get_rank(group)
+    if my_rank < 0:
+        raise ValueError("this rank is not a member of `group`")
+    n = dist.get_world_size(group)
+    if len(all_ranges) != n:
+        raise ValueError(f"all_ranges has {len(all_ranges)} entries but the group has {n} ranks")
+    if any(t.dim() != 1 for _, t in local_pieces):
+        raise ValueError("local pieces must be 1-D tensors")
+    mine = sorted((s, s + t.numel()) for s, t in local_pieces if t.numel())
+    if mine != sorted((s, e) for s, e in all_ranges[my_rank] if e > s):
+        raise ValueError(f"local pieces {mine} do not match all_ranges[{my_rank}] = {all_ranges[my_rank]}")
+    dtypes = {t.dtype for _, t in local_pieces}
+    if len(dtypes) > 1:
+        raise ValueError(f"local pieces mix dtypes {dtypes}")
+    dtype = dtypes.pop() if dtypes else torch.float32
+    devices = {t.device for _, t in local_pieces}
+    device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+    return my_rank, dtype, device
 
 
 def _piece_view(local_pieces: list[tuple[int, torch.Tensor]], lo: int, sizes: list[int]) -> torch.Tensor:

@@ -20,6 +20,7 @@ unused at the end of the pass: ranks still agree, since they share the same hist
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -216,7 +217,7 @@ class ParamGatherer:
     def _finish_pass(self, phase: str) -> None:
         order = self._order[phase]
         if order:
-            self._next[phase] = dict(zip(order, order[1:]))
+            self._next[phase] = dict(itertools.pairwise(order))
             self._order[phase] = []
 
     def remove(self) -> None:

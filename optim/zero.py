@@ -49,6 +49,7 @@ from optim.zero_setup import (
 )
 from optim.zero_state import ShardedStateDicts
 from parallel import comm
+from parallel.marks import NO_MARKS, param_marks
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DEFAULT_UNIT_NUMEL", "ZeroOptimizer", "default_resident_numel"]
 
@@ -128,6 +129,20 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
 
         resident = default_resident_numel(unit_numel) if resident_numel is None else resident_numel
         self.buckets, units = self._build_buckets(group_of, reduce_dtype, bucket_numel, unit_numel, resident)
+        self._init_gradient_state()
+        self._init_inner(optimizer_class, groups, optimizer_kwargs)
+        self.backend = fused.pick_backend(self.buckets[0].master.device, step_backend)
+        self.scaler = loss_scaler or (DynamicLossScaler() if self.param_dtype == torch.float16 else None)
+        self.last_step_skipped = False  # the last step() found an fp16 overflow and changed nothing
+        self._register_hooks(units)
+        self._end_step()
+        self._grad_bytes = self.grad_peak_bytes = self.memory_breakdown()["grads"]
+        self._constructed = True
+
+    # ---- construction -------------------------------------------------------------------
+    def _init_gradient_state(self) -> None:
+        """Per-parameter step counts, gradient flags' flat order, `.grad` placeholders and
+        the storage each parameter must still view (`optim.grad_lifecycle`)."""
         self._param_steps = [[0] * len(b.params) for b in self.buckets]  # torch's per-parameter "step"
         self._all_params = [p for b in self.buckets for p in b.params]  # flat index order of the gradient flags
         self._first_index = [sum(len(b.params) for b in self.buckets[:k]) for k in range(len(self.buckets))]
@@ -140,36 +155,35 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         ]
         self._bound = [[p.data_ptr() for p in b.params] if not b.sharding.parameters else [] for b in self.buckets]
         self._trained = set(self._all_params)
-        self._check_handles = [r.register_forward_pre_hook(self._check_model) for r in roots(model)]
+
+    def _init_inner(self, optimizer_class: type, groups: list[dict[str, Any]], kwargs: dict[str, Any]) -> None:
+        """The inner optimizer over the fp32 master shards, one of its groups per user group;
+        this optimizer shares its param_groups, state and defaults."""
         self.inner = optimizer_class(
             [{**g, "params": [b.master for b in self.buckets if b.group_index == i]} for i, g in enumerate(groups)],
-            **optimizer_kwargs,
+            **kwargs,
         )
         super().__init__(self.inner.param_groups, self.inner.defaults)
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
         self.defaults = self.inner.defaults
 
-        self.backend = fused.pick_backend(device, step_backend)
-        self.scaler = loss_scaler or (DynamicLossScaler() if self.param_dtype == torch.float16 else None)
-        self.last_step_skipped = False  # the last step() found an fp16 overflow and changed nothing
-        self._gatherer = None
+    def _register_hooks(self, units: list[tuple[torch.nn.Module, list[FlatBucket]]]) -> None:
+        """The hooks of a step (docs/architecture.md): the model check, stage 3's gatherer,
+        the gradient reducer."""
+        self._check_handles = [r.register_forward_pre_hook(self._check_model) for r in roots(self.model)]
+        self._gatherer = ParamGatherer(self.model, units, self.group) if self.sharding.parameters else None
         self._scopes: dict[torch.nn.Module, list[int]] = {}  # sync_only: module -> its bucket indices
-        if self.sharding.parameters:
-            self._gatherer = ParamGatherer(model, units, process_group)
+        gatherer = self._gatherer
         self._reducer = GradReducer(
             self.buckets,
-            process_group,
+            self.group,
             self._placeholders,
             on_backward_start=lambda k, i: self._check_grads(arriving=(k, i)),
-            on_bucket_done=(lambda i: self._gatherer.bucket_done(self.buckets[i])) if self._gatherer else None,
+            on_bucket_done=(lambda i: gatherer.bucket_done(self.buckets[i])) if gatherer else None,
             on_backward_end=self._backward_end,
         )
-        self._end_step()
-        self._grad_bytes = self.grad_peak_bytes = self.memory_breakdown()["grads"]
-        self._constructed = True
 
-    # ---- construction -------------------------------------------------------------------
     def _group_rank0(self) -> int:
         """Global rank of the data-parallel group's rank 0 (the source of replicated state)."""
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0
@@ -199,10 +213,11 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         arrival = list(reversed(list(group_of)))
         position = {p: i for i, p in enumerate(arrival)}
         root_of = {p: i for i, r in enumerate(roots(self.model)) for p in r.parameters()}
+        marks_of = param_marks(self.model)
 
         def key(p: torch.nn.Parameter) -> tuple:
-            marks = (*comm.replicated_groups(p), *comm.tied_groups(p))
-            return (group_of[p], root_of.get(p), tuple(id(g) for g in marks))
+            m = marks_of.get(p, NO_MARKS)
+            return (group_of[p], root_of.get(p), tuple(id(g) for g in m.replicated), tuple(id(g) for g in m.tied))
 
         def make(params: list, sharding: Sharding) -> FlatBucket:
             return FlatBucket(
@@ -214,6 +229,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
                 self.param_dtype,
                 reduce_dtype,
                 on_grad_bytes=self._grad_bytes_changed,
+                marks=marks_of.get(params[0], NO_MARKS),
             )
 
         units: list[tuple[torch.nn.Module, list[FlatBucket]]] = []
@@ -232,12 +248,16 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
                     units.append((module, unit))
             last_arrival = arrival_key(position)
             buckets.sort(key=lambda b: last_arrival(b.params))
+        self._allocate(buckets)
+        return buckets, units
+
+    def _allocate(self, buckets: list[FlatBucket]) -> None:
+        """Give each bucket its storage, holding the values of the group's rank 0."""
         src = self._group_rank0()
         for bucket in buckets:
             flat = bucket.flat_values([p.detach() for p in bucket.params], torch.float32)
             comm.broadcast(flat, src, group=self.group)
             bucket.allocate(flat)
-        return buckets, units
 
     # ---- training API -------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -308,7 +328,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
                 raise RuntimeError(NOT_TRAINED.format(name=name))
         for b in self.buckets:
             b.zero_if_never_reduced()
-            for group in comm.tied_groups(b.params[0]):
+            for group in b.marks.tied:
                 comm.all_reduce(b.grad_shard, group=group)
         self._share_got(tied=True)  # after it, b.got[i]: parameter i is stepped
         self._grads_finished = True

@@ -92,7 +92,7 @@ def torch_order(
     `param_groups` numbers them (the ungrouped rest, last, in registration order)."""
     listed = [[g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"]) for g in param_groups or []]
     rest = [p for p, g in group_of.items() if g == len(listed)]
-    return (listed + [rest])[:n_groups]
+    return ([*listed, rest])[:n_groups]
 
 
 def check_same_model_on_all_ranks(

@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
 Group = dist.ProcessGroup | None
 
@@ -57,11 +56,9 @@ __all__ = [
     "group_name",
     "irecv",
     "isend",
-    "mark_replicated",
     "recent",
     "recv",
     "reduce_scatter_tensor",
-    "replicated_groups",
     "send",
     "set_group_name",
     "tracking",
@@ -399,42 +396,3 @@ def batch_isend_irecv(p2p_ops: list[dist.P2POp]) -> list[dist.Work]:
             else:
                 _record(p2p.group, "irecv", s, 0)
     return works
-
-
-# ---------------------------------------------------------------------------
-# Replication marks (read by gradient clipping)
-# ---------------------------------------------------------------------------
-
-_replicated: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_tied: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def mark_replicated(param: torch.Tensor, group: Group) -> None:
-    """Declare that ``param`` holds the same values on every rank of ``group``
-    (a TP-replicated LayerNorm, a tied embedding on two pipeline stages), so that
-    the global grad norm counts it once there. Repeat for several groups; marking
-    the same group twice is a no-op. The mark lives with this Parameter object
-    (a deepcopy starts unmarked)."""
-    groups = _replicated.get(param, ())
-    if not any(g is group for g in groups):
-        _replicated[param] = (*groups, group)
-
-
-def replicated_groups(param: torch.Tensor) -> tuple[Group, ...]:
-    """The groups ``param`` was marked replicated over, in marking order; () if none."""
-    return _replicated.get(param, ())
-
-
-def mark_tied(param: torch.Tensor, group: Group) -> None:
-    """Declare that ``param`` is one weight held by every rank of ``group`` (the input and
-    output embedding on the first and last pipeline stage): its gradient is the SUM of
-    the ranks' gradients, and the grad norm counts it once (it is also marked replicated)."""
-    mark_replicated(param, group)
-    groups = _tied.get(param, ())
-    if not any(g is group for g in groups):
-        _tied[param] = (*groups, group)
-
-
-def tied_groups(param: torch.Tensor) -> tuple[Group, ...]:
-    """The groups ``param`` was marked tied over, in marking order; () if none."""
-    return _tied.get(param, ())

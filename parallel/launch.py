@@ -64,7 +64,7 @@ def _worker(
         torch.set_num_threads(threads)
         torch.manual_seed(0)
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         conn.send_bytes(pickle.dumps((False, "rendezvous\n" + traceback.format_exc())))
         conn.close()
         return
@@ -74,7 +74,7 @@ def _worker(
         # Plain pickle: tensors go by value, not through torch's shared-memory reductions,
         # which would need this process alive after it exits.
         message = pickle.dumps((True, result))
-    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+    except BaseException:  # every failure goes back to the parent
         message = pickle.dumps((False, traceback.format_exc()))
     conn.send_bytes(message)
     conn.close()

@@ -27,7 +27,8 @@ import os
 import shutil
 import sys
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,8 @@ from optim import ZeroOptimizer
 from optim.sharded_state import tile_sharded_tensor
 from parallel import comm
 from parallel.dims import ParallelDims
+from parallel.marks import NO_MARKS, ParamMarks, param_marks
 from parallel.random import get_rng_tracker
-from parallel.tensor import tp_partition_dim
 from research import checkpoint_files as files
 from research.errors import CheckpointError, raise_together
 from research.model import GPTConfig
@@ -54,13 +55,16 @@ def canonical_name(name: str) -> str:
     return name.split(".", 1)[1]
 
 
-def full_shape(param: torch.Tensor, tp: int) -> list[int]:
-    """Shape of `param` in the tp = 1 model."""
-    shape = list(param.shape)
-    dim = tp_partition_dim(param)
-    if dim is not None:
-        shape[dim] *= tp
-    return shape
+def full_shapes(model: nn.Module, names: dict[torch.nn.Parameter, str], tp: int) -> dict[str, list[int]]:
+    """Canonical name -> shape in the tp = 1 model, of each parameter in `names`."""
+    marks_of = param_marks(model)
+    shapes = {}
+    for p, name in names.items():
+        shape, dim = list(p.shape), marks_of.get(p, NO_MARKS).partition_dim
+        if dim is not None:
+            shape[dim] *= tp
+        shapes[canonical_name(name)] = shape
+    return shapes
 
 
 def canonical_state(model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims, saving: bool) -> dict[str, Any]:
@@ -69,10 +73,11 @@ def canonical_state(model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims
     `saving`, copies that another rank writes too are left out."""
     sd = opt.state_dict()
     params = {name: p for p, name in opt.names.items()}
-    pp, dp, _ = dims.coords_of(dist.get_rank())
 
-    def lift(value: Any, p: torch.Tensor) -> Any:
-        dim = tp_partition_dim(p)
+    marks_of = param_marks(model)
+
+    def lift(value: Any, m: ParamMarks) -> Any:
+        dim = m.partition_dim
         if dim is None or dims.tp == 1 or not hasattr(value, "local_shards"):
             return value
         return tile_sharded_tensor(
@@ -83,13 +88,14 @@ def canonical_state(model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims
     for name, master in sd["params"].items():
         p = params[name]
         chunk = model[int(name.split(".", 1)[0])]
-        tied_copy = bool(comm.tied_groups(p)) and not chunk.pre
-        replicated_copy = tp_partition_dim(p) is None and dims.tp_rank != 0
+        m = marks_of.get(p, NO_MARKS)
+        tied_copy = bool(m.tied) and not chunk.pre
+        replicated_copy = m.partition_dim is None and dims.tp_rank != 0
         if saving and (tied_copy or replicated_copy):
             continue
         canon = canonical_name(name)
-        out["model"][canon] = lift(master, p)
-        out["optim"][canon] = {k: lift(v, p) for k, v in sd["state"].get(name, {}).items()}
+        out["model"][canon] = lift(master, m)
+        out["optim"][canon] = {k: lift(v, m) for k, v in sd["state"].get(name, {}).items()}
     return out
 
 
@@ -320,7 +326,7 @@ def load(path: str, meta: dict[str, Any], model: nn.ModuleList, opt: ZeroOptimiz
     state = canonical_state(model, opt, dims, saving=False)
     try:
         dcp.load(state, storage_reader=files.SafeReader(path))
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any DCP failure means bad files
+    except (Exception, CheckpointException) as e:  # any DCP failure means bad files
         raise CheckpointError(f"--load={path} is corrupt or incomplete: {_reason(e)}") from None
     names = {canonical_name(n): n for n in opt.names.values()}
     groups = tuple({k: tuple(v) if isinstance(v, list) else v for k, v in g.items()} for g in meta["param_groups"])

@@ -157,7 +157,7 @@ def read_dcp_metadata(folder: str) -> dcp_metadata.Metadata:
         raise CheckpointError(
             f"checkpoint {folder}: .metadata cannot be read ({e.strerror}); load another checkpoint"
         ) from None
-    except Exception as e:  # noqa: BLE001 - whatever a damaged pickle raises, it is refused
+    except Exception as e:
         raise CheckpointError(
             f"checkpoint {folder}: .metadata is not DCP tensor metadata ({e}); refusing to load it"
         ) from None

@@ -18,8 +18,9 @@ in a collective.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch.distributed as dist
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Iterator, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
-from parallel import comm
+from parallel import marks
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import stage_of
 from parallel.random import get_rng_tracker
@@ -155,8 +156,8 @@ class Norm(nn.Module):
         h = config.d_model
         self.weight = nn.Parameter(torch.ones(h))
         self.bias = None if self.rms else nn.Parameter(torch.zeros(h))
-        for p in self.parameters():
-            _mark_replicated(p, group, sequence_parallel)
+        for name, _ in self.named_parameters():
+            _mark_replicated(self, name, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rms:
@@ -172,11 +173,11 @@ def _part_rng(config: GPTConfig, part: str) -> Iterator[None]:
         yield
 
 
-def _mark_replicated(p: torch.Tensor, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
+def _mark_replicated(module: nn.Module, name: str, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
     if sequence_parallel:
-        sequence_parallel_grad_sync(p, group)
+        sequence_parallel_grad_sync(module, name, group)
     else:
-        comm.mark_replicated(p, group)
+        marks.mark_replicated(module, name, group)
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,7 +343,7 @@ class GPT(nn.Module):
             with _part_rng(config, "pos"):
                 self.pos = nn.Parameter(torch.empty(config.max_seq_len, h))
                 nn.init.normal_(self.pos, std=0.02)
-            _mark_replicated(self.pos, tp_group, self.sp)
+            _mark_replicated(self, "pos", tp_group, self.sp)
         if config.position == "rope":
             cos, sin = rope_cos_sin(config.max_seq_len, config.head_dim, config.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -433,5 +434,5 @@ def pipeline_chunks(
             holders[1].embed = holders[0].embed
             holders[1].head.weight = holders[0].embed.weight
         elif holders:
-            comm.mark_tied(holders[0].embed.weight, embedding_group)
+            marks.mark_tied(holders[0].embed, "weight", embedding_group)
     return chunks

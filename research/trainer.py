@@ -158,10 +158,7 @@ class Trainer:
 
     # ---- checkpoints ----------------------------------------------------------------------
     def _expected_shapes(self) -> dict[str, list[int]]:
-        return {
-            checkpoint.canonical_name(name): checkpoint.full_shape(p, self.dims.tp)
-            for p, name in self.opt.names.items()
-        }
+        return checkpoint.full_shapes(self.model, self.opt.names, self.dims.tp)
 
     def _resume(self, where: str) -> None:
         path = checkpoint.resolve(where)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import pickle
 
 import pytest
@@ -198,23 +197,6 @@ def _names() -> None:
 
 def test_group_names() -> None:
     run_distributed(_names, 2)
-
-
-def _marks() -> None:
-    tp = dist.new_group([0, 1])
-    layer = torch.nn.Linear(2, 2)
-    assert comm.replicated_groups(layer.weight) == ()
-    comm.mark_replicated(layer.bias, tp)
-    comm.mark_replicated(layer.bias, dist.group.WORLD)
-    comm.mark_replicated(layer.bias, tp)  # same group again: no-op
-    groups = comm.replicated_groups(layer.bias)
-    assert len(groups) == 2 and groups[0] is tp and groups[1] is dist.group.WORLD
-    assert comm.replicated_groups(layer.weight) == ()
-    assert comm.replicated_groups(copy.deepcopy(layer).bias) == ()
-
-
-def test_mark_replicated() -> None:
-    run_distributed(_marks, 2)
 
 
 def _against_comm_debug_mode() -> None:

@@ -10,24 +10,29 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm
+from parallel.marks import NO_MARKS, param_marks
 from parallel.random import seed_everything
-from parallel.tensor import tp_partition_dim
 from research.model import GPT, GPTConfig
 from tests.dist_utils import run_distributed
 
 BASE = GPTConfig(vocab_size=61, n_layers=2, n_heads=4, d_model=32, max_seq_len=16, vocab_multiple=64)
 VARIANTS = {
     "learned-gelu-layernorm-tied": {},
-    "rope-swiglu-rmsnorm-untied-window": dict(
-        position="rope", activation="swiglu", norm="rmsnorm", tie_embeddings=False, sliding_window=5
-    ),
+    "rope-swiglu-rmsnorm-untied-window": {
+        "position": "rope",
+        "activation": "swiglu",
+        "norm": "rmsnorm",
+        "tie_embeddings": False,
+        "sliding_window": 5,
+    },
 }
 RECOMPUTE = ["none", "selective", "full"]
 
 
 def tp_dims(model: torch.nn.Module) -> dict[str, int | None]:
     """name -> the dim along which TP splits the parameter (None: replicated)."""
-    return {name: tp_partition_dim(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    marks = param_marks(model)
+    return {name: marks.get(p, NO_MARKS).partition_dim for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def gather_tp(tensors: dict[str, torch.Tensor], dims: dict[str, int | None], group) -> dict[str, torch.Tensor]:
@@ -85,7 +90,9 @@ def test_tp_equals_tp1(tp: int) -> None:
         assert loss == pytest.approx(ref_loss, rel=1e-5), where
         assert all(rank[i][3] == loss for rank in results), f"{where}: the loss differs across TP ranks"
         for k, g in ref_grads.items():
-            torch.testing.assert_close(grads[k], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} {k}: {m}")
+            torch.testing.assert_close(
+                grads[k], g, rtol=1e-5, atol=1e-6, msg=lambda m, where=where, k=k: f"{where} {k}: {m}"
+            )
 
 
 def collectives_per_layer(sequence_parallel: bool, recompute: str) -> dict:

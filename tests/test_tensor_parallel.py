@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel import comm
+from parallel.marks import param_marks
 from parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -151,7 +152,7 @@ def _linear_case(layer_cls, kwargs: dict, group, n_in: int, n_out: int, seed: in
     _close(layer.weight.grad, _chunk(w_ref.grad, 0 if column else 1, group), f"{layer!r} weight grad")
     _close(layer.bias.grad, _chunk(b_ref.grad, 0, group) if column else b_ref.grad, f"{layer!r} bias grad")
     if not column:
-        assert any(g is group for g in comm.replicated_groups(layer.bias)), "row bias not marked"
+        assert any(g is group for g in param_marks(layer)[layer.bias].replicated), "row bias not marked"
 
 
 def _check_layers(group) -> dict:
@@ -210,7 +211,7 @@ def _check_layers(group) -> dict:
 
     # A deep copy shares the group and keeps the SP row bias marked and synced.
     clone = copy.deepcopy(fc2)
-    assert clone.group is group and any(g is group for g in comm.replicated_groups(clone.bias))
+    assert clone.group is group and any(g is group for g in param_marks(clone)[clone.bias].replicated)
     clone(_rand((S, B, 2 * H // tp), 24)).sum().backward()
     _close(clone.bias.grad, torch.full((H,), float(S * B)), "deep-copied SP row bias grad")
     return counts
@@ -219,12 +220,13 @@ def _check_layers(group) -> dict:
 def _check_sp_grad_sync(group) -> dict[str, int]:
     """A LayerNorm-like weight on SP shards: the hook sums the grad over TP before any
     post-accumulate hook (registered earlier) sees it, and once per backward."""
-    p = nn.Parameter(torch.ones(H))
+    owner = nn.Module()
+    owner.weight = p = nn.Parameter(torch.ones(H))
     seen = []
     p.register_post_accumulate_grad_hook(lambda q: seen.append(q.grad.clone()))
-    sequence_parallel_grad_sync(p, group)
-    sequence_parallel_grad_sync(p, group)  # idempotent
-    assert any(g is group for g in comm.replicated_groups(p))
+    sequence_parallel_grad_sync(owner, "weight", group)
+    sequence_parallel_grad_sync(owner, "weight", group)  # idempotent
+    assert any(g is group for g in param_marks(owner)[p].replicated)
     xs = [_rand((S, B, H), 17), _rand((S, B, H), 18)]
     with comm.tracking() as log:
         for x in xs:

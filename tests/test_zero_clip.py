@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from optim import ZeroOptimizer
-from parallel import comm
+from parallel import marks
 from tests.dist_utils import run_distributed
 from tests.models import batches, make_model
 
@@ -27,9 +27,9 @@ def norm_with_marks(stage: int) -> float:
     mp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     dp, mp = dp_groups[rank // 2], mp_groups[rank % 2]
     model = make_model()
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.ndim == 1:
-            comm.mark_replicated(p, mp)
+            marks.mark_replicated(model, name, mp)
     opt = ZeroOptimizer(
         model,
         torch.optim.AdamW,

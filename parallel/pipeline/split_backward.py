@@ -17,7 +17,8 @@ parameter hooks (an optimizer's, sequence-parallel sync) see them as in a plain 
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -65,7 +66,7 @@ class WeightGradients:
     ) -> None:
         self.out, self.grad, self.parts, self.rest = out, grad, parts, rest
 
-    def run(self, deferred: Callable[[bool], ContextManager]) -> None:
+    def run(self, deferred: Callable[[bool], AbstractContextManager]) -> None:
         """One backward per part, then one from the output for the rest; `deferred(last)`
         wraps each (an optimizer's no_sync for all but the last backward of the step).
         Once the next part's weights have no storage (ZeRO stage 3 frees gathered parameters

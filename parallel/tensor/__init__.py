@@ -15,7 +15,6 @@ from parallel.tensor.layers import (
     default_init,
     sequence_parallel_grad_sync,
     shard_of,
-    tp_partition_dim,
 )
 from parallel.tensor.mappings import (
     copy_to_tp,
@@ -44,7 +43,6 @@ __all__ = [
     "sequence_parallel_grad_sync",
     "shard_of",
     "tp_rank",
-    "tp_partition_dim",
     "tp_size",
     "vocab_parallel_cross_entropy",
 ]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from parallel import comm
+from parallel import comm, marks
 from parallel.tensor.mappings import (
     copy_to_tp,
     gather_from_sp,
@@ -54,7 +55,6 @@ __all__ = [
     "default_init",
     "sequence_parallel_grad_sync",
     "shard_of",
-    "tp_partition_dim",
 ]
 
 
@@ -69,20 +69,6 @@ def shard_of(full: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     if full.size(dim) % tp != 0:
         raise ValueError(f"dim {dim} of size {full.size(dim)} is not divisible by tp={tp}")
     return full.chunk(tp, dim=dim)[tp_rank(group)].clone(memory_format=torch.contiguous_format)
-
-
-_partition_dims: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def tp_partition_dim(param: torch.Tensor) -> int | None:
-    """The dim along which TP splits ``param`` (its tp = 1 tensor is the concatenation of
-    the TP ranks' tensors along it), or None when every TP rank holds all of it."""
-    return _partition_dims.get(param)
-
-
-def _mark_partitioned(param: torch.Tensor | None, dim: int) -> None:
-    if param is not None:
-        _partition_dims[param] = dim
 
 
 def _divide(name: str, value: int, group: Group) -> int:
@@ -103,11 +89,12 @@ def _sharded_weight(shape: tuple[int, int], dim: int, group: Group, init_method)
 # Gradient sync for TP-replicated parameters under sequence parallelism
 # ---------------------------------------------------------------------------
 
-_synced: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_synced: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> groups its gradient hook sums over
 
 
-def sequence_parallel_grad_sync(param: torch.Tensor, group: Group) -> None:
-    """Make ``param``'s gradient the sum over the TP group of the per-rank gradients.
+def sequence_parallel_grad_sync(module: nn.Module, name: str, group: Group) -> None:
+    """Make the gradient of ``module``'s parameter ``name`` the sum over the TP group of the
+    per-rank gradients.
 
     Under SP a TP-replicated parameter (LayerNorm weight / bias, row-parallel bias) sees
     only this rank's sequence shard, so its full gradient is Σ_r ∂L/∂p computed on
@@ -118,21 +105,33 @@ def sequence_parallel_grad_sync(param: torch.Tensor, group: Group) -> None:
       that consumes the gradient);
     - it always runs before every ``register_post_accumulate_grad_hook`` (ZeroOptimizer's),
       whatever the order of registration.
-    Also marks ``param`` replicated over ``group`` (``comm.mark_replicated``) for the
-    grad norm. Idempotent per (param, group); a no-op hook at tp == 1.
+    Marks the parameter (``parallel.marks.mark_sequence_parallel``, which also marks it
+    replicated over ``group``). A tensor hook lives with its Parameter object, which
+    ``copy.deepcopy`` does not copy, so a forward pre-hook on ``module`` (which is copied)
+    registers it on any marked parameter that lacks it. Idempotent; a no-op hook at tp == 1.
     """
-    comm.mark_replicated(param, group)
-    groups = _synced.get(param, ())
-    if any(g is group for g in groups) or tp_size(group) == 1:
-        return
-    _synced[param] = (*groups, group)
+    marks.mark_sequence_parallel(module, name, group)
+    if not module.__dict__.get("_sequence_parallel_hooked"):
+        module.__dict__["_sequence_parallel_hooked"] = True
+        module.register_forward_pre_hook(_register_grad_sync_hooks)
+    _register_grad_sync_hooks(module)
 
-    def all_reduce_grad(grad: torch.Tensor) -> torch.Tensor:
-        out = grad.clone(memory_format=torch.contiguous_format)
-        comm.all_reduce(out, group=group)
-        return out
 
-    param.register_hook(all_reduce_grad)
+def _register_grad_sync_hooks(module: nn.Module, *forward_args: object) -> None:
+    for name, m in module.__dict__.get("_param_marks", {}).items():
+        p = module._parameters.get(name)
+        for group in m.sequence_parallel:
+            synced = _synced.get(p, ()) if p is not None else ()
+            if p is None or tp_size(group) == 1 or any(g is group for g in synced):
+                continue
+            _synced[p] = (*synced, group)
+            p.register_hook(partial(_all_reduce_grad, group=group))
+
+
+def _all_reduce_grad(grad: torch.Tensor, group: Group) -> torch.Tensor:
+    out = grad.clone(memory_format=torch.contiguous_format)
+    comm.all_reduce(out, group=group)
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -142,20 +141,15 @@ def sequence_parallel_grad_sync(param: torch.Tensor, group: Group) -> None:
 
 class _TPModule(nn.Module):
     """Holds the TP ``group``; ``copy.deepcopy`` shares the group (a ProcessGroup cannot be
-    copied) and re-applies the partition / replication marks and SP grad hooks, which live
-    with the Parameter objects and are not copied with them."""
+    copied)."""
 
     group: Group
-
-    def _register_marks(self) -> None:
-        pass
 
     def __deepcopy__(self, memo: dict) -> _TPModule:
         memo[id(self.group)] = self.group
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__dict__, memo))
-        new._register_marks()
         return new
 
 
@@ -183,11 +177,9 @@ class ColumnParallelLinear(_TPModule):
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.weight = _sharded_weight((out_features, in_features), 0, group, init_method)
         self.bias = nn.Parameter(torch.zeros(out_local)) if bias else None
-        self._register_marks()
-
-    def _register_marks(self) -> None:
-        _mark_partitioned(self.weight, 0)
-        _mark_partitioned(self.bias, 0)
+        marks.mark_partitioned(self, "weight", 0)
+        if bias:
+            marks.mark_partitioned(self, "bias", 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
@@ -226,25 +218,17 @@ class RowParallelLinear(_TPModule):
         self.sequence_parallel = sequence_parallel
         self.weight = _sharded_weight((out_features, in_features), 1, group, init_method)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self._register_marks()
-
-    def _register_marks(self) -> None:
-        """The weight is split along its input dim; the bias is replicated over TP, and
-        under SP its gradient is summed over TP."""
-        _mark_partitioned(self.weight, 1)
-        if self.bias is not None:
-            comm.mark_replicated(self.bias, self.group)
-            if self.sequence_parallel:
-                sequence_parallel_grad_sync(self.bias, self.group)
+        marks.mark_partitioned(self, "weight", 1)
+        if bias:  # replicated over TP; under SP its gradient is summed over TP
+            marks.mark_replicated(self, "bias", group)
+            if sequence_parallel:
+                sequence_parallel_grad_sync(self, "bias", group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
         y = F.linear(x, self.weight)  # partial sum X_r W_rᵀ
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sp(y, self.group)
-        else:
-            y = reduce_from_tp(y, self.group)
+        y = reduce_scatter_to_sp(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -277,10 +261,7 @@ class VocabParallelEmbedding(_TPModule):
         self.vocab_start = tp_rank(group) * v_local
         self.vocab_end = self.vocab_start + v_local
         self.weight = _sharded_weight((num_embeddings, embedding_dim), 0, group, init_method)
-        self._register_marks()
-
-    def _register_marks(self) -> None:
-        _mark_partitioned(self.weight, 0)
+        marks.mark_partitioned(self, "weight", 0)
 
     def forward(self, ids_sb: torch.Tensor) -> torch.Tensor:
         if tp_size(self.group) == 1:
