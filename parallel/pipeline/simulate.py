@@ -20,6 +20,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from parallel.pipeline.schedules import (
+    Action,
     rank_chunk_of,
     schedule,
     splits_backward,
@@ -65,53 +66,74 @@ def simulate(
     """Run all ranks' lists of ``schedule(name, ...)``; raise RuntimeError on a deadlock
     (no rank can progress) naming each stuck rank's next action."""
     v, split = virtual_stages, splits_backward(name)
-    plans = [schedule(name, pp, r, microbatches, v) for r in range(pp)]
     if t_weight is None:
         t_weight = t_backward / 2 if split else 0.0
     cost = {"F": t_forward / v, "B": (t_backward - (t_weight if split else 0.0)) / v, "W": t_weight / v}
-    channels = defaultdict(deque)  # (sender, receiver, F|B) -> deque of (mb, recv_chunk, arrival)
-    clock, busy, pc = [0.0] * pp, [0.0] * pp, [0] * pp
-    ready = [0.0] * pp  # latest arrival among RECVs since the last compute
-    last_end = [0.0] * pp  # end of the last compute (what a SEND ships)
-    events = []
-    while True:
-        progressed = False
-        for r in range(pp):
-            while pc[r] < len(plans[r]):
-                a = plans[r][pc[r]]
-                if a.kind.startswith("RECV"):
-                    q = channels[a.peer, r, a.kind[-1]]
-                    if not q:
-                        break  # wait for the peer's SEND
-                    mb, chunk, arrival = q.popleft()
-                    if (mb, chunk) != (a.microbatch, a.chunk):
-                        raise RuntimeError(
-                            f"rank {r} expected {a} but rank {a.peer} sent micro-batch {mb} chunk {chunk}."
-                        )
-                    ready[r] = max(ready[r], arrival)
-                elif a.kind.startswith("SEND"):
-                    s = stage_of(r, a.chunk, pp) + (1 if a.kind == "SEND_F" else -1)
-                    channels[r, a.peer, a.kind[-1]].append(
-                        (a.microbatch, rank_chunk_of(s, pp)[1], last_end[r] + t_comm)
-                    )
-                else:
-                    start = max(clock[r], ready[r])
-                    end = start + cost[a.kind]
-                    events.append((r, a.kind, a.microbatch, a.chunk, start, end))
-                    clock[r] = last_end[r] = end
-                    busy[r] += end - start
-                    ready[r] = 0.0
-                pc[r] += 1
-                progressed = True
-        if all(pc[r] == len(plans[r]) for r in range(pp)):
-            break
-        if not progressed:
-            stuck = "; ".join(f"rank {r} waits at {plans[r][pc[r]]}" for r in range(pp) if pc[r] < len(plans[r]))
-            raise RuntimeError(f"deadlock in {name} (pp={pp}, m={microbatches}, v={v}): {stuck}.")
-    makespan = max(clock)
+    ranks = _Ranks([schedule(name, pp, r, microbatches, v) for r in range(pp)], cost, t_comm)
+    while not ranks.done():
+        progressed = [ranks.advance(r) for r in range(pp)]
+        if not any(progressed):
+            raise RuntimeError(f"deadlock in {name} (pp={pp}, m={microbatches}, v={v}): {ranks.stuck()}.")
+    makespan = max(ranks.clock)
     return SimResult(
         makespan=makespan,
-        idle_fraction=[1.0 - b / makespan if makespan else 0.0 for b in busy],
-        peak_in_flight=[peak_in_flight(p, split) for p in plans],
-        events=sorted(events, key=lambda e: (e[4], e[0])),
+        idle_fraction=[1.0 - b / makespan if makespan else 0.0 for b in ranks.busy],
+        peak_in_flight=[peak_in_flight(p, split) for p in ranks.plans],
+        events=sorted(ranks.events, key=lambda e: (e[4], e[0])),
     )
+
+
+class _Ranks:
+    """Every rank's place in its action list and clock. A SEND ships the end time of the
+    rank's last compute (+ t_comm) into a channel; a compute starts at max(its clock, the
+    latest arrival among the RECVs since its last compute)."""
+
+    def __init__(self, plans: list[list[Action]], cost: dict[str, float], t_comm: float) -> None:
+        self.plans, self.cost, self.t_comm = plans, cost, t_comm
+        self.pp = pp = len(plans)
+        self.channels: dict = defaultdict(deque)  # (sender, receiver, F|B) -> deque of (mb, recv_chunk, arrival)
+        self.clock, self.busy, self.pc = [0.0] * pp, [0.0] * pp, [0] * pp
+        self.ready = [0.0] * pp  # latest arrival among RECVs since the last compute
+        self.last_end = [0.0] * pp  # end of the last compute (what a SEND ships)
+        self.events: list[tuple[int, str, int, int, float, float]] = []
+
+    def done(self) -> bool:
+        return all(pc == len(plan) for pc, plan in zip(self.pc, self.plans))
+
+    def stuck(self) -> str:
+        return "; ".join(
+            f"rank {r} waits at {self.plans[r][self.pc[r]]}" for r in range(self.pp) if self.pc[r] < len(self.plans[r])
+        )
+
+    def advance(self, r: int) -> bool:
+        """Run rank r's actions until it waits for a SEND or has none left; whether it moved."""
+        start_pc = self.pc[r]
+        while self.pc[r] < len(self.plans[r]):
+            a = self.plans[r][self.pc[r]]
+            if a.kind.startswith("RECV"):
+                if not self._receive(r, a):
+                    break
+            elif a.kind.startswith("SEND"):
+                s = stage_of(r, a.chunk, self.pp) + (1 if a.kind == "SEND_F" else -1)
+                arrival = self.last_end[r] + self.t_comm
+                self.channels[r, a.peer, a.kind[-1]].append((a.microbatch, rank_chunk_of(s, self.pp)[1], arrival))
+            else:
+                start = max(self.clock[r], self.ready[r])
+                end = start + self.cost[a.kind]
+                self.events.append((r, a.kind, a.microbatch, a.chunk, start, end))
+                self.clock[r] = self.last_end[r] = end
+                self.busy[r] += end - start
+                self.ready[r] = 0.0
+            self.pc[r] += 1
+        return self.pc[r] > start_pc
+
+    def _receive(self, r: int, a: Action) -> bool:
+        """Take `a`'s message if it was sent (checking it is the one expected); whether it was."""
+        q = self.channels[a.peer, r, a.kind[-1]]
+        if not q:
+            return False
+        mb, chunk, arrival = q.popleft()
+        if (mb, chunk) != (a.microbatch, a.chunk):
+            raise RuntimeError(f"rank {r} expected {a} but rank {a.peer} sent micro-batch {mb} chunk {chunk}.")
+        self.ready[r] = max(self.ready[r], arrival)
+        return True
