@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from parallel import desync
-
 from research.config import parse_args
 from research.errors import RunError, report
 from research.trainer import Trainer

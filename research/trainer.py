@@ -260,28 +260,41 @@ class Trainer:
                     file.write(row)
                     run.log(row, step + 1)
                 console.update(step + 1, row)
-                nonfinite = 0 if math.isfinite(row["loss"]) else nonfinite + 1
-                if nonfinite >= tr.max_nonfinite_steps:
-                    raise NonFiniteLossError(
-                        f"the loss was {row['loss']} for {nonfinite} consecutive step(s) up to step {step + 1} "
-                        f"(--max-nonfinite-steps={tr.max_nonfinite_steps}); lower --lr, use --precision bf16 "
-                        "or fp32, or resume from an earlier checkpoint"
-                    )
-                every = cfg.checkpoint.save_every
-                if cfg.checkpoint.save and ((every and (step + 1) % every == 0) or step + 1 == tr.steps):
-                    if nonfinite:
-                        console.warn(f"step {step + 1}: the loss is {row['loss']}: checkpoint not saved")
-                    else:
-                        self._save(step + 1)
+                nonfinite = self._check_loss_and_save(step, row["loss"], nonfinite, console)
             summary = self._summary(rows, comm_total, activation_peak, time.perf_counter() - started)
-            if lead and cfg.checkpoint.export:
-                checkpoint.export(cfg.checkpoint.save, cfg.checkpoint.export)
             if lead:
-                metrics.write_json(os.path.join(out, "summary.json"), summary)
-                run.summary({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
+                self._write_summary(summary, run)
             console.close(summary)
         comm.barrier()
         return summary
+
+    def _check_loss_and_save(self, step: int, loss: float, nonfinite: int, console: metrics.Console) -> int:
+        """The number of consecutive non-finite losses up to this step (the run stops when it
+        reaches --max-nonfinite-steps); saves a checkpoint when one is due, unless the loss is
+        not finite."""
+        tr, ck = self.cfg.train, self.cfg.checkpoint
+        nonfinite = 0 if math.isfinite(loss) else nonfinite + 1
+        if nonfinite >= tr.max_nonfinite_steps:
+            raise NonFiniteLossError(
+                f"the loss was {loss} for {nonfinite} consecutive step(s) up to step {step + 1} "
+                f"(--max-nonfinite-steps={tr.max_nonfinite_steps}); lower --lr, use --precision bf16 "
+                "or fp32, or resume from an earlier checkpoint"
+            )
+        every = ck.save_every
+        if ck.save and ((every and (step + 1) % every == 0) or step + 1 == tr.steps):
+            if nonfinite:
+                console.warn(f"step {step + 1}: the loss is {loss}: checkpoint not saved")
+            else:
+                self._save(step + 1)
+        return nonfinite
+
+    def _write_summary(self, summary: dict[str, Any], run: metrics.WandbRun) -> None:
+        """Rank 0: the export (if asked), summary.json and the wandb summary."""
+        cfg = self.cfg
+        if cfg.checkpoint.export:
+            checkpoint.export(cfg.checkpoint.save, cfg.checkpoint.export)
+        metrics.write_json(os.path.join(cfg.log.out, "summary.json"), summary)
+        run.summary({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
 
     def _timed_step(
         self, step: int, measure_activations: bool, tokens: int, flops_per_token: float, world: int, peak: float | None
