@@ -208,7 +208,7 @@ class _Saved:
     queues its storage for release. Only queueing (an atomic ``deque.append``) happens in
     ``__del__``, which may run on an autograd thread or inside the meter's own code."""
 
-    __slots__ = ("tensor", "key", "released")
+    __slots__ = ("key", "released", "tensor")
 
     def __init__(self, tensor: torch.Tensor, key: int, released: deque[int]) -> None:
         self.tensor, self.key, self.released = tensor, key, released
@@ -504,7 +504,7 @@ class MetricsFile:
 
     def __init__(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a")
+        self._file = open(path, "a")  # noqa: SIM115 - held open until close() / __exit__
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Append ``record`` as one line and flush it."""

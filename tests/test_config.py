@@ -197,7 +197,7 @@ def test_bad_input_fails_with_one_sentence_naming_the_flag(argv: list[str], worl
 def test_unknown_yaml_keys_are_errors(tmp_path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"train": {"learning_rate": 1.0}}))
-    with pytest.raises(ConfigError, match="train.learning_rate is not a config key"):
+    with pytest.raises(ConfigError, match=r"train\.learning_rate is not a config key"):
         parse_args(["--config", str(path)], 1)
     path.write_text(yaml.safe_dump({"optimizer": {"lr": 1.0}}))
     with pytest.raises(ConfigError, match="unknown section 'optimizer'"):
@@ -422,7 +422,7 @@ def test_the_vocabulary_check_uses_the_tokenizers_vocabulary(tmp_path) -> None:
 
 def test_a_hub_dataset_while_offline_is_one_sentence(monkeypatch) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    with pytest.raises(ConfigError, match="^--data .someone/corpus. is not a local path, .* while it is offline"):
+    with pytest.raises(ConfigError, match=r"^--data .someone/corpus. is not a local path, .* while it is offline"):
         parse_args(["--data", "someone/corpus"], 1)
 
 
@@ -479,6 +479,7 @@ def test_the_command_prints_one_error_line_and_exits_2(tmp_path, argv: list[str]
         text=True,
         timeout=300,
         env=env,
+        check=False,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr

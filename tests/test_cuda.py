@@ -196,7 +196,7 @@ def assert_same_run(run: tuple, ref: tuple) -> None:
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
     assert state.keys() == ref_state.keys()
     for k in ref_state:
-        torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.cuda
@@ -253,8 +253,8 @@ def fp16_steps(device: str, stage: int) -> dict:
         **ZERO_KW,
     )
     scales, skipped, skipped_changed, losses, ref_losses, norms, ref_norms = [], [], [], [], [], [], []
-    for idx, tgt in batches(40, 8):
-        idx, tgt = idx.to(device), tgt.to(device)
+    for cpu_idx, cpu_tgt in batches(40, 8):
+        idx, tgt = cpu_idx.to(device), cpu_tgt.to(device)
         scale = opt.scaler.scale
         before = opt.full_state_dict()
         loss = model(idx, tgt)
@@ -316,7 +316,7 @@ def test_fp16_overflow_skips_and_clean_steps_match_adamw(device: str, stage: int
     # the unscaled norm: Adam itself would hide a gradient left multiplied by the scale
     torch.testing.assert_close(torch.tensor(out["norms"]), torch.tensor(out["ref_norms"]), rtol=1e-3, atol=0)
     for k, ref in out["ref_state"].items():
-        torch.testing.assert_close(out["state"][k], ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(out["state"][k], ref, rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
 # ---- the training command on CUDA ---------------------------------------------------------------

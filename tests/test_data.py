@@ -54,7 +54,7 @@ def test_byte_tokenizer_round_trip() -> None:
     for text in DOCS:
         ids = tok.encode(text)
         assert all(0 <= i < 256 for i in ids) and tok.decode(ids) == text
-    assert tok.decode(tok.encode("x") + [256] + tok.encode("y")) == "xy"  # EOS decodes to nothing
+    assert tok.decode([*tok.encode("x"), 256, *tok.encode("y")]) == "xy"  # EOS decodes to nothing
 
 
 def test_missing_tokenizer_names_the_flag(tmp_path: Path) -> None:
@@ -170,11 +170,11 @@ def test_missing_local_path(tmp_path: Path, data: str) -> None:
 
 def test_empty_glob_and_folder(tmp_path: Path) -> None:
     (tmp_path / "x.csv").write_text("a,b\n")
-    with pytest.raises(ValueError, match="--data glob .* matches no"):
+    with pytest.raises(ValueError, match=r"--data glob .* matches no"):
         D.load_tokens(str(tmp_path / "*.jsonl"), BYTE, cache_dir=tmp_path / "cache")
-    with pytest.raises(ValueError, match="--data folder .* holds no"):
+    with pytest.raises(ValueError, match=r"--data folder .* holds no"):
         D.load_tokens(str(tmp_path), BYTE, cache_dir=tmp_path / "cache")
-    with pytest.raises(ValueError, match="--data file .* is not"):
+    with pytest.raises(ValueError, match=r"--data file .* is not"):
         D.load_tokens(str(tmp_path / "x.csv"), BYTE, cache_dir=tmp_path / "cache")
 
 

@@ -153,7 +153,7 @@ def _check_layout(tp: int, pp: int, dp: int) -> dict:
         **{name: {"all_reduce": stats[name]["all_reduce"]} for name in groups},
         "world": {"barrier": {"calls": 1, "bytes": 0, "payload_bytes": 0}},
     }
-    for name, group in groups.items():
+    for name in groups:
         n = len(exp["members"][name])
         assert stats[name]["all_reduce"] == {
             "calls": 1,

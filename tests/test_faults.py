@@ -85,7 +85,7 @@ def test_a_rank_blocked_behind_the_stalled_one_is_not_blamed() -> None:
 
 def test_a_rank_that_never_published_is_reported_missing() -> None:
     records = {0: {"last": [_entry("barrier", "world", "0,1", 1)], "issued": {"0,1": 1}}}
-    entry, behind = desync.missing_ranks(records[0], records)
+    _, behind = desync.missing_ranks(records[0], records)
     assert behind == [1]
     assert "rank 1 never reported" in desync.report(0, records, 2, None)
     assert "  rank 1: nothing published" in desync.report(0, records, 2, None)

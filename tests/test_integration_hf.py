@@ -17,12 +17,12 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from safetensors.torch import load_file  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, get_scheduler  # noqa: E402
+from safetensors.torch import load_file
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, get_scheduler
 
-from optim.integrations.hf import ZERO_OPTIMIZER_DIR, ZeroTrainer  # noqa: E402
-from parallel import comm  # noqa: E402
-from tests.dist_utils import run_distributed  # noqa: E402
+from optim.integrations.hf import ZERO_OPTIMIZER_DIR, ZeroTrainer
+from parallel import comm
+from tests.dist_utils import run_distributed
 
 WORLD, STEPS, ACCUM, MICRO, SEQ, VOCAB, EVAL_ROWS = 2, 10, 2, 2, 16, 64, 8
 LR, WEIGHT_DECAY, CLIP, WARMUP = 3e-3, 0.1, 1.0, 3
@@ -64,27 +64,27 @@ def dataset() -> list[dict[str, torch.Tensor]]:
 
 
 def training_args(output_dir: str, **overrides) -> TrainingArguments:
-    settings = dict(
-        output_dir=output_dir,
-        use_cpu=True,
-        report_to=[],
-        max_steps=STEPS,
-        per_device_train_batch_size=MICRO,
-        per_device_eval_batch_size=MICRO,
-        gradient_accumulation_steps=ACCUM,
-        learning_rate=LR,
-        weight_decay=WEIGHT_DECAY,
-        adam_epsilon=EPS,
-        max_grad_norm=CLIP,
-        warmup_steps=WARMUP,
-        lr_scheduler_type="linear",
-        optim="adamw_torch",
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=5,
-        disable_tqdm=True,
-        seed=0,
-    )
+    settings = {
+        "output_dir": output_dir,
+        "use_cpu": True,
+        "report_to": [],
+        "max_steps": STEPS,
+        "per_device_train_batch_size": MICRO,
+        "per_device_eval_batch_size": MICRO,
+        "gradient_accumulation_steps": ACCUM,
+        "learning_rate": LR,
+        "weight_decay": WEIGHT_DECAY,
+        "adam_epsilon": EPS,
+        "max_grad_norm": CLIP,
+        "warmup_steps": WARMUP,
+        "lr_scheduler_type": "linear",
+        "optim": "adamw_torch",
+        "logging_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": 5,
+        "disable_tqdm": True,
+        "seed": 0,
+    }
     return TrainingArguments(**{**settings, **overrides})
 
 

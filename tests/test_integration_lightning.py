@@ -21,7 +21,10 @@ from parallel import comm
 from tests.dist_utils import run_distributed
 from tests.models import make_model, no_decay_groups
 
-pl = pytest.importorskip("pytorch_lightning")
+pytest.importorskip("pytorch_lightning")
+
+import pytorch_lightning as pl
+
 from optim.integrations.lightning import ZeroStrategy
 
 WORLD, MICRO_BATCH, ACCUM, STEPS = 2, 4, 2, 10
@@ -310,7 +313,7 @@ def one_rank_checks(root: Path) -> dict[str, Any]:
         try:
             run(root)
             misuse[name] = "no error"
-        except Exception as e:  # noqa: BLE001 - the message is what is tested
+        except Exception as e:  # any exception: its message is what is tested
             misuse[name] = f"{type(e).__name__}: {e}"
     own, strategy = OwnZero(2), ZeroStrategy(2)
     fit_once(root, own, strategy)

@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from parallel import marks
@@ -47,7 +46,7 @@ def test_marks_on_the_owning_module() -> None:
     clone = copy.deepcopy(model)
     assert by_name(clone) == by_name(model)
     assert param_marks(clone)[clone[1].weight].replicated[0] is a  # groups are shared, not copied
-    with pytest.raises(ValueError, match="Sequential has no parameter '1.scale' to mark"):
+    with pytest.raises(ValueError, match=r"Sequential has no parameter '1\.scale' to mark"):
         marks.mark_replicated(model, "1.scale", a)
 
 

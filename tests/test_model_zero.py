@@ -99,14 +99,14 @@ def test_dp2_tp2_matches_single_process(stage: int, sequence_parallel: bool) -> 
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
         for k, v in state.items():
-            torch.testing.assert_close(v, ref_state[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+            torch.testing.assert_close(v, ref_state[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_config_counts() -> None:
     """num_params equals the parameters the tp = 1 model holds, for every variant; FLOPs per
     token equal Narayanan et al. 2021's 72·L·h²·(1 + s/6h + V/12Lh) (96·L·h²·(1 + s/6h +
     V/16Lh) with full recompute) for a GELU model with d_ff = 4h."""
-    for overrides in ({}, dict(position="rope", activation="swiglu", norm="rmsnorm", tie_embeddings=False)):
+    for overrides in ({}, {"position": "rope", "activation": "swiglu", "norm": "rmsnorm", "tie_embeddings": False}):
         config = dataclasses.replace(CONFIG, **overrides)
         assert config.num_params() == sum(p.numel() for p in GPT(config).parameters())
     L, h, V, s = CONFIG.n_layers, CONFIG.d_model, CONFIG.padded_vocab, 16

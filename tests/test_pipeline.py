@@ -107,7 +107,7 @@ def test_pipeline_matches_single_process(pp: int, schedule: str, v: int, stage: 
     losses = results[-1][0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     state = {}
-    for rank_losses, norms, rank_state in results:
+    for _losses, norms, rank_state in results:
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
         for k, value in rank_state.items():
             if k in state:  # the tied embedding, on the first and the last stage
@@ -115,7 +115,7 @@ def test_pipeline_matches_single_process(pp: int, schedule: str, v: int, stage: 
             state[k] = value
     assert state.keys() == ref_state.keys()
     for k, value in ref_state.items():
-        torch.testing.assert_close(state[k], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(state[k], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_layer_ranges() -> None:
@@ -178,7 +178,7 @@ def test_3d_tp2_pp2_dp2_matches_single_process(stage: int) -> None:
         state.update(rank_state)
     assert state.keys() == ref_state.keys()
     for k, value in ref_state.items():
-        torch.testing.assert_close(state[k], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(state[k], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def measured_order(schedule_name: str, v: int) -> tuple[list, list]:
@@ -308,7 +308,7 @@ def test_fp16_pipeline_tracks_fp32_and_skips_overflow_everywhere() -> None:
     torch.testing.assert_close(torch.tensor(clean[-1][0]), torch.tensor(ref_losses), rtol=5e-3, atol=0)
     for _, _, _, state in clean:
         for k, v in state.items():
-            torch.testing.assert_close(v, ref_state[k], rtol=0, atol=2e-2, msg=lambda m: f"{k}: {m}")
+            torch.testing.assert_close(v, ref_state[k], rtol=0, atol=2e-2, msg=lambda m, k=k: f"{k}: {m}")
     for _, scales, changed, _ in run_distributed(train_fp16_pipeline, 2, 1):
         assert changed == [True, False, True, True, True], changed
         assert scales == [2.0**10] + [2.0**9] * 4, scales

@@ -44,7 +44,7 @@ def test_flat_range_boxes_cover_range_exactly() -> None:
         covered: list[int] = []
         for offsets, sizes in boxes:
             assert len(offsets) == len(sizes) == len(shape)
-            assert all(s >= 1 and 0 <= o and o + s <= d for o, s, d in zip(offsets, sizes, shape))
+            assert all(s >= 1 and o >= 0 and o + s <= d for o, s, d in zip(offsets, sizes, shape))
             cells = _flat_indices(shape, offsets, sizes)
             assert cells == list(range(cells[0], cells[0] + len(cells))), "box not contiguous"
             covered += cells
@@ -74,7 +74,7 @@ def _is_box(shape: list[int], start: int, end: int) -> bool:
     strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
     lo = [start // st % d for st, d in zip(strides, shape)]
     hi = [(end - 1) // st % d for st, d in zip(strides, shape)]
-    return all(h >= l for l, h in zip(lo, hi)) and math.prod(h - l + 1 for l, h in zip(lo, hi)) == end - start
+    return all(b >= a for a, b in zip(lo, hi)) and math.prod(b - a + 1 for a, b in zip(lo, hi)) == end - start
 
 
 def test_flat_range_boxes_is_fewest_in_flat_order() -> None:

@@ -88,7 +88,7 @@ def test_load_sweep_builds_one_torchrun_command_per_point(tmp_path: Path) -> Non
     cmd = points[1].command
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m"]
     assert cmd[cmd.index("--out") + 1] == str(tmp_path / "out" / "wide")
-    assert ["--steps", "2", "--dp", "4"] == cmd[cmd.index("--steps") : cmd.index("--steps") + 4]
+    assert cmd[cmd.index("--steps") : cmd.index("--steps") + 4] == ["--steps", "2", "--dp", "4"]
     assert cmd[-6:] == ["--wandb", "disabled", "--wandb-group", "s", "--wandb-name", "wide"]
     _, points = sw.load_sweep(path, timeout=3, wandb="offline")
     assert [p.timeout for p in points] == [3, 3, 7]  # --timeout beats the file, a point's own beats both
@@ -114,7 +114,7 @@ def test_load_sweep_rejects_bad_files(tmp_path: Path, spec: dict, message: str) 
 
 def test_load_sweep_names_a_bad_base_config(tmp_path: Path) -> None:
     (tmp_path / "base.yaml").write_text("model:\n  n_layer: 2\n")
-    with pytest.raises(sw.SweepError, match="base: .*model.n_layer is not a config key"):
+    with pytest.raises(sw.SweepError, match=r"base: .*model\.n_layer is not a config key"):
         sw.load_sweep(write_sweep(tmp_path, base=str(tmp_path / "base.yaml"), nproc=1))
     assert sw.main(["--report", str(tmp_path)]) == 2  # no sweep.json there
 

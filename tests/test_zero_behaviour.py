@@ -3,7 +3,6 @@ order, other inner optimizers and step backends, fp16 loss scaling, and bad inpu
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist

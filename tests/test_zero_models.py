@@ -78,4 +78,4 @@ def test_models_from_other_libraries(name: str, stage: int) -> None:
     got = run_distributed(train, WORLD, name, stage, timeout=180)[0]
     assert got.keys() == ref.keys()
     for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")

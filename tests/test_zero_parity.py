@@ -25,7 +25,7 @@ BF16_PARAM_ATOL = 2e-2
 BF16_LOSS_RTOL = 5e-3
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(world: int, optimizer: str = "AdamW", **kwargs) -> tuple[list[float], dict]:
     return reference_run(STEPS, BATCH, MICRO, world, getattr(torch.optim, optimizer), lr=LR, **kwargs)
 
@@ -36,7 +36,7 @@ def assert_matches(result, ref, rtol=1e-5, atol=1e-6, loss_rtol=1e-5) -> None:
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=loss_rtol, atol=0)
     assert state.keys() == ref_state.keys()
     for k in ref_state:
-        torch.testing.assert_close(state[k], ref_state[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(state[k], ref_state[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

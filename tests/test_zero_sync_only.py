@@ -22,7 +22,10 @@ WIDTH, MICRO, STEPS, ROWS = 16, 3, 4, 4  # ROWS per micro-batch per rank
 
 def two_chunks() -> nn.ModuleList:
     torch.manual_seed(0)
-    chunk = lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH))
+
+    def chunk() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH))
+
     return nn.ModuleList([chunk(), chunk()])
 
 
@@ -48,7 +51,7 @@ def chunked_backward(opt: ZeroOptimizer, model: nn.ModuleList, x: torch.Tensor, 
 def train(stage: int) -> dict:
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     model = two_chunks()
     opt = ZeroOptimizer(
         model,
@@ -94,7 +97,7 @@ def test_chunk_scoped_reduction_every_micro_batch_matches_torch(stage: int) -> N
     out = run_distributed(train, 2, stage, timeout=120)[0]
     ref = reference(2)
     for k, v in ref.items():
-        torch.testing.assert_close(out["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(out["state"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     # each scoped backward reduces its own chunk's buckets once, never the other chunk's
     assert sum(out["chunk_buckets"]) == out["buckets"]
     assert out["reductions"] == STEPS * MICRO * out["buckets"]
