@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 
 from research import costmodel
-from research.costmodel import Cluster, GiB, Plan
+from research.costmodel import Cluster, Estimate, GiB, Plan
 from research.model import GPTConfig
 
 
@@ -120,47 +120,11 @@ def report(
 ) -> str:
     """The table of the `top` fastest fitting layouts, the best one's breakdown, and the
     rejected layouts by reason with one example each."""
-    gpu = cluster.gpu
-    lines = [
-        (
-            f"{name}: {_count(model.num_params())} parameters, seq {seq_len}, global batch {global_batch_size} "
-            f"on {cluster.gpus} × {gpu.name} ({_gib(gpu.memory_bytes)}, {gpu.peak_flops / 1e12:g} TFLOP/s, "
-            f"{cluster.gpus_per_node} per node)"
-        )
-    ]
+    lines = [_title(name, model, cluster, global_batch_size, seq_len)]
     rejected = sum(count for count, _ in plan.rejected.values())
     lines.append(f"{len(plan.ranked) + rejected} layouts: {len(plan.ranked)} fit, {rejected} do not")
-    header = (
-        f"{'#':>3} {'tp':>3} {'pp':>4} {'dp':>5} {'v':>2} {'zero':>4} {'mbs':>4} {'recompute':>9} {'sp':>2} {'sync':>5} "
-        f"{'mem GiB':>8} {'step s':>9} {'TFLOP/s/GPU':>11} {'MFU':>6}"
-    )
     if plan.ranked:
-        lines += ["", header]
-    for i, e in enumerate(plan.ranked[:top], 1):
-        lo = e.layout
-        lines.append(
-            f"{i:>3} {lo.tp:>3} {lo.pp:>4} {lo.dp:>5} {lo.virtual_stages:>2} {lo.zero:>4} "
-            f"{lo.micro_batch_size:>4} {lo.recompute:>9} {int(lo.sp):>2} {lo.grad_sync:>5} {e.memory.total / GiB:>8.1f} "
-            f"{e.time.total:>9.3g} {e.tflops_per_gpu:>11.1f} {e.mfu:>6.1%}"
-        )
-    if plan.ranked:
-        best = plan.ranked[0]
-        mem, t = best.memory, best.time
-        lines += [
-            "",
-            (
-                "TFLOP/s/GPU: model FLOPs (no recomputation) per second per GPU, as the trainer reports; "
-                "MFU = that / peak."
-            ),
-            (
-                f"#1 memory (pipeline rank {mem.pp_rank}): model states {_gib(mem.model_states.total)} + "
-                f"activations {_gib(mem.activations)} + buffers {_gib(mem.buffers)}"
-            ),
-            (
-                f"#1 step: {t.pipeline:.3g} s pipeline (bubble {t.bubble:.3g}, TP comm {t.tp_comm:.3g}, "
-                f"PP comm {t.pp_comm:.3g}) + {t.dp_comm:.3g} s exposed DP comm + {t.optimizer:.3g} s optimizer"
-            ),
-        ]
+        lines += ["", *_ranked_table(plan, top), "", *_best_breakdown(plan.ranked[0])]
     else:
         lines += ["", "No layout fits."]
     if plan.rejected:
@@ -168,6 +132,48 @@ def report(
         for reason, (count, example) in sorted(plan.rejected.items(), key=lambda kv: -kv[1][0]):
             lines.append(f"  {count:>7} {reason}, e.g. {example}")
     return "\n".join(lines)
+
+
+def _title(name: str, model: GPTConfig, cluster: Cluster, global_batch_size: int, seq_len: int) -> str:
+    """The model and its batch on the cluster, in one line."""
+    gpu = cluster.gpu
+    return (
+        f"{name}: {_count(model.num_params())} parameters, seq {seq_len}, global batch {global_batch_size} "
+        f"on {cluster.gpus} × {gpu.name} ({_gib(gpu.memory_bytes)}, {gpu.peak_flops / 1e12:g} TFLOP/s, "
+        f"{cluster.gpus_per_node} per node)"
+    )
+
+
+def _ranked_table(plan: Plan, top: int) -> list[str]:
+    """The header and one row per layout of the `top` fastest fitting ones."""
+    lines = [
+        f"{'#':>3} {'tp':>3} {'pp':>4} {'dp':>5} {'v':>2} {'zero':>4} {'mbs':>4} {'recompute':>9} {'sp':>2} {'sync':>5} "
+        f"{'mem GiB':>8} {'step s':>9} {'TFLOP/s/GPU':>11} {'MFU':>6}"
+    ]
+    for i, e in enumerate(plan.ranked[:top], 1):
+        lo = e.layout
+        lines.append(
+            f"{i:>3} {lo.tp:>3} {lo.pp:>4} {lo.dp:>5} {lo.virtual_stages:>2} {lo.zero:>4} "
+            f"{lo.micro_batch_size:>4} {lo.recompute:>9} {int(lo.sp):>2} {lo.grad_sync:>5} {e.memory.total / GiB:>8.1f} "
+            f"{e.time.total:>9.3g} {e.tflops_per_gpu:>11.1f} {e.mfu:>6.1%}"
+        )
+    return lines
+
+
+def _best_breakdown(best: Estimate) -> list[str]:
+    """What TFLOP/s/GPU means, and the best layout's memory and step time by part."""
+    mem, t = best.memory, best.time
+    return [
+        "TFLOP/s/GPU: model FLOPs (no recomputation) per second per GPU, as the trainer reports; MFU = that / peak.",
+        (
+            f"#1 memory (pipeline rank {mem.pp_rank}): model states {_gib(mem.model_states.total)} + "
+            f"activations {_gib(mem.activations)} + buffers {_gib(mem.buffers)}"
+        ),
+        (
+            f"#1 step: {t.pipeline:.3g} s pipeline (bubble {t.bubble:.3g}, TP comm {t.tp_comm:.3g}, "
+            f"PP comm {t.pp_comm:.3g}) + {t.dp_comm:.3g} s exposed DP comm + {t.optimizer:.3g} s optimizer"
+        ),
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,6 +3,7 @@ session, so a process-group kill misses them; the tree is read from /proc."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,17 +15,13 @@ def stop(proc: subprocess.Popen) -> None:
     whatever of its process tree (as seen before) is still alive after 10 s. torchrun
     starts each worker in its own session, so a process-group kill would miss them."""
     tree = descendants(proc.pid)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.terminate()
         proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
     for pid, start in tree.items():
         if start_time(pid) == start:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     if proc.poll() is None:
         proc.kill()
         proc.wait()

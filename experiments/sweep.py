@@ -151,9 +151,33 @@ def load_sweep(
     """The sweep's settings (name, base, out, wandb mode, project, group) and its points,
     validated: unknown keys, duplicate point names and missing sizes are errors here,
     before anything runs. `out`, `timeout` and `wandb` override the file's."""
-    from research.config import ConfigError, build_parser, load_yaml
-
     path = Path(path)
+    spec = _read_spec(path)
+    base = _find(str(spec["base"]), path)
+    defaults = _base_fields(base, path)
+    common = dict(spec.get("common") or {})
+    settings = _sweep_settings(path, spec, base, defaults, common, out, wandb)
+    default_timeout = timeout if timeout is not None else spec.get("timeout")
+    points: list[Point] = []
+    for own in expand(spec):
+        pname = point_name(own)
+        if any(p.name == pname for p in points):
+            raise SweepError(f"{path}: two points are both named {pname!r}")
+        overrides = _point_overrides(path, own, common, defaults)
+        setting = {**defaults, **overrides}
+        nproc = _point_nproc(own, overrides, setting, spec.get("nproc"))
+        if not nproc:
+            raise SweepError(f"{path}: point {pname}: give nproc (in the sweep or the point) or dp")
+        limit = own.get("timeout", default_timeout)
+        command = train_command(settings, pname, overrides, nproc)
+        points.append(
+            Point(pname, overrides, int(nproc), float(limit) if limit else None, command, _requested(setting, nproc))
+        )
+    return settings, points
+
+
+def _read_spec(path: Path) -> dict[str, Any]:
+    """The sweep file's mapping, with only sweep keys and a base."""
     with open(path) as f:
         spec = yaml.safe_load(f) or {}
     unknown = set(spec) - set(SWEEP_KEYS)
@@ -161,17 +185,36 @@ def load_sweep(
         raise SweepError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; sweep keys are {', '.join(SWEEP_KEYS)}")
     if "base" not in spec:
         raise SweepError(f"{path}: base (the config file every point starts from) is missing")
-    base = _find(str(spec["base"]), path)
+    return spec
+
+
+def _base_fields(base: Path, path: Path) -> dict[str, Any]:
+    """Every config field of the training command: the base file's value, else its default."""
+    from research.config import ConfigError, build_parser, load_yaml
+
     try:
-        defaults = vars(build_parser(load_yaml(str(base))).parse_args([]))  # every field: the base file's or default
+        return vars(build_parser(load_yaml(str(base))).parse_args([]))
     except ConfigError as e:
         raise SweepError(f"{path}: base: {e}") from None
-    common = dict(spec.get("common") or {})
+
+
+def _sweep_settings(
+    path: Path,
+    spec: dict[str, Any],
+    base: Path,
+    defaults: dict[str, Any],
+    common: dict[str, Any],
+    out: str | None,
+    wandb: str | None,
+) -> dict[str, Any]:
+    """The sweep's name, base, out folder, wandb mode, project and group. The runner sets a
+    point's wandb mode and group, so `common` gives them up here: `wandb_group` always,
+    `wandb` when the command line gives no mode."""
     name = str(spec.get("name") or path.stem)
     mode = wandb or common.pop("wandb", None) or spec.get("wandb") or wandb_mode_from_env()
     if mode not in ("offline", "online", "disabled"):
         raise SweepError(f"{path}: wandb: {mode!r} is not one of offline, online, disabled")
-    settings = {
+    return {
         "name": name,
         "description": spec.get("description"),
         "base": str(base),
@@ -180,49 +223,63 @@ def load_sweep(
         "project": common.get("wandb_project", defaults["wandb_project"]),
         "group": common.pop("wandb_group", None) or name,
     }
-    default_timeout = timeout if timeout is not None else spec.get("timeout")
-    points: list[Point] = []
-    for own in expand(spec):
-        pname = point_name(own)
-        if any(p.name == pname for p in points):
-            raise SweepError(f"{path}: two points are both named {pname!r}")
-        overrides = {**common, **{k: v for k, v in own.items() if k not in POINT_KEYS}}
-        for key in overrides:
-            if key not in defaults or key == "config":
-                raise SweepError(f"{path}: {key!r} is not a config field (see python -m experiments.train --help)")
-            if key in RUNNER_KEYS:
-                raise SweepError(f"{path}: {key} is set by the sweep for each point; leave it out")
-        setting = {**defaults, **overrides}
-        model_parallel = setting["tp"] * setting["pp"]
-        nproc = own.get("nproc") or (model_parallel * setting["dp"] if overrides.get("dp") else spec.get("nproc"))
-        if not nproc:
-            raise SweepError(f"{path}: point {pname}: give nproc (in the sweep or the point) or dp")
-        requested = {**{k: setting.get(k) for k in CONFIG_COLUMNS}, "nproc": int(nproc)}
-        if requested["dp"] is None and nproc % model_parallel == 0:
-            requested["dp"] = nproc // model_parallel
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "experiments.train",
-            "--config",
-            str(base),
-            *flags(overrides),
-            "--out",
-            str(Path(settings["out"], pname)),
-            "--wandb",
-            mode,
-            "--wandb-group",
-            settings["group"],
-            "--wandb-name",
-            pname,
-        ]
-        limit = own.get("timeout", default_timeout)
-        points.append(Point(pname, overrides, int(nproc), float(limit) if limit else None, command, requested))
-    return settings, points
+
+
+def _point_overrides(
+    path: Path, own: dict[str, Any], common: dict[str, Any], defaults: dict[str, Any]
+) -> dict[str, Any]:
+    """A point's config overrides: the common ones, then its own config fields; each must be
+    a config field that the runner does not set."""
+    overrides = {**common, **{k: v for k, v in own.items() if k not in POINT_KEYS}}
+    for key in overrides:
+        if key not in defaults or key == "config":
+            raise SweepError(f"{path}: {key!r} is not a config field (see python -m experiments.train --help)")
+        if key in RUNNER_KEYS:
+            raise SweepError(f"{path}: {key} is set by the sweep for each point; leave it out")
+    return overrides
+
+
+def _point_nproc(
+    own: dict[str, Any], overrides: dict[str, Any], setting: dict[str, Any], sweep_nproc: int | None
+) -> int | None:
+    """A point's process count: its own `nproc`, else tp·pp·dp when it sets dp, else the
+    sweep's `nproc` (None when there is none)."""
+    return own.get("nproc") or (setting["tp"] * setting["pp"] * setting["dp"] if overrides.get("dp") else sweep_nproc)
+
+
+def _requested(setting: dict[str, Any], nproc: int) -> dict[str, Any]:
+    """The CONFIG_COLUMNS a point asks for, and its process count; dp = nproc / (tp·pp)
+    when the config leaves dp to the world size."""
+    requested = {**{k: setting.get(k) for k in CONFIG_COLUMNS}, "nproc": int(nproc)}
+    model_parallel = setting["tp"] * setting["pp"]
+    if requested["dp"] is None and nproc % model_parallel == 0:
+        requested["dp"] = nproc // model_parallel
+    return requested
+
+
+def train_command(settings: dict[str, Any], name: str, overrides: dict[str, Any], nproc: int) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=N -m experiments.train --config BASE <overrides>`
+    with the point's output folder and wandb run (mode, group, name)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "experiments.train",
+        "--config",
+        settings["base"],
+        *flags(overrides),
+        "--out",
+        str(Path(settings["out"], name)),
+        "--wandb",
+        settings["wandb"],
+        "--wandb-group",
+        settings["group"],
+        "--wandb-name",
+        name,
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -344,18 +401,11 @@ def run_sweep(
     another, then write the tables and plots and the wandb report run.
     Returns {"launched": [names], "failed": [names], "rows": results rows}."""
     out = Path(settings["out"])
-    todo = [
-        p
-        for p in points
-        if status_of(out / p.name) == "missing" or (retry_failed and status_of(out / p.name) == "failed")
-    ]
+    todo = points_to_run(points, out, retry_failed)
     done = sum(status_of(out / p.name) == "ok" for p in points)
     log(f"sweep {settings['name']}: {len(points)} points, {done} done, {len(todo)} to run -> {out}")
     if dry_run:
-        for p in points:
-            state = "run" if p in todo else status_of(out / p.name)
-            problem = check_point(p)
-            log(f"[{state}] {shlex.join(p.command)}" + (f"\n    (will fail: {problem})" if problem else ""))
+        _show_commands(points, todo, out, log)
         return {"launched": [], "failed": [], "rows": []}
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps({**settings, "points": [asdict(p) for p in points]}, indent=2) + "\n")
@@ -364,27 +414,55 @@ def run_sweep(
             _warn_if_changed(p, out / p.name, log)
     launched = []
     for i, p in enumerate(todo, 1):
-        log(f"[{i}/{len(todo)}] {p.name} ({p.nproc} processes) ...")
-        t0 = time.monotonic()
-        failure = run_point(p, out / p.name)
+        _run_and_log(p, out / p.name, f"[{i}/{len(todo)}]", log)
         launched.append(p.name)
-        took = f"{time.monotonic() - t0:.0f} s"
-        if failure:
-            log(f"[{i}/{len(todo)}] {p.name} FAILED after {took}: {failure['reason']}")
-        else:
-            row = point_row(json.loads((out / p.name / "summary.json").read_text()), p.name, "ok")
-            brief = [
-                f"{format_value(c, row[c])} {unit}"
-                for c, unit in (
-                    ("tokens_per_s", "tok/s"),
-                    ("mem_per_rank_bytes", "per rank"),
-                    ("final_loss", "final loss"),
-                )
-            ]
-            log(f"[{i}/{len(todo)}] {p.name} ok in {took} | " + " | ".join(brief))
     rows = report(out, settings["wandb"], log=log)
     failed = [r["name"] for r in rows if r["status"] != "ok"]
     return {"launched": launched, "failed": failed, "rows": rows}
+
+
+def points_to_run(points: list[Point], out: Path, retry_failed: bool) -> list[Point]:
+    """The points with neither summary.json nor failed.json under `out`, and the failed ones
+    with `retry_failed`."""
+    return [
+        p
+        for p in points
+        if status_of(out / p.name) == "missing" or (retry_failed and status_of(out / p.name) == "failed")
+    ]
+
+
+def _show_commands(points: list[Point], todo: list[Point], out: Path, log: Callable[[str], None]) -> None:
+    """`--dry-run`: every point's state ("run" or its status) and command, and the error it
+    would stop with at start-up."""
+    for p in points:
+        state = "run" if p in todo else status_of(out / p.name)
+        problem = check_point(p)
+        log(f"[{state}] {shlex.join(p.command)}" + (f"\n    (will fail: {problem})" if problem else ""))
+
+
+def _run_and_log(point: Point, folder: Path, tag: str, log: Callable[[str], None]) -> None:
+    """Run one point and log its start and its end: the failure's reason, or its summary."""
+    log(f"{tag} {point.name} ({point.nproc} processes) ...")
+    t0 = time.monotonic()
+    failure = run_point(point, folder)
+    took = f"{time.monotonic() - t0:.0f} s"
+    if failure:
+        log(f"{tag} {point.name} FAILED after {took}: {failure['reason']}")
+    else:
+        log(f"{tag} {point.name} ok in {took} | " + _summary_brief(folder, point.name))
+
+
+def _summary_brief(folder: Path, name: str) -> str:
+    """ "1.234e+04 tok/s | 3.4 MiB per rank | 5.678 final loss" from a finished point's summary.json."""
+    row = point_row(json.loads((folder / "summary.json").read_text()), name, "ok")
+    return " | ".join(
+        f"{format_value(c, row[c])} {unit}"
+        for c, unit in (
+            ("tokens_per_s", "tok/s"),
+            ("mem_per_rank_bytes", "per rank"),
+            ("final_loss", "final loss"),
+        )
+    )
 
 
 def _warn_if_changed(point: Point, folder: Path, log: Callable[[str], None]) -> None:
@@ -399,6 +477,35 @@ def _warn_if_changed(point: Point, folder: Path, log: Callable[[str], None]) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit code: 0 every point ok, 1 some not ok, 2 an invalid sweep or folder, 130 interrupted."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.report:
+        if not Path(args.report, "sweep.json").exists():
+            print(f"error: --report {args.report}: no sweep.json there (not a sweep's output folder)", file=sys.stderr)
+            return 2
+        rows = report(args.report, args.wandb or "disabled")
+        return 0 if all(r["status"] == "ok" for r in rows) else 1
+    if not args.sweep:
+        parser.error("give a sweep file (or --report DIR)")
+    try:
+        settings, points = load_sweep(args.sweep, args.out, args.timeout, args.wandb)
+    except SweepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        result = run_sweep(settings, points, args.retry_failed, args.dry_run)
+    except KeyboardInterrupt:
+        print("interrupted; the point that was running is stopped and will run again next time", file=sys.stderr)
+        return 130
+    if result["failed"] and not args.dry_run:
+        print(f"{len(result['failed'])} point(s) not ok: {', '.join(result['failed'])}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line of `python -m experiments.sweep` (usage: the module's docstring)."""
     parser = argparse.ArgumentParser(
         prog="python -m experiments.sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -428,29 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         help="only rebuild results.csv/.md and the plots of a sweep "
         "folder (and, with --wandb offline/online, log a report run)",
     )
-    args = parser.parse_args(argv)
-    if args.report:
-        if not Path(args.report, "sweep.json").exists():
-            print(f"error: --report {args.report}: no sweep.json there (not a sweep's output folder)", file=sys.stderr)
-            return 2
-        rows = report(args.report, args.wandb or "disabled")
-        return 0 if all(r["status"] == "ok" for r in rows) else 1
-    if not args.sweep:
-        parser.error("give a sweep file (or --report DIR)")
-    try:
-        settings, points = load_sweep(args.sweep, args.out, args.timeout, args.wandb)
-    except SweepError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        result = run_sweep(settings, points, args.retry_failed, args.dry_run)
-    except KeyboardInterrupt:
-        print("interrupted; the point that was running is stopped and will run again next time", file=sys.stderr)
-        return 130
-    if result["failed"] and not args.dry_run:
-        print(f"{len(result['failed'])} point(s) not ok: {', '.join(result['failed'])}", file=sys.stderr)
-        return 1
-    return 0
+    return parser
 
 
 if __name__ == "__main__":

@@ -131,31 +131,8 @@ def memory_breakdown(rows: list[dict[str, Any]], path: Path, swept: set[str]) ->
     )
     for ax, dp in zip(axes[0], panels):
         bars = sorted((r for r in ok if r["dp"] == dp), key=lambda r: r["zero"])  # stable: sweep order otherwise
-        bottom = [0.0] * len(bars)
-        for key, label, color in PARTS:
-            values = [r[f"mem_{key}_bytes"] / MiB for r in bars]
-            ax.bar(range(len(bars)), values, bottom=bottom, color=color, label=label, width=0.7)
-            bottom = [b + v for b, v in zip(bottom, values)]
-        transient = [max(0, r["mem_grads_peak_bytes"] - r["mem_grads_bytes"]) / MiB for r in bars]
-        ax.bar(
-            range(len(bars)),
-            transient,
-            bottom=bottom,
-            color="none",
-            edgecolor=PARTS[1][2],
-            hatch="///",
-            width=0.7,
-            label="full grad buckets during backward (peak)",
-        )
-        for i, (total, extra) in enumerate(zip(bottom, transient)):
-            ax.annotate(
-                f"{total:.2f}", (i, total + extra), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=7
-            )
-        ticks = [_label(r, others, "\n") if others else r["name"] for r in bars]
-        if any(len(line) > 14 for t in ticks for line in t.split("\n")):
-            ax.set_xticks(range(len(bars)), ticks, fontsize=7, rotation=30, ha="right")
-        else:
-            ax.set_xticks(range(len(bars)), ticks, fontsize=8)
+        _memory_bars(ax, bars)
+        _bar_ticks(ax, [_label(r, others, "\n") if others else r["name"] for r in bars])
         ax.set_title(f"dp = {dp}", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
         ax.margins(y=0.08)
@@ -167,6 +144,39 @@ def memory_breakdown(rows: list[dict[str, Any]], path: Path, swept: set[str]) ->
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return None
+
+
+def _memory_bars(ax: Any, bars: list[dict[str, Any]]) -> None:
+    """One bar per row: the PARTS stacked (MiB), then, hatched on top, the gradient buckets
+    held only during backward (grads peak - grads), labelled with the stack's total."""
+    bottom = [0.0] * len(bars)
+    for key, label, color in PARTS:
+        values = [r[f"mem_{key}_bytes"] / MiB for r in bars]
+        ax.bar(range(len(bars)), values, bottom=bottom, color=color, label=label, width=0.7)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    transient = [max(0, r["mem_grads_peak_bytes"] - r["mem_grads_bytes"]) / MiB for r in bars]
+    ax.bar(
+        range(len(bars)),
+        transient,
+        bottom=bottom,
+        color="none",
+        edgecolor=PARTS[1][2],
+        hatch="///",
+        width=0.7,
+        label="full grad buckets during backward (peak)",
+    )
+    for i, (total, extra) in enumerate(zip(bottom, transient)):
+        ax.annotate(
+            f"{total:.2f}", (i, total + extra), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=7
+        )
+
+
+def _bar_ticks(ax: Any, ticks: list[str]) -> None:
+    """Tick labels under the bars, slanted when a line of one is longer than 14 characters."""
+    if any(len(line) > 14 for t in ticks for line in t.split("\n")):
+        ax.set_xticks(range(len(ticks)), ticks, fontsize=7, rotation=30, ha="right")
+    else:
+        ax.set_xticks(range(len(ticks)), ticks, fontsize=8)
 
 
 def throughput_vs_micro_batches(rows: list[dict[str, Any]], path: Path, swept: set[str]) -> str | None:

@@ -351,26 +351,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run every (schedule, m) on cfg.pp ranks, print the table; the results as --json writes them."""
     cfg, args = parse_args(argv)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    mc = _model_config(cfg)
-    print(
-        f"pipeline_bubble: GPT layers={cfg.layers} d_model={cfg.d_model} heads={cfg.heads} seq={cfg.seq} "
-        f"vocab={cfg.vocab} (fp32, {mc.num_params():,} params), micro-batch {cfg.micro_batch}; pp={cfg.pp}, "
-        f"interleaved v={cfg.virtual_stages}; forward+backward only"
-    )
-    print(
-        f"  {cfg.warmup} warm-up + {cfg.steps} timed steps per implementation per (schedule, m), ours and torch "
-        f"alternating; gloo on CPU, 1 thread/rank; torch {torch.__version__}, {platform.machine()}, {cores} cores"
-    )
     caveat = CAVEAT.format(world=cfg.pp, cores=cores)
-    if cores < cfg.pp:
-        print(f"  NOTE: {caveat}")
-    print(
-        "  idle: median over steps of the rank-mean of 1 - busy/makespan (our executor's events); theory "
-        "(p-1)/(v*m+p-1); sim: simulate() with the measured mean t_f, t_b, t_comm=0",
-        flush=True,
-    )
+    print_setup(cfg, cores, caveat)
     start = time.perf_counter()
     raw = launch(run_rank, cfg.pp, cfg, threads=1)[0]
     rows = [analyse(cfg, r) for r in raw]
@@ -386,19 +371,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"total {elapsed:.0f} s; load average at the end {load[0]:.1f} / {load[1]:.1f} (1 / 5 min; "
         f"this benchmark alone keeps ~{cfg.pp} ranks busy)"
     )
-    png_row = next((r for r in rows if r["schedule"] == "1f1b" and r["m"] == cfg.png_m), None)
-    if args.png and png_row is not None:
-        from parallel.pipeline.timeline import timeline_png
-
-        t0 = min(e[4] for e in png_row["_median_step_events"])
-        events = [(r, k, i, c, s - t0, e - t0) for r, k, i, c, s, e in png_row["_median_step_events"]]
-        timeline_png(
-            events,
-            args.png,
-            title=f"measured 1F1B, pp={cfg.pp}, m={cfg.png_m} "
-            f"(idle {png_row['idle_measured']:.2f}, theory {png_row['idle_theory']:.2f}; {cores}-core CPU, gloo)",
-        )
-        print(f"wrote {args.png}")
+    if args.png:
+        draw_timeline(cfg, rows, args.png, cores)
     for r in rows:
         r.pop("_median_step_events")
     results = {
@@ -411,7 +385,52 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seconds": elapsed,
         "loadavg_end": list(load),
     }
-    nonfinite = [
+    return finish(results, nonfinite_rows(rows), args.json)
+
+
+def print_setup(cfg: Config, cores: int, caveat: str) -> None:
+    """The model, the steps, the machine (with the caveat when ranks outnumber cores) and
+    what the idle columns mean."""
+    print(
+        f"pipeline_bubble: GPT layers={cfg.layers} d_model={cfg.d_model} heads={cfg.heads} seq={cfg.seq} "
+        f"vocab={cfg.vocab} (fp32, {_model_config(cfg).num_params():,} params), micro-batch {cfg.micro_batch}; "
+        f"pp={cfg.pp}, interleaved v={cfg.virtual_stages}; forward+backward only"
+    )
+    print(
+        f"  {cfg.warmup} warm-up + {cfg.steps} timed steps per implementation per (schedule, m), ours and torch "
+        f"alternating; gloo on CPU, 1 thread/rank; torch {torch.__version__}, {platform.machine()}, {cores} cores"
+    )
+    if cores < cfg.pp:
+        print(f"  NOTE: {caveat}")
+    print(
+        "  idle: median over steps of the rank-mean of 1 - busy/makespan (our executor's events); theory "
+        "(p-1)/(v*m+p-1); sim: simulate() with the measured mean t_f, t_b, t_comm=0",
+        flush=True,
+    )
+
+
+def draw_timeline(cfg: Config, rows: list[dict[str, Any]], path: str, cores: int) -> None:
+    """--png: the measured timeline of 1F1B at m = 2p (its median-idle step), times from the
+    step's first compute start; nothing when that run is not among the rows."""
+    row = next((r for r in rows if r["schedule"] == "1f1b" and r["m"] == cfg.png_m), None)
+    if row is None:
+        return
+    from parallel.pipeline.timeline import timeline_png
+
+    t0 = min(e[4] for e in row["_median_step_events"])
+    events = [(r, k, i, c, s - t0, e - t0) for r, k, i, c, s, e in row["_median_step_events"]]
+    timeline_png(
+        events,
+        path,
+        title=f"measured 1F1B, pp={cfg.pp}, m={cfg.png_m} "
+        f"(idle {row['idle_measured']:.2f}, theory {row['idle_theory']:.2f}; {cores}-core CPU, gloo)",
+    )
+    print(f"wrote {path}")
+
+
+def nonfinite_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """ "schedule m=M" of every row with a NaN or infinite idle fraction, time, ratio or loss difference."""
+    return [
         f"{r['schedule']} m={r['m']}"
         for r in rows
         if not all(
@@ -419,7 +438,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for k in ("idle_measured", "idle_sim", "ours_ms", "torch_ms", "ratio", "loss_max_abs_diff")
         )
     ]
-    return finish(results, nonfinite, args.json)
 
 
 if __name__ == "__main__":

@@ -474,10 +474,33 @@ def _auto_backend() -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run every world size, print its tables and the goals; the results as --json writes them."""
     cfg, args = parse_args(argv)
     model = make_model(**cfg.model_kwargs())
     numel = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     opts = zero_options(cfg)
+    print_setup(cfg, numel, opts)
+    results: dict[str, Any] = {
+        "config": asdict(cfg),
+        "numel": numel,
+        "zero_options": opts,
+        "zero_step_backend": opts["step_backend"] or _auto_backend(),
+        "torch_adam_kwargs": torch_adam_kwargs(cfg),
+        "torch": torch.__version__,
+        "argv": sys.argv[1:] if argv is None else argv,
+        "worlds": {},
+    }
+    start = time.perf_counter()
+    for world in cfg.world_sizes:
+        results["worlds"][str(world)] = run_world(cfg, world)
+    print_goals(results["worlds"])
+    results["seconds"] = time.perf_counter() - start
+    print(f"total {results['seconds']:.0f} s")
+    return finish(results, nonfinite_methods(results["worlds"]), args.json)
+
+
+def print_setup(cfg: Config, numel: int, opts: dict[str, Any]) -> None:
+    """The model, the steps, ZeroOptimizer's options and the baselines' settings."""
     print(
         f"zero_vs_torch: TinyGPT dim={cfg.dim} layers={cfg.layers} heads={cfg.heads} seq={cfg.seq} "
         f"vocab={cfg.vocab} ({numel:,} params, fp32), micro-batch {cfg.micro_batch}/rank, AdamW lr={cfg.lr} "
@@ -497,51 +520,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"DDP(gradient_as_bucket_view=True), bucket_cap_mb default",
         flush=True,
     )
-    results: dict[str, Any] = {
-        "config": asdict(cfg),
-        "numel": numel,
-        "zero_options": opts,
-        "zero_step_backend": opts["step_backend"] or _auto_backend(),
-        "torch_adam_kwargs": torch_adam_kwargs(cfg),
-        "torch": torch.__version__,
-        "argv": sys.argv[1:] if argv is None else argv,
-        "worlds": {},
-    }
-    start = time.perf_counter()
-    for world in cfg.world_sizes:
-        t0 = time.perf_counter()
-        per_method = launch(run_rank, world, cfg)[0]
-        elapsed = time.perf_counter() - t0
-        rs = ratios(per_method)
-        losses = [e["final_loss"] for e in per_method.values()]
-        spread = max(losses) - min(losses)
-        print(f"\n## world size {world}  ({elapsed:.0f} s)\n")
-        print(method_table(per_method))
-        print()
-        print(ratio_table(rs))
-        print(
-            f"\nfinal losses agree to {spread:.2e} (max - min over methods; "
-            f"initial loss {next(iter(per_method.values()))['losses'][0]:.6f})",
-            flush=True,
-        )
-        results["worlds"][str(world)] = {"methods": per_method, "ratios": rs, "seconds": elapsed, "loss_spread": spread}
+
+
+def run_world(cfg: Config, world: int) -> dict[str, Any]:
+    """One launch of `world` ranks; prints its method and ratio tables and how closely the
+    final losses agree. Returns {"methods", "ratios", "seconds", "loss_spread"}."""
+    t0 = time.perf_counter()
+    per_method = launch(run_rank, world, cfg)[0]
+    elapsed = time.perf_counter() - t0
+    rs = ratios(per_method)
+    losses = [e["final_loss"] for e in per_method.values()]
+    spread = max(losses) - min(losses)
+    print(f"\n## world size {world}  ({elapsed:.0f} s)\n")
+    print(method_table(per_method))
+    print()
+    print(ratio_table(rs))
+    print(
+        f"\nfinal losses agree to {spread:.2e} (max - min over methods; "
+        f"initial loss {next(iter(per_method.values()))['losses'][0]:.6f})",
+        flush=True,
+    )
+    return {"methods": per_method, "ratios": rs, "seconds": elapsed, "loss_spread": spread}
+
+
+def print_goals(worlds: dict[str, dict[str, Any]]) -> None:
+    """Every pairing with a goal, per world size: its ratio of median step times and whether it met the goal."""
     print("\ngoals (ratio of median step times, ours / theirs):")
-    for world, w in results["worlds"].items():
+    for world, w in worlds.items():
         for r in w["ratios"]:
             if r["goal"] is not None:
                 verdict = "met" if r["met"] else "MISSED"
                 print(
                     f"  world {world}: {r['ours']} / {r['theirs']} = {r['ratio']:.3f} (goal {r['goal']} 1.0) {verdict}"
                 )
-    results["seconds"] = time.perf_counter() - start
-    print(f"total {results['seconds']:.0f} s")
-    nonfinite = [
+
+
+def nonfinite_methods(worlds: dict[str, dict[str, Any]]) -> list[str]:
+    """ "world W method" of every method with a NaN or infinite median time, final loss or memory."""
+    return [
         f"world {world} {m}"
-        for world, w in results["worlds"].items()
+        for world, w in worlds.items()
         for m, e in w["methods"].items()
         if not all(math.isfinite(x) for x in [e["median_ms"], e["final_loss"], *e["memory_rank0"].values()])
     ]
-    return finish(results, nonfinite, args.json)
 
 
 if __name__ == "__main__":
