@@ -121,29 +121,28 @@ class GPTConfig:
                 raise ValueError(f"{name}={value} is not divisible by tp={tp}")
 
     def num_params(self) -> int:
-        """Trainable parameters of the tp = 1 model (padded vocabulary, tied head counted once)."""
-        h, f, L, v = self.d_model, self.ffn_dim, self.n_layers, self.padded_vocab
-        norm = 2 * h if self.norm == "layernorm" else h
-        attn = 3 * h * h + (3 * h if self.qkv_bias else 0) + h * h + (h if self.bias else 0)
-        mlp_in = (2 if self.activation == "swiglu" else 1) * f
-        mlp = mlp_in * h + f * h + ((mlp_in + h) if self.bias else 0)
-        per_layer = attn + mlp + 2 * norm
-        pos = self.max_seq_len * h if self.position == "learned" else 0
-        head = 0 if self.tie_embeddings else v * h
-        return v * h + pos + L * per_layer + norm + head
+        """Trainable parameters of the tp = 1 model (padded vocabulary, tied head counted once),
+        counted on the model itself built on the meta device (`research.costmodel.params`)."""
+        from research.costmodel.params import rank_params  # research.costmodel imports this module
+
+        return rank_params(self, 1, 1, 1, 0).numel
+
+    def forward_flops_per_token(self, seq_len: int) -> tuple[float, float, float]:
+        """(one layer, its attention core, the head): forward matmul FLOPs per token. Per layer:
+        QKV 6h², scores and weighted sum 4·s·h (full causal square, as in Narayanan et al.
+        2021), projection 2h², MLP 2·h·f per matrix (3 with SwiGLU); head 2·h·v."""
+        h, f = self.d_model, self.ffn_dim
+        core = 4 * seq_len * h
+        mlp_mats = 3 if self.activation == "swiglu" else 2
+        return 6 * h * h + core + 2 * h * h + mlp_mats * 2 * h * f, core, 2 * h * self.padded_vocab
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 3 × the forward matmuls (forward + 2 for backward),
-        plus one more forward of the blocks under full recompute (attention core only for
-        selective). Forward per layer: QKV 6h², scores and weighted sum 4·s·h (full
-        causal square, as in Narayanan et al. 2021), projection 2h², MLP 2·h·f per matrix;
-        head 2·h·v."""
-        h, f, v, L = self.d_model, self.ffn_dim, self.padded_vocab, self.n_layers
-        mlp_mats = 3 if self.activation == "swiglu" else 2
-        attn_core = 4 * seq_len * h
-        layer = 6 * h * h + attn_core + 2 * h * h + mlp_mats * 2 * h * f
-        extra = {"none": 0, "selective": attn_core, "full": layer}[self.recompute]
-        return 3 * (L * layer + 2 * h * v) + L * extra
+        """Training FLOPs per token: 3 × the forward matmuls of the layers and the head
+        (forward + 2 for backward), plus one more forward of the layers under full recompute
+        (of their attention core under selective)."""
+        layer, core, head = self.forward_flops_per_token(seq_len)
+        extra = {"none": 0, "selective": core, "full": layer}[self.recompute]
+        return 3 * (self.n_layers * layer + head) + self.n_layers * extra
 
 
 class Norm(nn.Module):

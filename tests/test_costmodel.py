@@ -8,7 +8,8 @@
    (`MATMUL_EFFICIENCY`) every row's predicted TFLOP/s per GPU is within 15% of the
    published figure, and every published layout fits in 80 GB.
 
-Plus the pieces: the parameter tree against the real model's stage-3 units, the FLOP terms
+Plus the pieces: the planner's parameters and stage-3 units against the real model's (tp 1,
+2 and 4), the FLOP terms
 against `GPTConfig.flops_per_token`, the bubble against the pipeline simulator, the
 activation counts against Korthikanti et al. 2022, and the plan command.
 """
@@ -194,6 +195,59 @@ def test_parameter_tree_is_the_models(options: dict, pp: int, v: int) -> None:
         for unit_numel in (2**10, 2**14, 2**30):
             real = sorted(sum(p.numel() for p in ps) for _, ps in stage3_units(chunks, params, unit_numel))
             assert sorted(n for n, _ in costmodel.unit_sizes(model, 1, pp, v, rank, unit_numel)) == real
+
+
+TREE_OPTIONS = [
+    {},
+    {"tie_embeddings": False, "norm": "rmsnorm", "activation": "swiglu", "bias": False, "position": "rope"},
+]
+TREE_LAYOUTS = [(1, 1), (1, 2), (3, 1), (3, 2)]  # (pp, v): one stage, two chunks on one rank, first / middle / last
+UNIT_NUMELS = (2**10, 2**14, 2**30)
+
+
+def _units_of_real_tp_model() -> tuple[dict, list[int]]:
+    """On each rank of a gloo TP group: per (options, pp, v, pipeline rank, unit_numel) the
+    sorted (numel, aligned numel) of `stage3_units` of the chunks built whole with that
+    group on the meta device; and `num_params` with torch.distributed initialized."""
+    import torch.distributed as dist
+
+    from optim.buffers import ALIGN
+    from optim.stage3 import stage3_units
+
+    def size(params: list) -> tuple[int, int]:
+        return sum(p.numel() for p in params), sum(-(-p.numel() // ALIGN) * ALIGN for p in params)
+
+    units, counts = {}, []
+    for i, options in enumerate(TREE_OPTIONS):
+        model = GPTConfig(vocab_size=257, n_layers=12, n_heads=4, d_model=64, max_seq_len=64, **options)
+        counts.append(model.num_params())
+        for pp, v in TREE_LAYOUTS:
+            for rank in range(pp):
+                with torch.device("meta"):
+                    chunks = torch.nn.ModuleList(pipeline_chunks(model, rank, pp, v, tp_group=dist.group.WORLD))
+                params = set(chunks.parameters())
+                for unit_numel in UNIT_NUMELS:
+                    found = sorted(size(ps) for _, ps in stage3_units(chunks, params, unit_numel))
+                    units[(i, pp, v, rank, unit_numel)] = found
+    return units, counts
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_rank_params_are_the_real_tp_models(tp: int) -> None:
+    """With a real TP group of size tp: per pipeline rank (first, middle, last stage; two
+    chunks on one rank), the planner's stage-3 units and parameter counts equal those of the
+    model built whole on the meta device; `num_params` is the same inside a distributed run."""
+    (units, counts), *_ = run_distributed(_units_of_real_tp_model, tp, timeout=300)
+    for i, options in enumerate(TREE_OPTIONS):
+        model = GPTConfig(vocab_size=257, n_layers=12, n_heads=4, d_model=64, max_seq_len=64, **options)
+        assert counts[i] == model.num_params()
+        for pp, v in TREE_LAYOUTS:
+            for rank in range(pp):
+                for unit_numel in UNIT_NUMELS:
+                    real = units[(i, pp, v, rank, unit_numel)]
+                    assert sorted(costmodel.unit_sizes(model, tp, pp, v, rank, unit_numel)) == real
+                    planned = costmodel.rank_params(model, tp, pp, v, rank, unit_numel)
+                    assert (planned.numel, planned.aligned) == tuple(map(sum, zip(*real)))
 
 
 # --------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ gradient (reduce dtype) and an activation (compute dtype). Ψ = parameters held 
 
 Memory per GPU = model states + activations + buffers, for the fullest pipeline rank.
 
-Modules: `hardware` (GPUs, clusters), `layout` (what is chosen), `memory` (model states per
-the ZeRO formulas, activations per Korthikanti et al. 2022, buffers), `steptime` (compute,
+Modules: `hardware` (GPUs, clusters), `layout` (what is chosen), `params` (a rank's
+parameters and stage-3 units, read off the model built on the meta device), `memory` (model
+states per the ZeRO formulas, activations per Korthikanti et al. 2022, buffers), `steptime` (compute,
 bubble, communication with overlap), `search` (enumerate, estimate, rank, explain).
 """
 
@@ -17,14 +18,12 @@ from research.costmodel.layout import Layout, run_spec
 from research.costmodel.memory import (
     Memory,
     ModelStates,
-    RankParams,
     in_flight,
     layer_activation_bytes,
     predict_memory,
     predict_model_states,
-    rank_params,
-    unit_sizes,
 )
+from research.costmodel.params import RankParams, rank_params, unit_sizes
 from research.costmodel.search import Estimate, Plan, candidate_layouts, estimate, plan
 from research.costmodel.steptime import StepTime, forward_flops_per_token, pipeline_bubble, predict_step_time
 

@@ -12,12 +12,10 @@ Model states, counted as `ZeroOptimizer.memory_breakdown` counts them (Rajbhanda
       3   | P(Ψ_res + Ψ_sh/d)  | GΨ/d   | 4Ψ/d                | 8Ψ/d
 
 In fp32 the master is the parameter itself. At stage 3 a unit (`optim.stage3.stage3_units`)
-smaller than `optim.zero.default_resident_numel(layout.unit_numel)` stays whole on every rank (Ψ_res). Ψ of a pipeline rank is
-counted from the model's structure: its chunks' blocks with TP slices of the QKV / MLP /
-vocabulary matrices and TP-replicated norms and row-parallel biases, the embedding (and
-learned positions) on the first stage, the final norm and head on the last, and with tied
-embeddings the last stage's own copy of the embedding when it is not also the first. Each
-parameter is aligned to `optim.buffers.ALIGN` elements; bucket padding is ignored.
+smaller than `optim.zero.default_resident_numel(layout.unit_numel)` stays whole on every rank
+(Ψ_res). Ψ and the units of a pipeline rank are read off the model itself, built on the meta
+device (`research.costmodel.params`). Each parameter is aligned to `optim.buffers.ALIGN`
+elements; bucket padding is ignored.
 
 Activations per layer per micro-batch (Korthikanti et al. 2022, bytes with 16-bit
 activations and 1-byte dropout masks; scaled by A/2):
@@ -46,141 +44,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from optim.buffers import ALIGN
-from optim.zero import DEFAULT_UNIT_NUMEL, default_resident_numel
-from parallel.pipeline.partition import layer_ranges
-from parallel.pipeline.schedules import SCHEDULES, splits_backward, stage_of
+from parallel.pipeline.schedules import SCHEDULES, splits_backward
 from parallel.pipeline.schedules import validate as validate_schedule
 from parallel.pipeline.simulate import peak_in_flight
-
 from research.costmodel.hardware import GiB
 from research.costmodel.layout import DTYPE_BYTES, Layout, Recompute
+from research.costmodel.params import rank_params
 from research.model import GPTConfig
 
-if TYPE_CHECKING:
-    pass
-
 RESERVED_BYTES = 2 * GiB
-
-
-@dataclass(frozen=True)
-class _Module:
-    """A module as `optim.stage3.stage3_units` sees it: the numels of the trainable
-    parameters it registers itself, its children, whether it has a forward."""
-
-    own: tuple[int, ...] = ()
-    children: tuple[_Module, ...] = ()
-    called: bool = True
-
-
-def _chunk(model: GPTConfig, tp: int, n_layers: int, pre: bool, post: bool) -> _Module:
-    """The module tree of `research.model.GPT(layers=n_layers, pre, post)` at tensor-parallel
-    size tp (children in registration order, so that the tied head's weight is already seen)."""
-    h, f, V, t = model.d_model, model.ffn_dim, model.padded_vocab, tp
-    mlp_in = (2 if model.activation == "swiglu" else 1) * f
-
-    def linear(out_local: int, in_local: int, bias: int | None) -> _Module:
-        return _Module((out_local * in_local,) + ((bias,) if bias else ()))
-
-    norm = _Module((h,) if model.norm == "rmsnorm" else (h, h))
-    attn = _Module(
-        children=(
-            linear(3 * h // t, h, 3 * h // t if model.qkv_bias else None),
-            linear(h, h // t, h if model.bias else None),
-        )
-    )
-    mlp = _Module(
-        children=(
-            linear(mlp_in // t, h, mlp_in // t if model.bias else None),
-            linear(h, f // t, h if model.bias else None),
-        )
-    )
-    block = _Module(children=(norm, attn, norm, mlp))
-    children: list[_Module] = []
-    if pre or (post and model.tie_embeddings):
-        children.append(_Module((V // t * h,)))
-    children.append(_Module(children=(block,) * n_layers, called=False))
-    if post:
-        head = _Module() if model.tie_embeddings else _Module((V // t * h,))
-        children += [norm, head]
-    pos = (model.max_seq_len * h,) if pre and model.position == "learned" else ()
-    return _Module(pos, tuple(children))
-
-
-def _aligned(numel: int) -> int:
-    return -(-numel // ALIGN) * ALIGN
-
-
-def _units(root: _Module, unit_numel: int) -> list[tuple[int, int]]:
-    """(numel, aligned numel) of each stage-3 unit of one chunk, as `stage3_units` forms
-    them: in post-order, a called module claims its subtree's unclaimed parameters once they
-    reach unit_numel; the chunk (a root) claims the rest. The blocks of a chunk are one
-    shared `_Module`, visited once."""
-    seen: dict[int, tuple[list[tuple[int, int]], int, int]] = {}
-
-    def visit(module: _Module, top: bool) -> tuple[list[tuple[int, int]], int, int]:
-        """(units claimed in the subtree, unclaimed numel, unclaimed aligned numel)."""
-        if id(module) in seen:
-            return seen[id(module)]
-        units: list[tuple[int, int]] = []
-        raw, aligned = sum(module.own), sum(_aligned(n) for n in module.own)
-        for child in module.children:
-            child_units, r, a = visit(child, False)
-            units, raw, aligned = units + child_units, raw + r, aligned + a
-        if raw and module.called and (top or raw >= unit_numel):
-            units, raw, aligned = units + [(raw, aligned)], 0, 0
-        seen[id(module)] = units, raw, aligned
-        return seen[id(module)]
-
-    return visit(root, True)[0]
-
-
-def unit_sizes(
-    model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int, unit_numel: int = DEFAULT_UNIT_NUMEL
-) -> list[tuple[int, int]]:
-    """(numel, aligned numel) of the stage-3 units of pipeline rank `pp_rank`, which
-    together hold all its parameters. Chunk c is virtual stage c·pp + pp_rank, with the
-    layers `layer_ranges` gives it."""
-    stages = pp * virtual_stages
-    ranges = layer_ranges(model.n_layers, stages)
-    units: list[tuple[int, int]] = []
-    for c in range(virtual_stages):
-        stage = stage_of(pp_rank, c, pp)
-        units += _units(_chunk(model, tp, len(ranges[stage]), stage == 0, stage == stages - 1), unit_numel)
-    return units
-
-
-@dataclass(frozen=True)
-class RankParams:
-    """The parameters of one rank of a pipeline rank, as ZeroOptimizer holds them."""
-
-    numel: int
-    aligned: int  # each parameter aligned to ALIGN elements: what the buckets hold
-    resident: int  # aligned numel in stage-3 units below the resident size (kept whole)
-    largest_units: int  # aligned numel of the two largest sharded stage-3 units (gathered at once)
-
-
-_RANK_PARAMS: dict[tuple, RankParams] = {}
-
-
-def rank_params(
-    model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int, unit_numel: int = DEFAULT_UNIT_NUMEL
-) -> RankParams:
-    """`RankParams` of pipeline rank `pp_rank` (memoized)."""
-    key = (*vars(model).values(), tp, pp, virtual_stages, pp_rank, unit_numel)
-    if key not in _RANK_PARAMS:
-        units = unit_sizes(model, tp, pp, virtual_stages, pp_rank, unit_numel)
-        resident = default_resident_numel(unit_numel)
-        sharded = sorted((a for raw, a in units if raw >= resident), reverse=True)
-        _RANK_PARAMS[key] = RankParams(
-            numel=sum(raw for raw, _ in units),
-            aligned=sum(a for _, a in units),
-            resident=sum(a for raw, a in units if raw < resident),
-            largest_units=sum(sharded[:2]),
-        )
-    return _RANK_PARAMS[key]
 
 
 @dataclass(frozen=True)

@@ -5,18 +5,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from parallel.pipeline.schedules import validate as validate_schedule
-
 from research.costmodel.hardware import Cluster, GiB
 from research.costmodel.layout import Layout
 from research.costmodel.memory import Memory, predict_memory
 from research.costmodel.steptime import StepTime, predict_step_time
 from research.model import GPTConfig
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass(frozen=True)
@@ -105,17 +100,14 @@ def candidate_layouts(
                     for zero, recompute, sp in variants:
                         for grad_sync in choices("grad_sync", _grad_syncs(zero, m)):
                             layout = Layout(tp, pp, dp, zero, v, name, mbs, m, recompute, sp, grad_sync=grad_sync)
-                            if layout.sp and seq_len % tp:
-                                yield (
-                                    layout,
-                                    (
-                                        "sequence parallelism needs seq_len divisible by tp",
-                                        f"seq_len={seq_len}, tp={tp}",
-                                    ),
-                                    1,
-                                )
-                            else:
-                                yield layout, None, 1
+                            yield layout, _sp_problem(layout, seq_len), 1
+
+
+def _sp_problem(layout: Layout, seq_len: int) -> tuple[str, str] | None:
+    """(reason, detail) why sequence parallelism cannot run this layout, or None."""
+    if layout.sp and seq_len % layout.tp:
+        return "sequence parallelism needs seq_len divisible by tp", f"seq_len={seq_len}, tp={layout.tp}"
+    return None
 
 
 def _grad_syncs(zero: int, m: int) -> list[str]:

@@ -4,7 +4,7 @@ Step time, per micro-batch on the slowest pipeline rank (the last: L/p layers + 
 
     t_f = W_f/(η·peak) + M_f/HBM + C_f + X_f          t_b likewise for the backward
 
-- W: matmul FLOPs, the terms of `GPTConfig.flops_per_token` (forward; backward 2×; full
+- W: matmul FLOPs, `GPTConfig.forward_flops_per_token` (forward; backward 2×; full
   recompute adds a forward of the layers, selective its attention core), s·b tokens / t.
 - M: memory traffic of the element-wise work (norms, softmax, GELU, dropout, residuals):
   each activation byte of the `none` count above is written once and read once per
@@ -34,15 +34,12 @@ Bandwidth of a group that spans nodes: min(intra, k·inter) with k of its GPUs p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from research.costmodel.hardware import Cluster
 from research.costmodel.layout import DTYPE_BYTES, Layout
-from research.costmodel.memory import layer_activation_bytes, rank_params
+from research.costmodel.memory import layer_activation_bytes
+from research.costmodel.params import rank_params
 from research.model import GPTConfig
-
-if TYPE_CHECKING:
-    pass
 
 # η: the share of the 16-bit peak that a layer's GEMMs reach; the model's one calibrated
 # constant. Fit once to Narayanan et al. 2021, Table 1, as a whole (tests/data/ptdp_table1.csv):
@@ -53,13 +50,8 @@ MATMUL_EFFICIENCY = 0.65
 
 
 def forward_flops_per_token(model: GPTConfig, seq_len: int) -> tuple[float, float, float]:
-    """(layer, attention core, head) forward matmul FLOPs per token: the terms of
-    `GPTConfig.flops_per_token` (QKV 6h², scores and weighted sum 4sh, projection 2h², MLP
-    2hf per matrix; head 2hV)."""
-    h, f = model.d_model, model.ffn_dim
-    attn_core = 4 * seq_len * h
-    mlp_mats = 3 if model.activation == "swiglu" else 2
-    return 8 * h * h + attn_core + mlp_mats * 2 * h * f, attn_core, 2 * h * model.padded_vocab
+    """(layer, attention core, head) forward matmul FLOPs per token: `GPTConfig.forward_flops_per_token`."""
+    return model.forward_flops_per_token(seq_len)
 
 
 @dataclass(frozen=True)
@@ -96,7 +88,7 @@ def predict_step_time(model: GPTConfig, layout: Layout, seq_len: int, cluster: C
     G = DTYPE_BYTES[layout.reduce_dtype]
     layers = model.n_layers // p
     tokens = s * b / t
-    layer, core, head = forward_flops_per_token(model, s)
+    layer, core, head = model.forward_flops_per_token(s)
     recompute = {"none": 0.0, "selective": core, "full": layer}[layout.recompute]
     flops_f = (layers * layer + head) * tokens
     flops_b = 2 * flops_f + layers * recompute * tokens
