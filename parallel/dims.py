@@ -37,6 +37,7 @@ dimension at world size 1); labelling that as "tp" would also relabel every
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -46,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel import comm, desync
 
-__all__ = ["ParallelDims"]
+__all__ = ["LayoutError", "ParallelDims"]
 
 MESH_DIMS = ("pp", "dp", "tp")  # outermost first; tp innermost
 
@@ -57,9 +58,40 @@ def _default_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+class LayoutError(ValueError):
+    """A (tp, pp, dp, world size) that cannot be laid out, in one sentence naming the sizes at
+    fault; `worded(name)` is the same sentence with each size called `name(size)` (a config
+    names its flags)."""
+
+    def __init__(self, template: str, sizes: tuple[str, ...]) -> None:
+        self.template, self.sizes = template, sizes
+        super().__init__(self.worded(str))
+
+    def worded(self, name: Callable[[str], str]) -> str:
+        return self.template.format(**{size: name(size) for size in self.sizes})
+
+
 def _check_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
+        shown = repr(value).replace("{", "{{").replace("}", "}}")  # literal text of the template
+        raise LayoutError(f"{{{name}}}={shown} must be a positive integer", (name,))
+
+
+def _check_world(tp: int, pp: int, dp: int | None, world: int, where: str = "") -> int:
+    """dp (inferred as world / (tp·pp) when None), once tp·pp divides the world size and
+    tp·pp·dp equals it."""
+    if dp is None:
+        if world % (tp * pp):
+            raise LayoutError(
+                f"{{tp}}={tp} × {{pp}}={pp} = {tp * pp} does not divide the world size {world}", ("tp", "pp")
+            )
+        return world // (tp * pp)
+    if tp * pp * dp != world:
+        raise LayoutError(
+            f"{{tp}}={tp} × {{pp}}={pp} × {{dp}}={dp} = {tp * pp * dp} does not equal the world size {world}{where}",
+            ("tp", "pp", "dp"),
+        )
+    return dp
 
 
 @dataclass
@@ -73,8 +105,8 @@ class ParallelDims:
         world_size: default ``dist.get_world_size()`` if a process group exists,
             else ``$WORLD_SIZE`` (set by torchrun), else 1.
 
-    Raises ``ValueError`` with one sentence for an invalid layout, before any
-    process group exists.
+    Raises ``LayoutError`` (a ``ValueError``) with one sentence for an invalid layout,
+    before any process group exists.
 
     After ``build()``: ``mesh``; the groups ``tp_group``, ``pp_group``, ``dp_group``,
     ``mp_group`` (tp × pp: the ranks sharing this rank's dp coordinate) and
@@ -101,15 +133,7 @@ class ParallelDims:
         if self.dp is not None:
             _check_positive("dp", self.dp)
         _check_positive("world_size", self.world_size)
-        tp, pp, world = self.tp, self.pp, self.world_size
-        if self.dp is None:
-            if world % (tp * pp):
-                raise ValueError(f"tp={tp} × pp={pp} = {tp * pp} does not divide the world size {world}")
-            self.dp = world // (tp * pp)
-        elif tp * pp * self.dp != world:
-            raise ValueError(
-                f"tp={tp} × pp={pp} × dp={self.dp} = {tp * pp * self.dp} does not equal the world size {world}"
-            )
+        self.dp = _check_world(self.tp, self.pp, self.dp, self.world_size)
 
     def __str__(self) -> str:
         return f"tp={self.tp} pp={self.pp} dp={self.dp} (world {self.world_size})"
@@ -147,11 +171,7 @@ class ParallelDims:
         if not dist.is_initialized():
             dist.init_process_group(timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
         actual = dist.get_world_size()
-        if actual != self.world_size:
-            raise ValueError(
-                f"tp={self.tp} × pp={self.pp} × dp={self.dp} = {self.world_size} does not "
-                f"equal the world size {actual} of the default process group"
-            )
+        _check_world(self.tp, self.pp, self.dp, actual, " of the default process group")
 
         shape = (self.pp, self.dp, self.tp)
         # A dim spanning all ranks would get the WORLD group itself: ask for a fresh one.
@@ -159,8 +179,21 @@ class ParallelDims:
         override = {n: backend for n, size in zip(MESH_DIMS, shape) if size == actual}
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, backend_override=override or None)
 
-        # mp: the tp × pp ranks sharing a dp coordinate; embedding: first + last stage
-        # sharing (dp, tp). Created in the same order on every rank.
+        groups = {name: mesh.get_group(name) for name in MESH_DIMS} | self._cross_groups()
+        for name, group in groups.items():
+            if group is not None:
+                comm.set_group_name(group, name)
+        if timeout_s is not None:
+            desync.set_timeout(timeout_s, [None, *(g for g in groups.values() if g is not None)])
+
+        coord = self.coords_of(dist.get_rank())
+        assert tuple(mesh.get_coordinate()) == coord, (mesh.get_coordinate(), coord)
+        self._mesh, self._groups, self._coord = mesh, groups, coord
+        return self
+
+    def _cross_groups(self) -> dict[str, dist.ProcessGroup | None]:
+        """mp: the tp × pp ranks sharing a dp coordinate; embedding: first + last stage sharing
+        (dp, tp), None when pp == 1. Created in the same order on every rank (collective)."""
         mp_group, _ = dist.new_subgroups_by_enumeration(
             [[self.rank_of(p, d, t) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)],
             group_desc="mp",
@@ -175,20 +208,7 @@ class ParallelDims:
                 ],
                 group_desc="embedding",
             )
-
-        groups = {name: mesh.get_group(name) for name in MESH_DIMS}
-        groups["mp"] = mp_group
-        groups["embedding"] = embedding_group
-        for name, group in groups.items():
-            if group is not None:
-                comm.set_group_name(group, name)
-        if timeout_s is not None:
-            desync.set_timeout(timeout_s, [None, *(g for g in groups.values() if g is not None)])
-
-        coord = self.coords_of(dist.get_rank())
-        assert tuple(mesh.get_coordinate()) == coord, (mesh.get_coordinate(), coord)
-        self._mesh, self._groups, self._coord = mesh, groups, coord
-        return self
+        return {"mp": mp_group, "embedding": embedding_group}
 
     def _built(self) -> tuple[int, int, int]:
         if self._coord is None:

@@ -24,15 +24,16 @@ import math
 import os
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import yaml
 
 from optim.zero import DEFAULT_BUCKET_NUMEL, DEFAULT_UNIT_NUMEL
+from parallel.dims import LayoutError, ParallelDims
 from parallel.pipeline.partition import layer_ranges
-from parallel.pipeline.schedules import SCHEDULES
-from parallel.pipeline.schedules import ScheduleError
+from parallel.pipeline.schedules import SCHEDULES, ScheduleError
 from parallel.pipeline.schedules import validate as validate_schedule
 from research.data import load_tokenizer, require_hub, resolve_source
 from research.errors import ConfigError
@@ -96,22 +97,22 @@ class DataConfig:
     data_cache: str | None = None
 
 
+def wandb_mode_from_env() -> str:
+    """WANDB_MODE when it names one of our modes, else offline."""
+    mode = os.environ.get("WANDB_MODE", "offline")
+    return mode if mode in ("offline", "online", "disabled") else "offline"
+
+
 @dataclass
 class LogConfig:
     """Where the run writes and how it reports."""
 
     out: str = "runs/default"
     log_every: int = 1
-    wandb: Literal["offline", "online", "disabled"] = field(default_factory=lambda: wandb_mode_from_env())
+    wandb: Literal["offline", "online", "disabled"] = field(default_factory=wandb_mode_from_env)
     wandb_project: str = "zero3d"
     wandb_group: str | None = None
     wandb_name: str | None = None
-
-
-def wandb_mode_from_env() -> str:
-    """WANDB_MODE when it names one of our modes, else offline."""
-    mode = os.environ.get("WANDB_MODE", "offline")
-    return mode if mode in ("offline", "online", "disabled") else "offline"
 
 
 @dataclass
@@ -322,7 +323,7 @@ def check_value(name: str, value: Any, where: str) -> Any:
     integer may stand for a float; "none"/"null" is None where None is allowed), strings
     not empty, floats finite, then the field's rule (range or choices)."""
     spec = field_specs()[name]
-    if spec.optional and (value is None or isinstance(value, str) and value.lower() in ("none", "null")):
+    if spec.optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
         return None
     try:
         value = _as(spec.kind, value)
@@ -461,19 +462,13 @@ def parse_args(argv: list[str] | None, world_size: int) -> RunConfig:
 
 
 def resolve_batch(cfg: RunConfig, world_size: int, given_cli: set[str], given_file: set[str]) -> None:
-    """Fill dp and the one batch size not given (see the module docstring)."""
+    """Fill dp (`parallel.dims.ParallelDims` checks tp · pp · dp against the world size) and
+    the one batch size not given (see the module docstring)."""
     par, tr = cfg.parallel, cfg.train
-    if world_size % (par.tp * par.pp):
-        raise ConfigError(
-            f"--tp={par.tp} × --pp={par.pp} = {par.tp * par.pp} does not divide the world size {world_size}"
-        )
-    if par.dp is None:
-        par.dp = world_size // (par.tp * par.pp)
-    if par.tp * par.pp * par.dp != world_size:
-        raise ConfigError(
-            f"--tp={par.tp} × --pp={par.pp} × --dp={par.dp} = {par.tp * par.pp * par.dp} "
-            f"does not equal the world size {world_size}"
-        )
+    try:
+        par.dp = ParallelDims(par.tp, par.pp, par.dp, world_size).dp
+    except LayoutError as e:
+        raise ConfigError(e.worded(lambda size: _flag(size) if size in field_specs() else size)) from None
     order = [k for k in BATCH_KEYS if k in given_cli] + [k for k in BATCH_KEYS if k in given_file - given_cli]
     known = [k for k in order if getattr(tr, k) is not None][:2]
     if len(known) < 2 and "micro_batch_size" not in known:
@@ -511,7 +506,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     does) padded to --vocab-multiple; sequence length and parallelism; the LR schedule;
     that --data and --tokenizer exist (a hub dataset only while the hub is reachable); the
     checkpoint flags."""
-    m, par, tr, data, ck = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.checkpoint
+    m, par, tr, data = cfg.model, cfg.parallel, cfg.train, cfg.data
     try:
         validate_schedule(par.schedule, par.pp, tr.micro_batches, par.virtual_stages)
     except ScheduleError as e:
@@ -547,6 +542,11 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"--min-lr={tr.min_lr} must not exceed --lr={tr.lr}")
     if tr.lr_decay_steps is not None and tr.lr_decay_steps <= tr.warmup_steps:
         raise ConfigError(f"--lr-decay-steps={tr.lr_decay_steps} must exceed --warmup-steps={tr.warmup_steps}")
+    _validate_checkpoint(cfg.checkpoint)
+
+
+def _validate_checkpoint(ck: CheckpointConfig) -> None:
+    """--save-every and --export need --save; an export is .safetensors or .pt; --load exists."""
     if ck.save_every and not ck.save:
         raise ConfigError(f"--save-every={ck.save_every} needs --save DIR")
     if ck.export and not ck.save:
