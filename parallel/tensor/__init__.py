@@ -17,6 +17,7 @@ from parallel.tensor.layers import (
     shard_of,
 )
 from parallel.tensor.mappings import (
+    ShapeGroup,
     copy_to_tp,
     gather_from_sp,
     gather_from_tp,
@@ -31,6 +32,7 @@ from parallel.tensor.mappings import (
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "ShapeGroup",
     "VocabParallelEmbedding",
     "copy_to_tp",
     "default_init",

@@ -35,14 +35,28 @@ size 1 when torch.distributed is not initialized (a single-process model).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from parallel import comm
 
-Group = dist.ProcessGroup | None
+
+@dataclass(frozen=True)
+class ShapeGroup:
+    """A stand-in TP group of `size` ranks seen from rank `rank`: layers built with it have the
+    shapes of that TP rank (on the meta device, say, for the planner) without torch.distributed;
+    no collective may run on it."""
+
+    size: int
+    rank: int = 0
+
+
+Group = dist.ProcessGroup | ShapeGroup | None
 
 __all__ = [
+    "ShapeGroup",
     "copy_to_tp",
     "gather_from_sp",
     "gather_from_tp",
@@ -57,11 +71,15 @@ __all__ = [
 
 def tp_size(group: Group) -> int:
     """Size of the TP group (1 when torch.distributed is not initialized)."""
+    if isinstance(group, ShapeGroup):
+        return group.size
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def tp_rank(group: Group) -> int:
     """This rank's index inside the TP group (0 when torch.distributed is not initialized)."""
+    if isinstance(group, ShapeGroup):
+        return group.rank
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 

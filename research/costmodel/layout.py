@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from optim.sharding import Sharding
 from optim.zero import DEFAULT_UNIT_NUMEL
 from research.model import GPTConfig
 
@@ -37,6 +38,11 @@ class Layout:
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     grad_sync: Literal["last", "every"] = "last"
     unit_numel: int = DEFAULT_UNIT_NUMEL
+
+    @property
+    def sharding(self) -> Sharding:
+        """What the ZeRO stage shards over dp (`optim.sharding`)."""
+        return Sharding.of_zero_stage(self.zero)
 
     @property
     def gpus(self) -> int:

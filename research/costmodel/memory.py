@@ -72,12 +72,12 @@ class ModelStates:
 def predict_model_states(model: GPTConfig, layout: Layout, pp_rank: int = 0) -> ModelStates:
     """Model-state bytes of one rank of pipeline rank `pp_rank` (the table in the module
     docstring), for the Trainer's ZeroOptimizer."""
-    P, G, d, stage = DTYPE_BYTES[layout.precision], DTYPE_BYTES[layout.reduce_dtype], layout.dp, layout.zero
+    P, G, d, sharded = DTYPE_BYTES[layout.precision], DTYPE_BYTES[layout.reduce_dtype], layout.dp, layout.sharding
     rank = rank_params(model, layout.tp, layout.pp, layout.virtual_stages, pp_rank, layout.unit_numel)
     psi = rank.aligned
-    params = P * (psi if stage < 3 else rank.resident + (psi - rank.resident) / d)
-    grads = G * psi / (d if stage >= 2 else 1)
-    optimized = psi / (d if stage >= 1 else 1)
+    params = P * (rank.resident + (psi - rank.resident) / d if sharded.parameters else psi)
+    grads = G * psi / (d if sharded.gradients else 1)
+    optimized = psi / (d if sharded.optimizer_state else 1)
     master = 4 * optimized if P < 4 else 0
     return ModelStates(params, grads, master + 8 * optimized)
 
@@ -130,9 +130,9 @@ def _rank_memory(model: GPTConfig, layout: Layout, seq_len: int, pp_rank: int) -
         acts += at_head * 4 * s * b * h / t * (1 + model.padded_vocab / h)
     buffers = float(RESERVED_BYTES)
     rank = rank_params(model, t, p, v, pp_rank, layout.unit_numel)
-    if layout.zero >= 2 and m > 1 and layout.grad_sync == "last":
+    if layout.sharding.gradients and m > 1 and layout.grad_sync == "last":
         buffers += DTYPE_BYTES[layout.reduce_dtype] * rank.aligned * (1 - 1 / layout.dp)
-    if layout.zero == 3:
+    if layout.sharding.parameters:
         buffers += DTYPE_BYTES[layout.precision] * rank.largest_units
     return Memory(pp_rank, states, acts, buffers)
 

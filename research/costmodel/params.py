@@ -2,12 +2,9 @@
 built on the meta device (no memory), its stage-3 units formed by `optim.stage3.stage3_units`
 itself. Nothing here restates the model's structure.
 
-TP slices come from the model's own marks (`parallel.marks`): a parameter partitioned along
-dim k holds 1/t of its tp = 1 tensor along k (Column/RowParallelLinear weights, column
-biases, the vocabulary-parallel embedding); every other parameter (norms, row-parallel
-biases, learned positions) is whole on every TP rank. The chunks are built at tp = 1 and
-their partitioned parameters replaced by meta tensors of the slice, since a TP layer takes
-its size from a process group and none exists here.
+The chunks are built for TP rank 0 of a `parallel.tensor.ShapeGroup` of size tp (a stand-in
+group that sizes the layers without torch.distributed), so each parameter has the shape that
+rank holds.
 
 One block per chunk, exactly: every `Block` is built from the config alone (its index only
 seeds its weights), and the blocks sit in a ModuleDict, which has no forward and so never
@@ -18,47 +15,20 @@ with the chunks built whole).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from optim.buffers import ALIGN
 from optim.stage3 import is_called, stage3_units
 from optim.zero import DEFAULT_UNIT_NUMEL, default_resident_numel
-from parallel.marks import NO_MARKS, param_marks
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import stage_of
+from parallel.tensor import ShapeGroup
 from research.model import GPTConfig, pipeline_chunks
-
-_counting = threading.local()
-_patch_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _as_one_process() -> Iterator[None]:
-    """Local adapter: `parallel.tensor` sizes a layer without a group as the whole world once
-    torch.distributed is initialized (a training run calling `GPTConfig.num_params`), and
-    has no stand-in group of a given size. Inside, `dist.is_initialized()` is False for this
-    thread only (other threads see the truth), so the chunks are built at tp = 1."""
-    if not dist.is_initialized():
-        yield
-        return
-    with _patch_lock:
-        real = dist.is_initialized
-        dist.is_initialized = lambda: not getattr(_counting, "on", False) and real()
-        _counting.on = True
-        try:
-            yield
-        finally:
-            _counting.on = False
-            dist.is_initialized = real
 
 
 class _NoInit(TorchFunctionMode):
@@ -74,22 +44,6 @@ class _NoInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _slice_for_tp(chunks: nn.Module, tp: int) -> None:
-    """Replace each TP-partitioned parameter by a meta tensor of its 1/tp slice along the
-    marked dim, keeping a parameter held by two modules (a tied head) one parameter."""
-    marks, sliced = param_marks(chunks), {}
-    for module in chunks.modules():
-        for name, p in module._parameters.items():
-            dim = marks.get(p, NO_MARKS).partition_dim if p is not None else None
-            if dim is None:
-                continue
-            if p not in sliced:
-                shape = list(p.shape)
-                shape[dim] //= tp
-                sliced[p] = nn.Parameter(torch.empty(shape, device="meta"), p.requires_grad)
-            module._parameters[name] = sliced[p]
-
-
 Size = tuple[int, int]  # (numel, numel with each parameter aligned to ALIGN elements)
 
 
@@ -102,11 +56,8 @@ def rank_chunks(model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank
     with one block per chunk (see the module docstring)."""
     model.validate_tp(tp)
     one_block = dataclasses.replace(model, n_layers=pp * virtual_stages)
-    with torch.device("meta"), _NoInit(), _as_one_process():
-        chunks = nn.ModuleList(pipeline_chunks(one_block, pp_rank, pp, virtual_stages))
-    if tp > 1:
-        _slice_for_tp(chunks, tp)
-    return chunks
+    with torch.device("meta"), _NoInit():
+        return nn.ModuleList(pipeline_chunks(one_block, pp_rank, pp, virtual_stages, ShapeGroup(tp)))
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from optim.sharding import Sharding
 from parallel.pipeline.schedules import validate as validate_schedule
 from research.costmodel.hardware import Cluster, GiB
 from research.costmodel.layout import Layout
@@ -112,7 +113,7 @@ def _sp_problem(layout: Layout, seq_len: int) -> tuple[str, str] | None:
 
 def _grad_syncs(zero: int, m: int) -> list[str]:
     """The gradient-sync policies worth trying: they differ only at ZeRO 2-3 with m > 1."""
-    return ["last", "every"] if zero >= 2 and m > 1 else ["last"]
+    return ["last", "every"] if Sharding.of_zero_stage(zero).gradients and m > 1 else ["last"]
 
 
 def _why_invalid(

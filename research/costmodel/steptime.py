@@ -116,15 +116,16 @@ def predict_step_time(model: GPTConfig, layout: Layout, seq_len: int, cluster: C
     psi = max(rank_params(model, t, p, v, r).numel for r in {0, p - 1})
     dp_bw = cluster.ring_bandwidth(d, t)
     share = (d - 1) / d
-    reduce = G * psi * share / dp_bw * (2 if layout.zero == 0 else 1)
+    sharded = layout.sharding
+    reduce = G * psi * share / dp_bw * (1 if sharded.optimizer_state else 2)  # reduce-scatter, or all-reduce
     dp = m * max(0.0, reduce - t_b) if layout.grad_sync == "every" else max(0.0, reduce - t_b / v)
-    if layout.zero in (1, 2):
+    if sharded.optimizer_state and not sharded.parameters:  # the updated parameters all-gathered
         dp += P * psi * share / dp_bw
-    if layout.zero == 3:
+    if sharded.parameters:
         gather = P * psi * share / dp_bw
         dp += m * (max(0.0, gather - compute_f) + max(0.0, gather - compute_b))
     if p > 1 and model.tie_embeddings:
         dp += G * model.padded_vocab / t * h / gpu.inter_node_bandwidth
-    optimized = psi / (d if layout.zero >= 1 else 1)
+    optimized = psi / (d if sharded.optimizer_state else 1)
     optimizer = optimized * (2 * 12 + G + P) / gpu.hbm_bandwidth
     return StepTime(t_f, t_b, pipeline, bubble, m * (tp_f + tp_b), m * 2 * p2p, dp, optimizer)
