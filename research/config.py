@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import math
 import os
-import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from parallel.dims import LayoutError, ParallelDims
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import SCHEDULES, ScheduleError
 from parallel.pipeline.schedules import validate as validate_schedule
+from research import cli
 from research.data import load_tokenizer, require_hub, resolve_source
 from research.errors import ConfigError
 from research.model import GPTConfig
@@ -299,18 +299,12 @@ def field_specs() -> dict[str, Spec]:
     """field name -> Spec; names are unique across sections."""
     out: dict[str, Spec] = {}
     for section, cls in _CLASSES.items():
-        hints = typing.get_type_hints(cls)
+        types_of = cli.field_types(cls)
         for f in dataclasses.fields(cls):
             assert f.name not in out, f"config field {f.name} appears in two sections"
-            hint, rule = hints[f.name], RULES.get(f.name)
-            args = typing.get_args(hint)
-            optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
-            if optional:
-                (hint,) = (a for a in args if a is not type(None))
-            choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
-            if choices:
-                hint, rule = str, one_of(*choices)
-            out[f.name] = Spec(section, f, hint, optional, rule, choices)
+            t = types_of[f.name]
+            rule = one_of(*t.choices) if t.choices else RULES.get(f.name)
+            out[f.name] = Spec(section, f, t.kind, t.optional, rule, t.choices)
     return out
 
 
@@ -356,10 +350,6 @@ def _reject(spec: Spec, where: str, allowed: str) -> typing.NoReturn:
     raise ConfigError(f"{where} must be {allowed}" + (" or none" if spec.optional else ""))
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def load_yaml(path: str) -> dict[str, dict[str, Any]]:
     """The sections of a YAML config file, every value checked and converted by
     `check_value`. A file that is not YAML, not a mapping of sections to mappings, or has
@@ -394,10 +384,6 @@ def load_yaml(path: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults after each flag; the description as written."""
-
-
 def build_parser(
     file_values: dict[str, dict[str, Any]] | None = None, defaults: bool = True
 ) -> argparse.ArgumentParser:
@@ -408,27 +394,23 @@ def build_parser(
     p = argparse.ArgumentParser(
         prog="python -m experiments.train",
         description=__doc__,
-        formatter_class=_HelpFormatter,
+        formatter_class=cli.HelpFormatter,
         argument_default=None if defaults else argparse.SUPPRESS,
     )
     p.add_argument("--config", help="YAML file with sections model/parallel/train/data/log/checkpoint")
     groups = {s: p.add_argument_group(s, (_CLASSES[s].__doc__ or "").split("\n")[0]) for s in _CLASSES}
     for name, spec in field_specs().items():
-        default = file_values.get(spec.section, {}).get(name, _default(spec.field)) if defaults else argparse.SUPPRESS
+        default = (
+            file_values.get(spec.section, {}).get(name, cli.default_of(spec.field)) if defaults else argparse.SUPPRESS
+        )
         if spec.kind is bool:
             groups[spec.section].add_argument(
-                _flag(name), default=default, action=argparse.BooleanOptionalAction, help=HELP[name]
+                cli.flag_name(name), default=default, action=argparse.BooleanOptionalAction, help=HELP[name]
             )
         else:
             metavar = "{" + ",".join(spec.choices) + "}" if spec.choices else name.upper()
-            groups[spec.section].add_argument(_flag(name), default=default, metavar=metavar, help=HELP[name])
+            groups[spec.section].add_argument(cli.flag_name(name), default=default, metavar=metavar, help=HELP[name])
     return p
-
-
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    return f.default_factory()  # type: ignore[misc]
 
 
 def parse_args(argv: list[str] | None, world_size: int) -> RunConfig:
@@ -445,8 +427,8 @@ def parse_args(argv: list[str] | None, world_size: int) -> RunConfig:
     sections: dict[str, dict[str, Any]] = {s: dict(file_values.get(s, {})) for s in _CLASSES}
     for name, spec in field_specs().items():
         if name in flags:
-            sections[spec.section][name] = check_value(name, flags[name], f"{_flag(name)}={flags[name]}")
-        sections[spec.section].setdefault(name, _default(spec.field))
+            sections[spec.section][name] = check_value(name, flags[name], f"{cli.flag_name(name)}={flags[name]}")
+        sections[spec.section].setdefault(name, cli.default_of(spec.field))
     given_cli = set(flags)
     given_file = {k for values in file_values.values() for k in values if values[k] is not None}
     if "init_seed" not in given_cli | given_file:
@@ -468,7 +450,7 @@ def resolve_batch(cfg: RunConfig, world_size: int, given_cli: set[str], given_fi
     try:
         par.dp = ParallelDims(par.tp, par.pp, par.dp, world_size).dp
     except LayoutError as e:
-        raise ConfigError(e.worded(lambda size: _flag(size) if size in field_specs() else size)) from None
+        raise ConfigError(e.worded(lambda size: cli.flag_name(size) if size in field_specs() else size)) from None
     order = [k for k in BATCH_KEYS if k in given_cli] + [k for k in BATCH_KEYS if k in given_file - given_cli]
     known = [k for k in order if getattr(tr, k) is not None][:2]
     if len(known) < 2 and "micro_batch_size" not in known:
@@ -487,7 +469,7 @@ def resolve_batch(cfg: RunConfig, world_size: int, given_cli: set[str], given_fi
         if tr.global_batch_size % per:
             raise ConfigError(
                 f"--global-batch-size={tr.global_batch_size} is not divisible by "
-                f"{_flag(other)}={getattr(tr, other)} × dp={par.dp}"
+                f"{cli.flag_name(other)}={getattr(tr, other)} × dp={par.dp}"
             )
         setattr(tr, missing, tr.global_batch_size // per)
     if stated is not None and stated != getattr(tr, missing):
@@ -512,7 +494,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     except ScheduleError as e:
         field = "micro_batches" if e.field == "microbatches" else e.field
         value = getattr(tr, field) if field == "micro_batches" else getattr(par, field)
-        raise ConfigError(f"{_flag(field)}={value}: {e}") from None
+        raise ConfigError(f"{cli.flag_name(field)}={value}: {e}") from None
     if par.virtual_stages > 1 and par.pp == 1:
         raise ConfigError(f"--virtual-stages={par.virtual_stages} needs --pp > 1")
     try:

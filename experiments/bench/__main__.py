@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 
 from experiments.bench import pipeline_bubble, zero_vs_torch
-from experiments.bench.common import HelpFormatter, finish, format_table
+from experiments.bench.common import finish, format_table
+from research.cli import HelpFormatter
 
 
 def ratio_rows(zero: dict, pipe: dict) -> list[list[str]]:

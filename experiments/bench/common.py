@@ -11,21 +11,18 @@
   rank, each storage counted once (DTensors count their local shard).
 - ``timed(fn, device, repeats)``: median seconds of a call (CUDA events on a GPU).
 - ``median`` / ``percentile`` and ``format_table`` for plain-text result tables.
-- ``arg`` / ``config_parser`` / ``config_from``: a benchmark's command line from its config
-  dataclass, each field written once (name, type, default, help).
+
+A benchmark's command line comes from its config dataclass through ``research.cli`` (``arg``,
+``config_parser``, ``config_from``), as the trainer's does.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import sys
 import time
-import types
-import typing
 from collections.abc import Callable, Iterable
-from typing import Any, Literal, TypeVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -229,66 +226,3 @@ def finish(results: dict[str, Any], nonfinite: list[str], json_path: str | None)
             json.dump(results, f, indent=1)
         print(f"wrote {json_path}")
     return results
-
-
-# ---------------------------------------------------------------------------------------
-# Command lines from config dataclasses
-# ---------------------------------------------------------------------------------------
-
-T = TypeVar("T")
-
-
-def arg(
-    default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None, **flag: Any
-) -> Any:
-    """A config dataclass field that is also a flag: its default (or a `factory` computing it
-    when needed), its help, and further `add_argument` keywords (`choices`, `metavar`)."""
-    metadata = {"help": help, "flag": flag}
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """The description as written; after a flag's help its default as one would type it
-    (none shown for None or for a flag without a value)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        default = action.default
-        if default is None or default is argparse.SUPPRESS or action.nargs == 0 or not action.help:
-            return action.help
-        shown = " ".join(map(str, default)) if isinstance(default, tuple | list) else str(default)
-        return f"{action.help} (default: {shown.replace('%', '%%')})"
-
-
-def config_parser(cls: type, description: str | None) -> argparse.ArgumentParser:
-    """A parser with a flag `--field-name` per field of the dataclass `cls`, typed by its
-    annotation: int, float, str; `X | None`; `tuple[X, ...]` (one or more values); `Literal[...]`
-    (its values are the choices); bool (`--flag`, or `--flag/--no-flag` when it defaults to
-    true). The benchmark adds its other flags (--quick, --json) to it."""
-    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-        kwargs: dict[str, Any] = {"default": default, "help": f.metadata.get("help", ""), **f.metadata.get("flag", {})}
-        kind = hints[f.name]
-        if typing.get_origin(kind) in (typing.Union, types.UnionType):
-            (kind,) = (a for a in typing.get_args(kind) if a is not type(None))
-        if typing.get_origin(kind) is tuple:
-            (kind, _), kwargs["nargs"] = typing.get_args(kind), "+"
-        if typing.get_origin(kind) is Literal:
-            kwargs.setdefault("choices", typing.get_args(kind))
-            kind = type(kwargs["choices"][0])
-        if kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
-        else:
-            kwargs["type"] = kind
-        p.add_argument("--" + f.name.replace("_", "-"), **kwargs)
-    return p
-
-
-def config_from(cls: type[T], args: argparse.Namespace) -> T:
-    """The dataclass `cls` with the values parsed by `config_parser(cls, ...)` (several values
-    as a tuple)."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
-    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})  # type: ignore[call-arg]

@@ -18,8 +18,9 @@ from typing import Any, Literal
 
 import torch
 
-from experiments.bench.common import arg, config_from, config_parser, timed
+from experiments.bench.common import timed
 from optim import fused
+from research.cli import arg, config_from, config_parser
 
 # HBM peak bandwidth in GB/s by device-name fragment (vendor data sheets).
 HBM_PEAK_GBS = {

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from experiments.bench.common import arg, config_from, config_parser
 from research import data, metrics
+from research.cli import arg, config_from, config_parser
 from research.config import parse_args as parse_run_args
 from research.trainer import load_data
 

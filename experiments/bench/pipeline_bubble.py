@@ -55,8 +55,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from experiments.bench.common import arg, config_from, config_parser, finish, format_table, launch, median, percentile
 from experiments.bench.common import batch as make_batch
+from experiments.bench.common import finish, format_table, launch, median, percentile
+from research.cli import arg, config_from, config_parser
 
 SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 CAVEAT = (

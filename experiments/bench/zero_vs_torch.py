@@ -56,10 +56,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from experiments.bench.common import batch as make_batch
 from experiments.bench.common import (
-    arg,
-    config_from,
-    config_parser,
     finish,
     format_table,
     launch,
@@ -70,7 +68,7 @@ from experiments.bench.common import (
     optimizer_state_tensors,
     percentile,
 )
-from experiments.bench.common import batch as make_batch
+from research.cli import arg, config_from, config_parser
 
 METHODS = ["zero0", "zero1", "zero2", "zero3", "ddp", "ddp_zero", "fsdp2_reshard", "fsdp2_noreshard"]
 # (ours, theirs, goal): goal "<=" means ratio <= 1.0, "<" means ratio < 1.0, None: reported only

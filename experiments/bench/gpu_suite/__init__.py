@@ -58,7 +58,6 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench.common import arg, config_from, config_parser
 from experiments.bench.gpu_suite.parts import (
     cuda_tests,
     environment,
@@ -76,6 +75,7 @@ from experiments.bench.gpu_suite.report import (
     zero_stages_md,
 )
 from experiments.bench.gpu_suite.runner import GPU_BUDGET_S, SMOKE_BUDGET_S, Context, Part, run_suite
+from research.cli import arg, config_from, config_parser
 
 PARTS = [
     Part("environment", environment, 30, environment_md),
