@@ -18,27 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from experiments.sweep_results import CONFIG_COLUMNS
+
 MiB = 2**20
 PARTS = (
     ("params", "params", "#4c72b0"),
     ("grads", "grads", "#55a868"),
     ("master_and_optimizer", "master + optimizer", "#c44e52"),
     ("activations", "activations", "#8172b2"),
-)
-LAYOUT_KEYS = (
-    "nproc",
-    "tp",
-    "pp",
-    "dp",
-    "zero",
-    "schedule",
-    "virtual_stages",
-    "micro_batches",
-    "micro_batch_size",
-    "precision",
-    "recompute",
-    "sequence_parallel",
-    "grad_sync",
 )
 
 
@@ -63,7 +50,7 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 
 def _varying(rows: list[dict[str, Any]], exclude: tuple[str, ...] = ()) -> list[str]:
-    return [k for k in LAYOUT_KEYS if k not in exclude and len({str(r.get(k)) for r in rows}) > 1]
+    return [k for k in CONFIG_COLUMNS if k not in exclude and len({str(r.get(k)) for r in rows}) > 1]
 
 
 def _label(row: dict[str, Any], keys: list[str], sep: str = " ") -> str:
