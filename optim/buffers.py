@@ -55,7 +55,7 @@ class FlatBucket:
     needs_carry: bool = field(init=False, default=False)
     reduced: bool = field(init=False, default=False)
     on_grad_bytes: Callable[[int], None] | None = None  # told +/- bytes of each transient full gradient buffer
-    marks: ParamMarks = NO_MARKS  # what its parameters (all marked alike) are across ranks
+    marks: ParamMarks = NO_MARKS  # the groups its parameters (all alike in these) are replicated and tied over
 
     def __post_init__(self) -> None:
         self.shapes = [p.shape for p in self.params]

@@ -49,7 +49,7 @@ from optim.zero_setup import (
 )
 from optim.zero_state import ShardedStateDicts
 from parallel import comm
-from parallel.marks import NO_MARKS, param_marks
+from parallel.marks import NO_MARKS, ParamMarks, param_marks
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DEFAULT_UNIT_NUMEL", "ZeroOptimizer", "default_resident_numel"]
 
@@ -213,7 +213,8 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         arrival = list(reversed(list(group_of)))
         position = {p: i for i, p in enumerate(arrival)}
         root_of = {p: i for i, r in enumerate(roots(self.model)) for p in r.parameters()}
-        marks_of = param_marks(self.model)
+        # what a bucket's parameters share: the groups they are replicated and tied over
+        marks_of = {p: ParamMarks(replicated=m.replicated, tied=m.tied) for p, m in param_marks(self.model).items()}
 
         def key(p: torch.nn.Parameter) -> tuple:
             m = marks_of.get(p, NO_MARKS)
