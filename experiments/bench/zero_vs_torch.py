@@ -14,6 +14,9 @@ global batches with AdamW (--lr, --weight-decay on every parameter), fp32:
     ddp_zero            DistributedDataParallel + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
     fsdp2_reshard       fully_shard per block and on the root, reshard_after_forward=True
     fsdp2_noreshard     the same with reshard_after_forward=False
+    ds1..ds3            DeepSpeed's ZeRO engine, stage s (an optional peer: `--methods ... ds1 ds2 ds3`
+                        with `pip install deepspeed`), on the CPU accelerator with torch's AdamW
+                        ("torch_adam") and gradient clipping off (DeepSpeed's default clips at 1.0)
 
 The baselines' AdamW uses the same kernel family as ZeroOptimizer's step backend
 (`--torch-adam match`: torch_fused -> AdamW(fused=True), torch -> AdamW(foreach=True)), so
@@ -37,7 +40,9 @@ shards of FSDP2's DTensors; DDP's grads are views of its buckets, so the buckets
 Ratios are ours / theirs (< 1: ours is faster): the ratio of the median step times, on
 which the goals are judged, and the median (quartiles) of the paired per-step ratios
 (the two steps ran back to back, so they saw the same load). Goals: zero0 / ddp <= 1.0,
-zero1 / ddp_zero < 1.0, zero3 / fsdp2_* < 1.0 (zero2 / ddp_zero is reported only).
+zero1 / ddp_zero < 1.0, zero3 / fsdp2_* < 1.0, zeroS / dsS < 1.0 (zero2 / ddp_zero is reported
+only). DeepSpeed's model-state memory counts what exists after its step: parameters (their
+ZeRO-3 partitions), gradients still held, its fp32 partitions and the AdamW state.
 Results: docs/benchmarks.md.
 """
 
@@ -70,7 +75,9 @@ from experiments.bench.common import (
 )
 from research.cli import arg, config_from, config_parser
 
-METHODS = ["zero0", "zero1", "zero2", "zero3", "ddp", "ddp_zero", "fsdp2_reshard", "fsdp2_noreshard"]
+TORCH_METHODS = ["zero0", "zero1", "zero2", "zero3", "ddp", "ddp_zero", "fsdp2_reshard", "fsdp2_noreshard"]
+DEEPSPEED_METHODS = ["ds1", "ds2", "ds3"]
+METHODS = TORCH_METHODS + DEEPSPEED_METHODS
 # (ours, theirs, goal): goal "<=" means ratio <= 1.0, "<" means ratio < 1.0, None: reported only
 PAIRINGS = [
     ("zero0", "ddp", "<="),
@@ -78,13 +85,16 @@ PAIRINGS = [
     ("zero2", "ddp_zero", None),
     ("zero3", "fsdp2_reshard", "<"),
     ("zero3", "fsdp2_noreshard", "<"),
+    ("zero1", "ds1", "<"),
+    ("zero2", "ds2", "<"),
+    ("zero3", "ds3", "<"),
 ]
 
 
 @dataclass
 class Config:
     world_sizes: tuple[int, ...] = arg((2, 4), "world sizes to run, one launch each")
-    methods: tuple[str, ...] = arg(tuple(METHODS), "methods to run", choices=METHODS)
+    methods: tuple[str, ...] = arg(tuple(TORCH_METHODS), "methods to run", choices=METHODS)
     steps: int = arg(10, "timed steps per method per round")
     warmup: int = arg(2, "untimed steps before them")
     rounds: int = arg(2, "rounds of fresh models; within a round the methods take turns step by step")
@@ -219,11 +229,64 @@ class TorchBaseline:
         )
 
 
-def build(method: str, cfg: Config, mesh: Any) -> Ours | TorchBaseline:
+class DeepSpeedPeer:
+    """DeepSpeed's ZeRO engine at `stage` on the model, with torch's AdamW, no clipping."""
+
+    def __init__(self, model: torch.nn.Module, stage: int, cfg: Config) -> None:
+        import logging
+        import os
+
+        os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is first imported
+        import deepspeed
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        adam = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "torch_adam": True, "adam_w_mode": True}
+        config = {
+            "train_micro_batch_size_per_gpu": cfg.micro_batch,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {**adam, **torch_adam_kwargs(cfg)}},
+            "steps_per_print": 2**31 - 1,
+        }
+        self.model = model
+        self.engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
+        )
+
+    def forward_backward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        loss = self.engine(idx, tgt)
+        self.engine.backward(loss)
+        return loss.detach()
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def memory(self) -> dict[str, int]:
+        params = [getattr(p, "ds_tensor", p) for p in dict.fromkeys(self.model.parameters())]
+        zero = self.engine.optimizer
+        masters = getattr(zero, "single_partition_of_fp32_groups", None) or getattr(
+            zero, "fp32_partitioned_groups_flat", []
+        )
+        return model_state_bytes(
+            {
+                "params": params,
+                "grads": [p.grad for p in self.model.parameters()],
+                "optim": [*masters, *optimizer_state_tensors(zero.optimizer)],
+            }
+        )
+
+
+def build(method: str, cfg: Config, mesh: Any) -> Ours | TorchBaseline | DeepSpeedPeer:
     model = make_model(**cfg.model_kwargs())
     adam = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, **torch_adam_kwargs(cfg))
     if method.startswith("zero"):
         return Ours(model, int(method[4:]), cfg)
+    if method.startswith("ds"):
+        return DeepSpeedPeer(model, int(method[2:]), cfg)
     if method == "ddp":
         # gradient_as_bucket_view: .grad are views of DDP's buckets (no second copy of the
         # gradients; also the faster setting), so the measured grads are the buckets.
@@ -253,7 +316,9 @@ def build(method: str, cfg: Config, mesh: Any) -> Ours | TorchBaseline:
 # ---------------------------------------------------------------------------------------
 
 
-def timed_step(trainer: Ours | TorchBaseline, idx: torch.Tensor, tgt: torch.Tensor, measure: bool) -> tuple:
+def timed_step(
+    trainer: Ours | TorchBaseline | DeepSpeedPeer, idx: torch.Tensor, tgt: torch.Tensor, measure: bool
+) -> tuple:
     """One training step after a barrier: (loss, wall s, forward+backward wall s, CPU s, memory
     or None). The memory of model states is taken after the optimizer step, before zero_grad,
     outside the timed region."""
