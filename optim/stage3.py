@@ -12,6 +12,11 @@ Foreign users. A module that holds a parameter claimed by a unit that is neither
 nor an ancestor (a tied output head using the embedding's weight) gathers that unit
 around its own forward and backward as well.
 
+Quantized gathering (ZeRO++ qwZ, Wang et al. 2023). With `qwz_block`, each rank sends its
+shard as int8 with one fp32 scale per block (`parallel.quantize`) and the unit is dequantized
+on arrival: the compute copy of the parameters carries at most max|block|/254 of error per
+element, while the fp32 masters, the update and every checkpoint stay exact.
+
 Prefetch. The order in which units were first gathered in the previous forward and the
 previous backward is recorded; the first gather of unit u in a pass also starts the
 asynchronous gather of the unit that followed u last time. If the order changed, the prefetched unit is freed
@@ -30,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from optim.buffers import FlatBucket
 from parallel import comm
+from parallel.quantize import dequantize_gathered, quantize
 
 
 def is_called(module: torch.nn.Module) -> bool:
@@ -84,6 +90,7 @@ class Unit:
     buckets: list[FlatBucket]
     full: list[torch.Tensor] | None = None
     work: list[dist.Work | None] = field(default_factory=list)
+    arriving: list[tuple] = field(default_factory=list)  # qwZ: (int8 data, scales, template) per bucket
     users: int = 0
     buckets_done: int = 0
 
@@ -96,8 +103,11 @@ class ParamGatherer:
         model: torch.nn.Module,
         units: list[tuple[torch.nn.Module, list[FlatBucket]]],
         group: dist.ProcessGroup | None,
+        qwz_block: int | None = None,
     ) -> None:
         self.group = group
+        self.qwz_block = qwz_block
+        self.world = dist.get_world_size(group)
         self.units = [Unit(buckets) for _, buckets in units]
         self._bucket_unit = {id(b): u for u, (_, bs) in zip(self.units, units) for b in bs}
         self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
@@ -132,11 +142,23 @@ class ParamGatherer:
     def _start_gather(self, unit: Unit) -> None:
         if unit.full is not None:
             return
-        unit.full, unit.work = [], []
+        unit.full, unit.work, unit.arriving = [], [], []
         for b in unit.buckets:
             full = torch.empty(b.numel, dtype=b.param_dtype, device=b.param_shard.device)
-            unit.work.append(comm.all_gather_into_tensor(full, b.param_shard, group=self.group, async_op=True))
+            if self.qwz_block is None:
+                unit.work.append(comm.all_gather_into_tensor(full, b.param_shard, group=self.group, async_op=True))
+            else:
+                unit.arriving.append(self._gather_quantized(unit, b.param_shard))
             unit.full.append(full)
+
+    def _gather_quantized(self, unit: Unit, shard: torch.Tensor) -> tuple:
+        """Start the all-gathers of `shard` as int8 blocks and their scales (qwZ)."""
+        q = quantize(shard, self.qwz_block)
+        data = q.data.new_empty(self.world * q.data.numel())
+        scale = q.scale.new_empty(self.world * q.scale.numel())
+        unit.work.append(comm.all_gather_into_tensor(data, q.data, group=self.group, async_op=True))
+        unit.work.append(comm.all_gather_into_tensor(scale, q.scale, group=self.group, async_op=True))
+        return data, scale, q
 
     def _ensure(self, unit: Unit, phase: str) -> None:
         """Gather `unit` now (waiting for a prefetch in flight) and prefetch its successor."""
@@ -149,9 +171,11 @@ class ParamGatherer:
             for w in unit.work:
                 if w is not None:
                     w.wait()
+            for full, (data, scale, q) in zip(unit.full, unit.arriving):
+                full.copy_(dequantize_gathered(data, scale, q, self.world))
             for b, full in zip(unit.buckets, unit.full):
                 b.bind_params(full)
-            unit.work = []
+            unit.work, unit.arriving = [], []
         following = self._next[phase].get(unit) if first_use else None
         if following is not None:
             self._start_gather(following)
@@ -164,7 +188,7 @@ class ParamGatherer:
                 w.wait()
         for b in unit.buckets:
             b.release_params()
-        unit.full, unit.work = None, []
+        unit.full, unit.work, unit.arriving = None, [], []
 
     def _release_idle(self) -> None:
         """End of the root forward: free units gathered but not in use (unused prefetches)."""

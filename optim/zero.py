@@ -80,6 +80,8 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         model_parallel_group: the group over which the model itself is split (tp × pp);
             grad norms and fp16 overflow flags are summed over it after the DP group.
         loss_scaler: dynamic loss scaler for fp16 (created by default for fp16).
+        qwz_block: stage 3 only: gather parameters as int8 with one fp32 scale per block of
+            this many elements (ZeRO++ qwZ; `optim.stage3`); None gathers them exactly.
         **optimizer_kwargs: passed to `optimizer_class` (lr, weight_decay, betas, ...).
 
     `grad_peak_bytes`: the most gradient bytes this rank has held since construction. At
@@ -108,9 +110,11 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         step_backend: str | None = None,
         model_parallel_group: dist.ProcessGroup | None = None,
         loss_scaler: DynamicLossScaler | None = None,
+        qwz_block: int | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
-        validate(model, optimizer_class, stage, param_dtype)
+        validate(model, optimizer_class, stage, param_dtype, qwz_block)
+        self.qwz_block = qwz_block
         self.model = model
         self.optimizer_class = optimizer_class
         self.stage = stage
@@ -172,7 +176,9 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         """The hooks of a step (docs/architecture.md): the model check, stage 3's gatherer,
         the gradient reducer."""
         self._check_handles = [r.register_forward_pre_hook(self._check_model) for r in roots(self.model)]
-        self._gatherer = ParamGatherer(self.model, units, self.group) if self.sharding.parameters else None
+        self._gatherer = (
+            ParamGatherer(self.model, units, self.group, self.qwz_block) if self.sharding.parameters else None
+        )
         self._scopes: dict[torch.nn.Module, list[int]] = {}  # sync_only: module -> its bucket indices
         gatherer = self._gatherer
         self._reducer = GradReducer(

@@ -21,7 +21,7 @@ def default_resident_numel(unit_numel: int) -> int:
     return unit_numel // 16
 
 
-def validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, param_dtype: Any) -> None:
+def validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, param_dtype: Any, qwz_block: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -35,6 +35,11 @@ def validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, param_dty
         )
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+    if qwz_block is not None and (stage != 3 or not isinstance(qwz_block, int) or qwz_block <= 0):
+        raise ValueError(
+            f"qwz_block={qwz_block!r} with stage={stage}: quantized parameter gathering (ZeRO++ qwZ) needs stage=3 "
+            "and a positive block size such as 2048"
+        )
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(
             f"param_dtype={param_dtype} is not supported; use None (fp32), torch.bfloat16 or torch.float16"

@@ -87,3 +87,10 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     padded = torch.zeros(rows * block, dtype=torch.float32, device=x.device)
     padded[: flat.numel()] = flat
     return padded.view(rows, block)
+
+
+def dequantize_gathered(data: torch.Tensor, scale: torch.Tensor, like: Quantized, parts: int) -> torch.Tensor:
+    """The concatenation of `parts` tensors quantized like `like` (same numel, block and bits),
+    whose `data` and `scale` were gathered end to end (an all-gather of each)."""
+    chunks = zip(data.view(parts, -1), scale.view(parts, -1))
+    return torch.cat([dequantize(Quantized(d, s, like.numel, like.block, like.bits, like.dtype)) for d, s in chunks])
