@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from optim.buffers import FlatBucket
 from parallel import comm
-from parallel.quantize import dequantize_gathered, quantize
+from parallel.quantize import dequantize_gathered_, quantize
 
 
 def is_called(module: torch.nn.Module) -> bool:
@@ -148,17 +148,22 @@ class ParamGatherer:
             if self.qwz_block is None:
                 unit.work.append(comm.all_gather_into_tensor(full, b.param_shard, group=self.group, async_op=True))
             else:
-                unit.arriving.append(self._gather_quantized(unit, b.param_shard))
+                works, arriving = self._gather_quantized(b.param_shard)
+                unit.work += works
+                unit.arriving.append(arriving)
             unit.full.append(full)
 
-    def _gather_quantized(self, unit: Unit, shard: torch.Tensor) -> tuple:
-        """Start the all-gathers of `shard` as int8 blocks and their scales (qwZ)."""
+    def _gather_quantized(self, shard: torch.Tensor) -> tuple[list, tuple]:
+        """Start the all-gathers of `shard` as int8 blocks and their scales (qwZ): their works,
+        and (gathered data, gathered scales, this rank's quantized shard) for dequantizing."""
         q = quantize(shard, self.qwz_block)
         data = q.data.new_empty(self.world * q.data.numel())
         scale = q.scale.new_empty(self.world * q.scale.numel())
-        unit.work.append(comm.all_gather_into_tensor(data, q.data, group=self.group, async_op=True))
-        unit.work.append(comm.all_gather_into_tensor(scale, q.scale, group=self.group, async_op=True))
-        return data, scale, q
+        works = [
+            comm.all_gather_into_tensor(data, q.data, group=self.group, async_op=True),
+            comm.all_gather_into_tensor(scale, q.scale, group=self.group, async_op=True),
+        ]
+        return works, (data, scale, q)
 
     def _ensure(self, unit: Unit, phase: str) -> None:
         """Gather `unit` now (waiting for a prefetch in flight) and prefetch its successor."""
@@ -172,7 +177,7 @@ class ParamGatherer:
                 if w is not None:
                     w.wait()
             for full, (data, scale, q) in zip(unit.full, unit.arriving):
-                full.copy_(dequantize_gathered(data, scale, q, self.world))
+                dequantize_gathered_(full, data, scale, q)
             for b, full in zip(unit.buckets, unit.full):
                 b.bind_params(full)
             unit.work, unit.arriving = [], []

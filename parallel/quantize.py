@@ -89,8 +89,11 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return padded.view(rows, block)
 
 
-def dequantize_gathered(data: torch.Tensor, scale: torch.Tensor, like: Quantized, parts: int) -> torch.Tensor:
-    """The concatenation of `parts` tensors quantized like `like` (same numel, block and bits),
-    whose `data` and `scale` were gathered end to end (an all-gather of each)."""
-    chunks = zip(data.view(parts, -1), scale.view(parts, -1))
-    return torch.cat([dequantize(Quantized(d, s, like.numel, like.block, like.bits, like.dtype)) for d, s in chunks])
+def dequantize_gathered_(out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, like: Quantized) -> None:
+    """Write into `out` the concatenation of the tensors quantized like `like` (same numel,
+    block and bits) whose `data` and `scale` were gathered end to end (an all-gather of each),
+    one piece of `like.numel` elements per part, without building the concatenation first."""
+    parts = out.numel() // like.numel
+    pieces = zip(out.view(parts, -1), data.view(parts, -1), scale.view(parts, -1))
+    for piece, d, s in pieces:
+        piece.copy_(dequantize(Quantized(d, s, like.numel, like.block, like.bits, like.dtype)))
