@@ -55,6 +55,7 @@ class FlatBucket:
     needs_carry: bool = field(init=False, default=False)
     reduced: bool = field(init=False, default=False)
     on_grad_bytes: Callable[[int], None] | None = None  # told +/- bytes of each transient full gradient buffer
+    keeps_carry: bool = True  # False on all but the first replica (hybrid sharding): see the carry rule
     marks: ParamMarks = NO_MARKS  # the groups its parameters (all alike in these) are replicated and tied over
 
     def __post_init__(self) -> None:
@@ -149,7 +150,9 @@ class FlatBucket:
     # memset of the full buffer. Padding is zero from allocation and stays zero (reductions
     # of zeros). Carry rule: after a reduction this rank's own region already holds the
     # reduced sum A of earlier backwards; the other regions restart at zero, so the next
-    # reduction yields A + Σ_ranks g exactly (each region is owned by one rank).
+    # reduction yields A + Σ_ranks g exactly (each region is owned by one rank). With
+    # replicas (hybrid sharding) a region is owned by one rank per replica, so only the
+    # first replica keeps A (`keeps_carry`); the others restart at zero everywhere.
     def accumulate(self, i: int, grad: torch.Tensor, scale: float) -> None:
         """slot_i ← slot_i + scale·grad (or scale·grad for the slot's first gradient)."""
         self._prepare_grad_buffer()
@@ -185,10 +188,11 @@ class FlatBucket:
             self._written = [False] * len(self.params)
             if self.needs_carry:
                 lo, hi = self.shard_range
-                self.grad_buffer[lo:hi].copy_(self.grad_shard)
+                if self.keeps_carry:
+                    self.grad_buffer[lo:hi].copy_(self.grad_shard)
                 self._written = [True] * len(self.params)
         elif self.needs_carry:
-            lo, hi = self.shard_range
+            lo, hi = self.shard_range if self.keeps_carry else (self.numel, self.numel)
             self.grad_buffer[:lo].zero_()
             self.grad_buffer[hi:].zero_()
             self._written = [True] * len(self.params)

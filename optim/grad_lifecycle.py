@@ -63,6 +63,7 @@ class GradLifecycle:
     _param_norms: tuple[float, torch.Tensor] | None
     _first_index: list[int]
     _all_params: list[torch.nn.Parameter]
+    _dp_groups: list[dist.ProcessGroup | None]
 
     def _check_grads(self, arriving: tuple[int, int] | None = None) -> None:
         """`.grad` set to None since the last backward (model.zero_grad()) clears that
@@ -91,8 +92,9 @@ class GradLifecycle:
             dtype=torch.int32,
             device=self.buckets[0].grad_shard.device,
         )
-        if self.world > 1:
-            comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        for group in self._dp_groups:
+            if dist.get_world_size(group) > 1:
+                comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         hand_set, self._hand_set = int(flags[-1]), 0
         if hand_set:
             name = self.names[self._all_params[hand_set - 1]]

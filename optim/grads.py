@@ -17,6 +17,10 @@ only for the parameters of those buckets (a pipeline chunk's backward, on every 
 so only they are launched, in their order, and the other buckets keep what they hold. This
 is how gradients are reduced every micro-batch without reducing every chunk's buckets each time.
 
+Hybrid sharding (`replicate_group`): the group is one replica's shard group; each
+reduction there is followed by an all-reduce, across the replicas, of the part this rank
+keeps (its shard; the whole buffer at stage 0), so ḡ = (1/(N·R)) Σ over all N·R ranks.
+
 A reduction is retired (`FlatBucket.after_reduction`: stages 2-3 free the full bucket) as
 soon as it has completed, checked whenever a bucket is launched, and at most
 `MAX_IN_FLIGHT` reductions stay unretired: launching one more first waits for the oldest.
@@ -54,6 +58,7 @@ class GradReducer:
         buckets: list[FlatBucket],
         group: dist.ProcessGroup | None,
         placeholders: list[list[torch.Tensor]],
+        replicate_group: dist.ProcessGroup | None = None,
         on_backward_start: Callable[[int, int], None] | None = None,
         on_bucket_done: Callable[[int], None] | None = None,
         on_backward_end: Callable[[bool], None] | None = None,
@@ -61,17 +66,20 @@ class GradReducer:
         self.buckets = buckets
         self.placeholders = placeholders
         self.group = group
+        self.replicate_group = replicate_group
         self.sync = True
         self.unsynced: set[int] = set()  # buckets holding gradients accumulated under no_sync, not reduced yet
         self._scope = list(range(len(buckets)))  # the buckets a synced backward launches, in order
         self._in_scope = set(self._scope)
-        self._scale = 1.0 / dist.get_world_size(group)
+        replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self._scale = 1.0 / (dist.get_world_size(group) * replicas)
         self._on_backward_start = on_backward_start
         self._on_bucket_done = on_bucket_done
         self._on_backward_end = on_backward_end
         self._ready = [0] * len(buckets)
         self._next = 0
-        self._works: list[tuple[dist.Work | None, FlatBucket]] = []
+        # (work, bucket, what to reduce across replicas once the work is done)
+        self._works: list[tuple[dist.Work | None, FlatBucket, torch.Tensor | None]] = []
         self._callback_queued = False
         self._handles = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad, b, i))
@@ -141,11 +149,15 @@ class GradReducer:
     def _retire(self, keep: int) -> None:
         """Retire finished reductions in launch order; wait while more than `keep` remain."""
         while self._works:
-            work, bucket = self._works[0]
+            work, bucket, across_replicas = self._works[0]
             if work is not None and not work.is_completed() and len(self._works) <= keep:
                 return
             if work is not None:
                 work.wait()
+            if across_replicas is not None:
+                work = comm.all_reduce(across_replicas, group=self.replicate_group, async_op=True)
+                self._works[0] = (work, bucket, None)
+                continue
             bucket.after_reduction()
             self._works.pop(0)
 
@@ -153,12 +165,13 @@ class GradReducer:
         self._retire(keep=MAX_IN_FLIGHT - 1)
         full = bucket.grads_for_reduction()
         if not bucket.sharding.optimizer_state:
+            out = full
             work = comm.all_reduce(full, group=self.group, async_op=True)
         else:
             lo, hi = bucket.shard_range
             out = bucket.grad_shard if bucket.sharding.gradients else full[lo:hi]
             work = comm.reduce_scatter_tensor(out, full, group=self.group, async_op=True)
-        self._works.append((work, bucket))
+        self._works.append((work, bucket, out if self.replicate_group is not None else None))
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False

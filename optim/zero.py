@@ -67,7 +67,12 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             to `param_dtype`); frozen parameters and floating buffers are cast too.
         optimizer_class: an elementwise `torch.optim.Optimizer` subclass (AdamW, SGD, ...).
         stage: ZeRO stage 0, 1, 2 or 3.
-        process_group: the data-parallel group (None: the default group).
+        process_group: the data-parallel group (None: the default group); with
+            `replicate_group`, the shard group of one replica.
+        replicate_group: hybrid sharding (HSDP, MiCS): the ranks holding this rank's shard in
+            the other replicas. States are sharded over `process_group` only (N = its size);
+            gradients are reduced there, then all-reduced across the replicas on the shards.
+            `parallel.ParallelDims(dp_shard=...)` makes both groups. None: no replicas.
         param_groups: [{"params": [...], **hyperparameters}]; trainable parameters not
             listed join a group with the constructor's optimizer keyword arguments.
         param_dtype: dtype of the model's compute copy (None = fp32); masters stay fp32.
@@ -101,6 +106,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         *,
         stage: int = 2,
         process_group: dist.ProcessGroup | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
         param_groups: list[dict[str, Any]] | None = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
@@ -120,6 +126,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         self.stage = stage
         self.sharding = Sharding.of_zero_stage(stage)
         self.group = process_group
+        self.replicate_group = replicate_group
         self.param_dtype = param_dtype or torch.float32
         self.model_parallel_group = model_parallel_group
         self.world = dist.get_world_size(process_group)
@@ -127,7 +134,8 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         self.names = param_names(model)
         groups, group_of = user_groups(model, param_groups, optimizer_kwargs)
         self._torch_order = torch_order(param_groups, group_of, len(groups))
-        check_same_model_on_all_ranks(model, stage, group_of, process_group)
+        for group in self._dp_groups:
+            check_same_model_on_all_ranks(model, stage, group_of, group)
         self._orig_dtypes = {id(t): t.dtype for t in [*model.parameters(), *model.buffers()]}
         self._cast_untrained(model)
 
@@ -185,28 +193,34 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             self.buckets,
             self.group,
             self._placeholders,
+            self.replicate_group,
             on_backward_start=lambda k, i: self._check_grads(arriving=(k, i)),
             on_bucket_done=(lambda i: gatherer.bucket_done(self.buckets[i])) if gatherer else None,
             on_backward_end=self._backward_end,
         )
 
-    def _group_rank0(self) -> int:
-        """Global rank of the data-parallel group's rank 0 (the source of replicated state)."""
-        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
+    @property
+    def _dp_groups(self) -> list[dist.ProcessGroup | None]:
+        """The shard group, then the replicate group if any: together every data-parallel rank."""
+        return [self.group] + ([self.replicate_group] if self.replicate_group is not None else [])
+
+    def _broadcast_from_first(self, tensor: torch.Tensor) -> None:
+        """Give every data-parallel rank the tensor of the first rank of the first replica."""
+        for group in self._dp_groups:
+            comm.broadcast(tensor, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
 
     def _cast_untrained(self, model: torch.nn.Module) -> None:
         """Frozen parameters and floating buffers join the model's compute dtype, replicated
-        from group rank 0 as DDP does."""
-        src = self._group_rank0()
+        from the first data-parallel rank as DDP does."""
         for p in model.parameters():
             if not p.requires_grad:
                 if p.is_floating_point():
                     p.data = p.data.to(self.param_dtype)
-                comm.broadcast(p.data, src, group=self.group)
+                self._broadcast_from_first(p.data)
         for buf in model.buffers():
             if buf.is_floating_point():
                 buf.data = buf.data.to(self.param_dtype)
-            comm.broadcast(buf.data, src, group=self.group)
+            self._broadcast_from_first(buf.data)
 
     def _build_buckets(
         self, group_of: dict, reduce_dtype: torch.dtype, bucket_numel: int, unit_numel: int, resident_numel: int
@@ -237,6 +251,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
                 reduce_dtype,
                 on_grad_bytes=self._grad_bytes_changed,
                 marks=marks_of.get(params[0], NO_MARKS),
+                keeps_carry=self.replicate_group is None or dist.get_rank(self.replicate_group) == 0,
             )
 
         units: list[tuple[torch.nn.Module, list[FlatBucket]]] = []
@@ -259,11 +274,10 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         return buckets, units
 
     def _allocate(self, buckets: list[FlatBucket]) -> None:
-        """Give each bucket its storage, holding the values of the group's rank 0."""
-        src = self._group_rank0()
+        """Give each bucket its storage, holding the values of the first data-parallel rank."""
         for bucket in buckets:
             flat = bucket.flat_values([p.detach() for p in bucket.params], torch.float32)
-            comm.broadcast(flat, src, group=self.group)
+            self._broadcast_from_first(flat)
             bucket.allocate(flat)
 
     # ---- training API -------------------------------------------------------------------

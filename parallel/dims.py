@@ -19,6 +19,20 @@ Example, tp=2 pp=2 dp=2 (world 8)::
     embedding  {0,4} {1,5} {2,6} {3,7}      first + last stage, same (dp, tp): the two
                                             copies of a tied embedding (None if pp == 1)
 
+Hybrid sharding splits dp into dp_replicate × dp_shard, dp_shard inner:
+
+    dp_rank = replicate_rank · dp_shard + shard_rank
+
+so a shard group (ZeroOptimizer's sharding group) is dp_shard runs of tp consecutive ranks,
+inside one node when dp_shard · tp divides the ranks per node; the replicate group joins
+the ranks holding the same shard in each replica. E.g. tp=1 pp=1 dp=4 dp_shard=2: shard
+groups {0,1} {2,3}, replicate groups {0,2} {1,3}. Without dp_shard (dp_shard = dp) there is
+no replicate group and the shard group is the dp group.
+
+Nodes: ranks [n·k, (n+1)·k) are node n, k = ``ranks_per_node`` (torchrun's
+``$LOCAL_WORLD_SIZE``, its processes per node); ``crosses_nodes(group)`` says whether a
+group's traffic leaves a node.
+
 ``ParallelDims(...)`` only validates (no process group is touched), so a bad layout
 fails with one sentence before anything could hang. ``build()`` then creates the
 ``DeviceMesh`` (dims "pp", "dp", "tp") and the mp / embedding groups, and labels
@@ -77,6 +91,10 @@ def _check_positive(name: str, value: object) -> None:
         raise LayoutError(f"{{{name}}}={shown} must be a positive integer", (name,))
 
 
+def _default_ranks_per_node(world: int) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
 def _check_world(tp: int, pp: int, dp: int | None, world: int, where: str = "") -> int:
     """dp (inferred as world / (tp·pp) when None), once tp·pp divides the world size and
     tp·pp·dp equals it."""
@@ -104,14 +122,17 @@ class ParallelDims:
         dp: data-parallel size; None infers ``world_size // (tp·pp)``.
         world_size: default ``dist.get_world_size()`` if a process group exists,
             else ``$WORLD_SIZE`` (set by torchrun), else 1.
+        dp_shard: hybrid sharding: ZeRO shards over groups of this many dp ranks and the
+            dp / dp_shard replicas reduce gradients across them; None = dp (no replicas).
+        ranks_per_node: processes per node (default ``$LOCAL_WORLD_SIZE``, else the world).
 
     Raises ``LayoutError`` (a ``ValueError``) with one sentence for an invalid layout,
     before any process group exists.
 
     After ``build()``: ``mesh``; the groups ``tp_group``, ``pp_group``, ``dp_group``,
     ``mp_group`` (tp × pp: the ranks sharing this rank's dp coordinate) and
-    ``embedding_group``; this rank's coordinates ``tp_rank``, ``pp_rank``,
-    ``dp_rank``; ``is_first_stage`` / ``is_last_stage``; ``prev_stage_rank`` /
+    ``embedding_group``, ``dp_shard_group`` and ``dp_replicate_group`` (None without
+    replicas); this rank's coordinates ``tp_rank``, ``pp_rank``, ``dp_rank``; ``is_first_stage`` / ``is_last_stage``; ``prev_stage_rank`` /
     ``next_stage_rank`` (global ranks, None at the pipeline's ends).
     """
 
@@ -119,6 +140,8 @@ class ParallelDims:
     pp: int = 1
     dp: int | None = None
     world_size: int | None = None
+    dp_shard: int | None = None
+    ranks_per_node: int | None = None
 
     # Set by build(); not part of the layout's identity.
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
@@ -134,9 +157,31 @@ class ParallelDims:
             _check_positive("dp", self.dp)
         _check_positive("world_size", self.world_size)
         self.dp = _check_world(self.tp, self.pp, self.dp, self.world_size)
+        if self.dp_shard is None:
+            self.dp_shard = self.dp
+        _check_positive("dp_shard", self.dp_shard)
+        if self.dp % self.dp_shard:
+            raise LayoutError(
+                f"{{dp_shard}}={self.dp_shard} does not divide {{dp}}={self.dp}: hybrid sharding needs "
+                "dp = replicas × dp_shard",
+                ("dp_shard", "dp"),
+            )
+        if self.ranks_per_node is None:
+            self.ranks_per_node = _default_ranks_per_node(self.world_size)
+        _check_positive("ranks_per_node", self.ranks_per_node)
 
     def __str__(self) -> str:
-        return f"tp={self.tp} pp={self.pp} dp={self.dp} (world {self.world_size})"
+        hybrid = f" ({self.dp_replicate}×{self.dp_shard})" if self.dp_replicate > 1 else ""
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{hybrid} (world {self.world_size})"
+
+    @property
+    def dp_replicate(self) -> int:
+        """Replicas of the sharded model states: dp / dp_shard."""
+        return self.dp // self.dp_shard
+
+    def crosses_nodes(self, ranks: list[int]) -> bool:
+        """Whether these global ranks sit on more than one node."""
+        return len({r // self.ranks_per_node for r in ranks}) > 1
 
     # ------------------------------------------------------------------
     # Pure layout arithmetic (no process group needed)
@@ -208,7 +253,25 @@ class ParallelDims:
                 ],
                 group_desc="embedding",
             )
-        return {"mp": mp_group, "embedding": embedding_group}
+        groups = {"mp": mp_group, "embedding": embedding_group}
+        return groups | self._hybrid_groups(groups)
+
+    def _hybrid_groups(self, groups: dict[str, dist.ProcessGroup | None]) -> dict[str, dist.ProcessGroup | None]:
+        """dp_shard: the dp ranks of one replica (the dp group without replicas);
+        dp_replicate: the ranks holding the same shard in each replica (None without)."""
+        if self.dp_replicate == 1:
+            return {"dp_shard": None, "dp_replicate": None}
+        shard, replicate = self.dp_shard, self.dp_replicate
+        cells = [(p, t) for p in range(self.pp) for t in range(self.tp)]
+        shard_group, _ = dist.new_subgroups_by_enumeration(
+            [[self.rank_of(p, r * shard + s, t) for s in range(shard)] for p, t in cells for r in range(replicate)],
+            group_desc="dp_shard",
+        )
+        replicate_group, _ = dist.new_subgroups_by_enumeration(
+            [[self.rank_of(p, r * shard + s, t) for r in range(replicate)] for p, t in cells for s in range(shard)],
+            group_desc="dp_replicate",
+        )
+        return {"dp_shard": shard_group, "dp_replicate": replicate_group}
 
     def _built(self) -> tuple[int, int, int]:
         if self._coord is None:
@@ -239,6 +302,20 @@ class ParallelDims:
         """Ranks with this rank's (pp, tp) coordinates; labelled "dp"."""
         self._built()
         return self._groups["dp"]
+
+    @property
+    def dp_shard_group(self) -> dist.ProcessGroup:
+        """The dp ranks of this rank's replica, over which ZeRO shards (the dp group when
+        dp_shard = dp); labelled "dp_shard" when distinct."""
+        self._built()
+        return self._groups["dp_shard"] or self._groups["dp"]
+
+    @property
+    def dp_replicate_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding this rank's shard in each replica; None when dp_shard = dp;
+        labelled "dp_replicate"."""
+        self._built()
+        return self._groups["dp_replicate"]
 
     @property
     def mp_group(self) -> dist.ProcessGroup:

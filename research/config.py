@@ -49,6 +49,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     dp: int | None = None
+    dp_shard: int | None = None
     zero: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -165,7 +166,9 @@ HELP = {
     "tp": "tensor-parallel degree",
     "pp": "pipeline-parallel degree",
     "dp": "data-parallel degree (None: world size / (tp·pp))",
-    "zero": "ZeRO stage 0-3 over the dp group",
+    "dp_shard": "hybrid sharding: ZeRO shards over groups of this many dp ranks (keep dp_shard·tp within a node) "
+    "and the dp/dp_shard replicas all-reduce the sharded gradients (None: dp, no replicas)",
+    "zero": "ZeRO stage 0-3 over the dp group (over each dp_shard group with --dp-shard)",
     "schedule": "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1",
     "virtual_stages": "model chunks per pipeline rank (interleaved-1f1b)",
     "sequence_parallel": "shard norms/dropout along the sequence across the tp group",
@@ -257,6 +260,7 @@ RULES: dict[str, Rule] = {
             "tp",
             "pp",
             "dp",
+            "dp_shard",
             "virtual_stages",
             "bucket_numel",
             "unit_numel",
@@ -448,7 +452,7 @@ def resolve_batch(cfg: RunConfig, world_size: int, given_cli: set[str], given_fi
     the one batch size not given (see the module docstring)."""
     par, tr = cfg.parallel, cfg.train
     try:
-        par.dp = ParallelDims(par.tp, par.pp, par.dp, world_size).dp
+        par.dp = ParallelDims(par.tp, par.pp, par.dp, world_size, par.dp_shard).dp
     except LayoutError as e:
         raise ConfigError(e.worded(lambda size: cli.flag_name(size) if size in field_specs() else size)) from None
     order = [k for k in BATCH_KEYS if k in given_cli] + [k for k in BATCH_KEYS if k in given_file - given_cli]

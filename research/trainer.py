@@ -91,16 +91,19 @@ def build_optimizer(
     model: nn.Module,
     dp_group: dist.ProcessGroup | None = None,
     mp_group: dist.ProcessGroup | None = None,
+    replicate_group: dist.ProcessGroup | None = None,
 ) -> ZeroOptimizer:
     """The run's ZeroOptimizer over `model`: AdamW with decay on matrices only, the ZeRO
     stage, precision, reduction dtype, fp16 loss scaling and bucket sizes of `cfg`, sharded
-    over `dp_group` (None: the default group), norms taken over `mp_group` too."""
+    over `dp_group` (None: the default group; with `replicate_group`, one replica's shard
+    group), norms taken over `mp_group` too."""
     par, tr = cfg.parallel, cfg.train
     return ZeroOptimizer(
         model,
         torch.optim.AdamW,
         stage=par.zero,
         process_group=dp_group,
+        replicate_group=replicate_group,
         model_parallel_group=mp_group,
         param_groups=weight_decay_groups(model, tr.weight_decay),
         param_dtype=DTYPES[tr.precision],
@@ -122,7 +125,9 @@ class Trainer:
         self.cfg = cfg
         par, tr = cfg.parallel, cfg.train
         self.device = _device()
-        self.dims = ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp).build(timeout_s=par.comm_timeout)
+        self.dims = ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp, dp_shard=par.dp_shard).build(
+            timeout_s=par.comm_timeout
+        )
         self.rank = dist.get_rank()
         seed_everything(tr.seed, self.dims.tp_rank, self.dims.pp_rank)
 
@@ -140,7 +145,7 @@ class Trainer:
         )
         self.model = nn.ModuleList(chunks).to(self.device)
         self.param_dtype = DTYPES[tr.precision]
-        self.opt = build_optimizer(cfg, self.model, dims.dp_group, dims.mp_group)
+        self.opt = build_optimizer(cfg, self.model, dims.dp_shard_group, dims.mp_group, dims.dp_replicate_group)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_multiplier(cfg))
         self.executor = PipelineExecutor(
             chunks,
@@ -191,6 +196,7 @@ class Trainer:
                 "tp": self.dims.tp,
                 "pp": self.dims.pp,
                 "dp": self.dims.dp,
+                "dp_shard": self.dims.dp_shard,
                 "zero": cfg.parallel.zero,
                 "schedule": cfg.parallel.schedule,
                 "virtual_stages": cfg.parallel.virtual_stages,

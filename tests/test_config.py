@@ -147,6 +147,11 @@ def test_help_lists_every_key_with_its_default() -> None:
         (["--tp", "3"], 8, "--tp=3 × --pp=1 = 3 does not divide the world size 8"),
         (["--tp", "2", "--pp", "2", "--dp", "3"], 8, "--tp=2 × --pp=2 × --dp=3 = 12 does not equal the world size 8"),
         (
+            ["--tp", "2", "--dp-shard", "3"],
+            8,
+            "--dp-shard=3 does not divide --dp=4: hybrid sharding needs dp = replicas × dp_shard",
+        ),
+        (
             ["--global-batch-size", "10", "--micro-batch-size", "3"],
             2,
             "--global-batch-size=10 is not divisible by --micro-batch-size=3 × dp=2",

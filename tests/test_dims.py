@@ -41,6 +41,12 @@ LAYOUTS_8 = [(2, 2, 2), (1, 1, 8), (8, 1, 1), (2, 4, 1), (1, 2, 4)]
             "tp=2 × pp=2 × dp=4 = 16 does not equal the world size 8",
         ),
         ({"tp": 16, "world_size": 8}, "tp=16 × pp=1 = 16 does not divide the world size 8"),
+        (
+            {"tp": 2, "dp_shard": 3, "world_size": 8},
+            "dp_shard=3 does not divide dp=4: hybrid sharding needs dp = replicas × dp_shard",
+        ),
+        ({"dp_shard": 0, "world_size": 8}, "dp_shard=0 must be a positive integer"),
+        ({"ranks_per_node": 0, "world_size": 8}, "ranks_per_node=0 must be a positive integer"),
     ],
 )
 def test_invalid_layouts_are_refused_in_one_sentence(kwargs: dict, message: str) -> None:
@@ -196,3 +202,44 @@ def test_world_size_one_and_mismatch() -> None:
     (result,) = run_distributed(_world_one, 1)
     assert result["mismatch"] == ("tp=2 × pp=1 × dp=1 = 2 does not equal the world size 1 of the default process group")
     assert result["labels"] == ["dp", "mp", "pp", "tp"]
+
+
+def _hybrid_groups(tp: int, pp: int, dp_shard: int) -> dict:
+    dims = ParallelDims(tp=tp, pp=pp, dp_shard=dp_shard, ranks_per_node=4).build("cpu")
+    shard, replicate = dims.dp_shard_group, dims.dp_replicate_group
+    return {
+        "str": str(dims),
+        "coords": dims.coords_of(dist.get_rank()),
+        "shard": dist.get_process_group_ranks(shard),
+        "replicate": dist.get_process_group_ranks(replicate),
+        "labels": (comm.group_name(shard), comm.group_name(replicate)),
+        "crosses": (
+            dims.crosses_nodes(dist.get_process_group_ranks(shard)),
+            dims.crosses_nodes(dist.get_process_group_ranks(replicate)),
+        ),
+    }
+
+
+def test_hybrid_groups_split_dp_with_the_shard_group_inner() -> None:
+    """tp=2 pp=1 dp=4 = 2 replicas × 2 shards on 8 ranks, 4 ranks per node: dp_rank =
+    replica · dp_shard + shard_rank, so a shard group (with its tp ranks) is 4 consecutive
+    ranks, one node, and a replicate group joins the same shard of both replicas, across."""
+    results = run_distributed(_hybrid_groups, 8, 2, 1, 2)
+    for rank, r in enumerate(results):
+        _, dp_rank, tp_rank = r["coords"]
+        replica, shard = divmod(dp_rank, 2)
+        assert r["str"] == "tp=2 pp=1 dp=4 (2×2) (world 8)"
+        assert r["shard"] == [(replica * 2 + s) * 2 + tp_rank for s in range(2)]
+        assert r["replicate"] == [(q * 2 + shard) * 2 + tp_rank for q in range(2)]
+        assert rank in r["shard"] and rank in r["replicate"]
+        assert r["labels"] == ("dp_shard", "dp_replicate")
+        assert r["crosses"] == (False, True)
+
+
+def _no_replicas() -> tuple:
+    dims = ParallelDims().build("cpu")
+    return dims.dp_shard_group is dims.dp_group, dims.dp_replicate_group, dims.dp_replicate
+
+
+def test_without_dp_shard_the_shard_group_is_the_dp_group() -> None:
+    assert run_distributed(_no_replicas, 2) == [(True, None, 1)] * 2

@@ -61,6 +61,8 @@ LAYOUTS = {
     "tp2-pp2-dp2-zero2": ["--tp", "2", "--pp", "2", "--zero", "2", "--micro-batches", "2"],
     "tp2-pp2-dp2-zero3": ["--tp", "2", "--pp", "2", "--zero", "3", "--micro-batches", "2"],
     "dp4-zero3": ["--zero", "3"],
+    "dp4-hybrid2x2-zero3": ["--zero", "3", "--dp-shard", "2"],
+    "tp2-pp2-dp2-hybrid2x1-zero3": ["--tp", "2", "--pp", "2", "--zero", "3", "--dp-shard", "1", "--micro-batches", "2"],
 }
 DP4_ZERO1 = ["--zero", "1"]
 # pp2 × dp2, m = 4: gradients reduced after the last backward or after every micro-batch
@@ -155,9 +157,11 @@ def launch_two(base: str) -> dict[str, list[float]]:
 
 
 def launch_four_first(base: str) -> dict[str, list[float]]:
-    """dp4 zero3 parity; pp2 × dp2 with both gradient-sync policies; dp4 zero1 saves after
+    """dp4 zero3 parity, plain and hybrid (2 replicas × 2 shards); pp2 × dp2 with both gradient-sync policies; dp4 zero1 saves after
     10 steps (for the 8-rank resume)."""
-    out = {"dp4-zero3": train(base, "dp4-zero3", "--steps", str(STEPS), *LAYOUTS["dp4-zero3"])}
+    out = {
+        name: train(base, name, "--steps", str(STEPS), *LAYOUTS[name]) for name in ("dp4-zero3", "dp4-hybrid2x2-zero3")
+    }
     out.update({name: train(base, name, "--steps", str(STEPS), *argv) for name, argv in GRAD_SYNC.items()})
     train(
         base,
@@ -174,7 +178,8 @@ def launch_four_first(base: str) -> dict[str, list[float]]:
 
 
 def launch_eight(base: str) -> dict[str, list[float]]:
-    """tp2×pp2×dp2 at every stage (zero3 saves at 10 and 20, and exports); then the dp4
+    """tp2×pp2×dp2 at every stage (zero3 saves at 10 and 20, and exports) and as 2 replicas of
+    1 shard at zero3; then the dp4
     zero1 checkpoint resumed as tp2×pp2×dp2 zero3."""
     out = {}
     for stage in range(4):
@@ -192,6 +197,8 @@ def launch_eight(base: str) -> dict[str, list[float]]:
             else []
         )
         out[name] = train(base, name, "--steps", str(STEPS), *LAYOUTS[name], *extra)
+    name = "tp2-pp2-dp2-hybrid2x1-zero3"
+    out[name] = train(base, name, "--steps", str(STEPS), *LAYOUTS[name])
     if dist.get_rank() == 0:
         shutil.copytree(os.path.join(base, "dp4-zero1"), os.path.join(base, "from-dp4"))
     dist.barrier()

@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from optim import ZeroOptimizer
+from parallel import ParallelDims
 from tests.models import batches, make_model, micro_slices, no_decay_groups
 
 
@@ -29,6 +30,7 @@ def zero_train(
     zero_kwargs: dict[str, Any] | None = None,
     save: tuple[int, str] | None = None,
     load: str | None = None,
+    dp_shard: int | None = None,
     **opt_kwargs: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train with ZeroOptimizer as `tests.models.reference_run` does in one process:
@@ -36,9 +38,14 @@ def zero_train(
     global mean loss per step and the full (gathered) state dict.
 
     `save=(k, dir)` writes a torch.distributed.checkpoint after k steps and stops there;
-    `load=dir` resumes from one (optimizer + LR scheduler) at the step it was saved."""
+    `load=dir` resumes from one (optimizer + LR scheduler) at the step it was saved.
+    `dp_shard`: hybrid sharding over groups of that many ranks (`ParallelDims(dp_shard=...)`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make()
+    if dp_shard is not None:
+        dims = ParallelDims(dp_shard=dp_shard).build()
+        zero_kwargs = {**(zero_kwargs or {}), "process_group": dims.dp_shard_group}
+        zero_kwargs["replicate_group"] = dims.dp_replicate_group
     opt = ZeroOptimizer(
         model,
         optimizer_class,
