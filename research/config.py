@@ -57,6 +57,7 @@ class ParallelConfig:
     grad_sync: Literal["last", "every"] = "last"
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     unit_numel: int = DEFAULT_UNIT_NUMEL
+    qwz_block: int | None = None
     comm_timeout: float | None = None
 
 
@@ -178,6 +179,8 @@ HELP = {
     "bucket_numel": "elements per gradient bucket (ZeRO stages 0-2; stage 3 buckets by unit)",
     "unit_numel": "ZeRO-3 gathers a module's parameters as one unit once its subtree holds this many "
     "elements (below a block's size: one unit per transformer block)",
+    "qwz_block": "ZeRO++ qwZ: all-gather parameters as int8 with an fp32 scale per block of this many elements "
+    "(e.g. 2048; None: exact)",
     "comm_timeout": "seconds a collective may wait for the other ranks before the run stops with a report of "
     "which rank did not arrive (None: 180 on CPU/gloo, 900 on CUDA/NCCL)",
     "steps": "total optimizer steps of the run (also when resuming)",
@@ -264,6 +267,7 @@ RULES: dict[str, Rule] = {
             "virtual_stages",
             "bucket_numel",
             "unit_numel",
+            "qwz_block",
             "steps",
             "global_batch_size",
             "micro_batch_size",
@@ -501,6 +505,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"{cli.flag_name(field)}={value}: {e}") from None
     if par.virtual_stages > 1 and par.pp == 1:
         raise ConfigError(f"--virtual-stages={par.virtual_stages} needs --pp > 1")
+    if par.qwz_block is not None and par.zero != 3:
+        raise ConfigError(f"--qwz-block={par.qwz_block} quantizes ZeRO-3's parameter all-gather: use it with --zero 3")
     try:
         source = resolve_source(data.data)
         if isinstance(source, str):

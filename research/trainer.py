@@ -111,6 +111,7 @@ def build_optimizer(
         loss_scaler=DynamicLossScaler() if tr.precision == "fp16" else None,
         bucket_numel=par.bucket_numel,
         unit_numel=par.unit_numel,
+        qwz_block=par.qwz_block,
         lr=tr.lr,
         betas=(tr.beta1, tr.beta2),
         eps=tr.eps,
