@@ -337,6 +337,7 @@ class Trainer:
         mine = {
             "rank": self.rank,
             "coords": dict(zip(("pp", "dp", "tp"), self.dims.coords_of(self.rank))),
+            "node": self.rank // self.dims.ranks_per_node,
             "memory_bytes": {
                 "params": memory["params"],
                 "grads": memory["grads"],

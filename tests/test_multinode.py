@@ -36,7 +36,7 @@ TRAIN = [
     "experiments/configs/tiny.yaml",
     *("--n-layers", "2", "--n-heads", "4", "--d-model", "32", "--max-seq-len", "32"),
     *("--seq-len", "32", "--global-batch-size", "8"),
-    *("--tp", "2", "--dp", "2", "--zero", "2"),
+    *("--tp", "2", "--dp", "2", "--dp-shard", "1", "--zero", "2"),
     *("--steps", "3", "--seed", "0", "--precision", "fp32", "--wandb", "disabled", "--log-every", "1"),
     *("--comm-timeout", "60"),
 ]
@@ -152,7 +152,8 @@ def test_both_jobs_are_one_world_of_four(runs, run: str) -> None:
     assert [r["rank"] for r in summary["ranks"]] == [0, 1, 2, 3]
     assert {k: summary["config"]["parallel"][k] for k in ("tp", "pp", "dp")} == {"tp": 2, "pp": 1, "dp": 2}
     comm = summary["comm_per_step"]
-    assert comm["tp"]["total"]["calls"] > 0 and comm["dp"]["total"]["calls"] > 0
+    # --dp-shard 1: 2 replicas of 1 shard, so gradients are all-reduced across the replicas
+    assert comm["tp"]["total"]["calls"] > 0 and comm["dp_replicate"]["total"]["calls"] > 0
 
 
 def test_the_agents_are_nodes_0_and_1_of_one_rendezvous(runs) -> None:
@@ -170,11 +171,13 @@ def test_the_agents_are_nodes_0_and_1_of_one_rendezvous(runs) -> None:
 
 def test_tp_stays_inside_a_node_and_dp_crosses_nodes(runs) -> None:
     """The mesh puts tp innermost: each tp pair is one agent's two workers, and each dp
-    pair has one worker on each agent."""
+    pair (here the replicate group of hybrid sharding) has one worker on each agent. The
+    run's node of each rank (from torchrun's LOCAL_WORLD_SIZE) is the agent's."""
     _, summary = runs["two"]
     node_of = {rank: node["group_rank"] for node in runs["agents"] for rank in node["global_ranks"]}
     groups: dict[tuple, set[int]] = {}
     for r in summary["ranks"]:
+        assert r["node"] == node_of[r["rank"]]
         c = r["coords"]
         groups.setdefault(("tp", c["pp"], c["dp"]), set()).add(node_of[r["rank"]])
         groups.setdefault(("dp", c["pp"], c["tp"]), set()).add(node_of[r["rank"]])
