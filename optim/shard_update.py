@@ -14,6 +14,7 @@ import torch.distributed as dist
 from optim import fused
 from optim.buffers import FlatBucket
 from parallel import comm
+from parallel.quantize import all_gather_quantized
 
 
 class ShardUpdate:
@@ -25,6 +26,8 @@ class ShardUpdate:
     state: Any
     backend: str
     group: dist.ProcessGroup | None
+    rank: int
+    qwz_block: int | None
     _param_steps: list[list[int]]
 
     def _runs(self, k: int) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -133,11 +136,17 @@ class ShardUpdate:
 
     def _publish_params(self) -> None:
         """All-gather updated shards into the full parameter buffers (stages 1-2 and
-        resident stage-3 units); stage 0 updated everything, stage 3 gathers on use."""
+        resident stage-3 units); stage 0 updated everything, stage 3 gathers on use. With
+        `qwz_block` the shards travel quantized and each rank keeps its own shard exact."""
+        published = [b for b in self.buckets if b.sharding.optimizer_state and not b.sharding.parameters]
+        if self.qwz_block is not None:
+            gathers = [all_gather_quantized(b.param_shard, self.qwz_block, self.group) for b in published]
+            for b, gather in zip(published, gathers):
+                gather.finish(b.param_buffer, keep=self.rank)
+            return
         works = [
             comm.all_gather_into_tensor(b.param_buffer, b.param_shard, group=self.group, async_op=True)
-            for b in self.buckets
-            if b.sharding.optimizer_state and not b.sharding.parameters
+            for b in published
         ]
         for w in works:
             if w is not None:

@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from optim.buffers import FlatBucket
 from parallel import comm
-from parallel.quantize import dequantize_gathered_, quantize
+from parallel.quantize import QuantizedGather, all_gather_quantized
 
 
 def is_called(module: torch.nn.Module) -> bool:
@@ -90,7 +90,7 @@ class Unit:
     buckets: list[FlatBucket]
     full: list[torch.Tensor] | None = None
     work: list[dist.Work | None] = field(default_factory=list)
-    arriving: list[tuple] = field(default_factory=list)  # qwZ: (int8 data, scales, template) per bucket
+    arriving: list[QuantizedGather] = field(default_factory=list)  # qwZ: one per bucket
     users: int = 0
     buckets_done: int = 0
 
@@ -107,7 +107,6 @@ class ParamGatherer:
     ) -> None:
         self.group = group
         self.qwz_block = qwz_block
-        self.world = dist.get_world_size(group)
         self.units = [Unit(buckets) for _, buckets in units]
         self._bucket_unit = {id(b): u for u, (_, bs) in zip(self.units, units) for b in bs}
         self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
@@ -148,22 +147,8 @@ class ParamGatherer:
             if self.qwz_block is None:
                 unit.work.append(comm.all_gather_into_tensor(full, b.param_shard, group=self.group, async_op=True))
             else:
-                works, arriving = self._gather_quantized(b.param_shard)
-                unit.work += works
-                unit.arriving.append(arriving)
+                unit.arriving.append(all_gather_quantized(b.param_shard, self.qwz_block, self.group))
             unit.full.append(full)
-
-    def _gather_quantized(self, shard: torch.Tensor) -> tuple[list, tuple]:
-        """Start the all-gathers of `shard` as int8 blocks and their scales (qwZ): their works,
-        and (gathered data, gathered scales, this rank's quantized shard) for dequantizing."""
-        q = quantize(shard, self.qwz_block)
-        data = q.data.new_empty(self.world * q.data.numel())
-        scale = q.scale.new_empty(self.world * q.scale.numel())
-        works = [
-            comm.all_gather_into_tensor(data, q.data, group=self.group, async_op=True),
-            comm.all_gather_into_tensor(scale, q.scale, group=self.group, async_op=True),
-        ]
-        return works, (data, scale, q)
 
     def _ensure(self, unit: Unit, phase: str) -> None:
         """Gather `unit` now (waiting for a prefetch in flight) and prefetch its successor."""
@@ -172,12 +157,12 @@ class ParamGatherer:
         if first_use:
             order.append(unit)
         self._start_gather(unit)
-        if unit.work:
+        if unit.work or unit.arriving:
             for w in unit.work:
                 if w is not None:
                     w.wait()
-            for full, (data, scale, q) in zip(unit.full, unit.arriving):
-                dequantize_gathered_(full, data, scale, q)
+            for full, gather in zip(unit.full, unit.arriving):
+                gather.finish(full)
             for b, full in zip(unit.buckets, unit.full):
                 b.bind_params(full)
             unit.work, unit.arriving = [], []
@@ -191,6 +176,8 @@ class ParamGatherer:
         for w in unit.work:
             if w is not None:
                 w.wait()
+        for gather in unit.arriving:
+            gather.wait()
         for b in unit.buckets:
             b.release_params()
         unit.full, unit.work, unit.arriving = None, [], []

@@ -85,8 +85,8 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         model_parallel_group: the group over which the model itself is split (tp × pp);
             grad norms and fp16 overflow flags are summed over it after the DP group.
         loss_scaler: dynamic loss scaler for fp16 (created by default for fp16).
-        qwz_block: stage 3 only: gather parameters as int8 with one fp32 scale per block of
-            this many elements (ZeRO++ qwZ; `optim.stage3`); None gathers them exactly.
+        qwz_block: stages 1-3: all-gather parameters as int8 with one fp32 scale per block of
+            this many elements (ZeRO++ qwZ; `parallel.quantize`); None gathers them exactly.
         **optimizer_kwargs: passed to `optimizer_class` (lr, weight_decay, betas, ...).
 
     `grad_peak_bytes`: the most gradient bytes this rank has held since construction. At

@@ -35,10 +35,12 @@ def validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, param_dty
         )
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-    if qwz_block is not None and (stage != 3 or not isinstance(qwz_block, int) or qwz_block <= 0):
+    if qwz_block is not None and (
+        stage == 0 or isinstance(qwz_block, bool) or not isinstance(qwz_block, int) or qwz_block <= 0
+    ):
         raise ValueError(
-            f"qwz_block={qwz_block!r} with stage={stage}: quantized parameter gathering (ZeRO++ qwZ) needs stage=3 "
-            "and a positive block size such as 2048"
+            f"qwz_block={qwz_block!r} with stage={stage}: quantized parameter gathering (ZeRO++ qwZ) needs stage 1-3 "
+            "(stage 0 gathers nothing) and a positive block size such as 2048"
         )
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(

@@ -16,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+from parallel import comm
 
 BITS = (8, 4)
 
@@ -89,11 +92,42 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return padded.view(rows, block)
 
 
-def dequantize_gathered_(out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, like: Quantized) -> None:
-    """Write into `out` the concatenation of the tensors quantized like `like` (same numel,
-    block and bits) whose `data` and `scale` were gathered end to end (an all-gather of each),
-    one piece of `like.numel` elements per part, without building the concatenation first."""
-    parts = out.numel() // like.numel
-    pieces = zip(out.view(parts, -1), data.view(parts, -1), scale.view(parts, -1))
-    for piece, d, s in pieces:
-        piece.copy_(dequantize(Quantized(d, s, like.numel, like.block, like.bits, like.dtype)))
+@dataclass
+class QuantizedGather:
+    """An all-gather of equal flat shards as quantized blocks and their scales, in flight:
+    `finish(out)` waits and writes the dequantized concatenation into `out`."""
+
+    works: list
+    data: torch.Tensor
+    scale: torch.Tensor
+    like: Quantized
+
+    def wait(self) -> None:
+        for w in self.works:
+            if w is not None:
+                w.wait()
+        self.works = []
+
+    def finish(self, out: torch.Tensor, keep: int | None = None) -> None:
+        """Dequantize piece r of the gathered data into piece r of `out`, except piece `keep`
+        (this rank's own, when `out` already holds it exactly)."""
+        self.wait()
+        like = self.like
+        pieces = zip(
+            out.view(-1, like.numel), self.data.view(-1, like.data.numel()), self.scale.view(-1, like.scale.numel())
+        )
+        for r, (piece, d, s) in enumerate(pieces):
+            if r != keep:
+                piece.copy_(dequantize(Quantized(d, s, like.numel, like.block, like.bits, like.dtype)))
+
+
+def all_gather_quantized(shard: torch.Tensor, block: int, group: dist.ProcessGroup | None) -> QuantizedGather:
+    """Start the all-gathers of `shard` quantized to int8 blocks (data, then scales) over `group`."""
+    q = quantize(shard, block)
+    world = dist.get_world_size(group)
+    data, scale = q.data.new_empty(world * q.data.numel()), q.scale.new_empty(world * q.scale.numel())
+    works = [
+        comm.all_gather_into_tensor(data, q.data, group=group, async_op=True),
+        comm.all_gather_into_tensor(scale, q.scale, group=group, async_op=True),
+    ]
+    return QuantizedGather(works, data, scale, q)

@@ -505,8 +505,10 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"{cli.flag_name(field)}={value}: {e}") from None
     if par.virtual_stages > 1 and par.pp == 1:
         raise ConfigError(f"--virtual-stages={par.virtual_stages} needs --pp > 1")
-    if par.qwz_block is not None and par.zero != 3:
-        raise ConfigError(f"--qwz-block={par.qwz_block} quantizes ZeRO-3's parameter all-gather: use it with --zero 3")
+    if par.qwz_block is not None and par.zero == 0:
+        raise ConfigError(
+            f"--qwz-block={par.qwz_block} quantizes ZeRO's parameter all-gather: use it with --zero 1, 2 or 3"
+        )
     try:
         source = resolve_source(data.data)
         if isinstance(source, str):
