@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from optim import fused
 from optim.buffers import FlatBucket
+from optim.stage3 import ParamGatherer
 from parallel import comm
 from parallel.quantize import all_gather_quantized
 
@@ -28,6 +29,7 @@ class ShardUpdate:
     group: dist.ProcessGroup | None
     rank: int
     qwz_block: int | None
+    _gatherer: ParamGatherer | None
     _param_steps: list[list[int]]
 
     def _runs(self, k: int) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -138,6 +140,8 @@ class ShardUpdate:
         """All-gather updated shards into the full parameter buffers (stages 1-2 and
         resident stage-3 units); stage 0 updated everything, stage 3 gathers on use. With
         `qwz_block` the shards travel quantized and each rank keeps its own shard exact."""
+        if self._gatherer is not None:
+            self._gatherer.forget_secondary()
         published = [b for b in self.buckets if b.sharding.optimizer_state and not b.sharding.parameters]
         if self.qwz_block is not None:
             gathers = [all_gather_quantized(b.param_shard, self.qwz_block, self.group) for b in published]

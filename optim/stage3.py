@@ -17,6 +17,13 @@ shard as int8 with one fp32 scale per block (`parallel.quantize`) and the unit i
 on arrival: the compute copy of the parameters carries at most max|block|/254 of error per
 element, while the fp32 masters, the update and every checkpoint stay exact.
 
+Secondary partition (ZeRO++ hpZ, Wang et al. 2023). With an `hpz_group` (the k ranks of
+the shard group on this node), the first gather of a unit in a step leaves each rank a 1/k
+slice of it (the values forward used, dequantized under qwZ), kept until the parameters
+change at the next step; every later gather of the unit in the step (backward, the next
+micro-batches) all-gathers those slices inside the node instead of the shards across
+nodes, for 2Ψ/k more bytes per rank (bf16).
+
 Prefetch. The order in which units were first gathered in the previous forward and the
 previous backward is recorded; the first gather of unit u in a pass also starts the
 asynchronous gather of the unit that followed u last time. If the order changed, the prefetched unit is freed
@@ -91,6 +98,7 @@ class Unit:
     full: list[torch.Tensor] | None = None
     work: list[dist.Work | None] = field(default_factory=list)
     arriving: list[QuantizedGather] = field(default_factory=list)  # qwZ: one per bucket
+    secondary: list[torch.Tensor] | None = None  # hpZ: this rank's 1/k slice of each bucket
     users: int = 0
     buckets_done: int = 0
 
@@ -104,9 +112,11 @@ class ParamGatherer:
         units: list[tuple[torch.nn.Module, list[FlatBucket]]],
         group: dist.ProcessGroup | None,
         qwz_block: int | None = None,
+        hpz_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = group
         self.qwz_block = qwz_block
+        self.hpz_group = hpz_group
         self.units = [Unit(buckets) for _, buckets in units]
         self._bucket_unit = {id(b): u for u, (_, bs) in zip(self.units, units) for b in bs}
         self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
@@ -142,9 +152,12 @@ class ParamGatherer:
         if unit.full is not None:
             return
         unit.full, unit.work, unit.arriving = [], [], []
-        for b in unit.buckets:
+        for i, b in enumerate(unit.buckets):
             full = torch.empty(b.numel, dtype=b.param_dtype, device=b.param_shard.device)
-            if self.qwz_block is None:
+            if unit.secondary is not None:
+                work = comm.all_gather_into_tensor(full, unit.secondary[i], group=self.hpz_group, async_op=True)
+                unit.work.append(work)
+            elif self.qwz_block is None:
                 unit.work.append(comm.all_gather_into_tensor(full, b.param_shard, group=self.group, async_op=True))
             else:
                 unit.arriving.append(all_gather_quantized(b.param_shard, self.qwz_block, self.group))
@@ -173,6 +186,9 @@ class ParamGatherer:
     def _release(self, unit: Unit) -> None:
         if unit.full is None:
             return
+        if self.hpz_group is not None and unit.secondary is None and not unit.work and not unit.arriving:
+            k, j = dist.get_world_size(self.hpz_group), dist.get_rank(self.hpz_group)
+            unit.secondary = [full.chunk(k)[j].clone() for full in unit.full]
         for w in unit.work:
             if w is not None:
                 w.wait()
@@ -235,6 +251,14 @@ class ParamGatherer:
         if order:
             self._next[phase] = dict(itertools.pairwise(order))
             self._order[phase] = []
+
+    def forget_secondary(self) -> None:
+        """The parameters changed (a step, a loaded checkpoint): hpZ's slices are stale."""
+        for unit in self.units:
+            unit.secondary = None
+
+    def secondaries(self) -> list[torch.Tensor]:
+        return [t for unit in self.units for t in unit.secondary or []]
 
     def remove(self) -> None:
         for h in self._handles:

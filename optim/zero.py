@@ -40,6 +40,7 @@ from optim.stage3 import ParamGatherer, roots, stage3_units
 from optim.zero_setup import (
     DEFAULT_BUCKET_NUMEL,
     DEFAULT_UNIT_NUMEL,
+    check_hpz_group,
     check_same_model_on_all_ranks,
     default_resident_numel,
     param_names,
@@ -87,6 +88,9 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         loss_scaler: dynamic loss scaler for fp16 (created by default for fp16).
         qwz_block: stages 1-3: all-gather parameters as int8 with one fp32 scale per block of
             this many elements (ZeRO++ qwZ; `parallel.quantize`); None gathers them exactly.
+        hpz_group: stage 3: the ranks of `process_group` on this node (ZeRO++ hpZ,
+            `ParallelDims.dp_shard_node_group`): after a unit's first gather in a step each
+            keeps 1/k of it, and later gathers in the step stay inside the node (`optim.stage3`).
         **optimizer_kwargs: passed to `optimizer_class` (lr, weight_decay, betas, ...).
 
     `grad_peak_bytes`: the most gradient bytes this rank has held since construction. At
@@ -117,10 +121,13 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         model_parallel_group: dist.ProcessGroup | None = None,
         loss_scaler: DynamicLossScaler | None = None,
         qwz_block: int | None = None,
+        hpz_group: dist.ProcessGroup | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         validate(model, optimizer_class, stage, param_dtype, qwz_block)
+        check_hpz_group(hpz_group, stage, process_group)
         self.qwz_block = qwz_block
+        self.hpz_group = hpz_group
         self.model = model
         self.optimizer_class = optimizer_class
         self.stage = stage
@@ -185,7 +192,9 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         the gradient reducer."""
         self._check_handles = [r.register_forward_pre_hook(self._check_model) for r in roots(self.model)]
         self._gatherer = (
-            ParamGatherer(self.model, units, self.group, self.qwz_block) if self.sharding.parameters else None
+            ParamGatherer(self.model, units, self.group, self.qwz_block, self.hpz_group)
+            if self.sharding.parameters
+            else None
         )
         self._scopes: dict[torch.nn.Module, list[int]] = {}  # sync_only: module -> its bucket indices
         gatherer = self._gatherer
@@ -445,6 +454,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
                 [b.param_buffer for b in self.buckets]
                 + [b.param_shard for b in self.buckets]
                 + list(self.model.parameters())
+                + (self._gatherer.secondaries() if self._gatherer is not None else [])
             ),
             "grads": size([b.grad_buffer for b in self.buckets] + [b.grad_shard for b in self.buckets]),
             "master": size([b.master for b in self.buckets]),

@@ -55,6 +55,21 @@ def validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, param_dty
         raise ValueError("the model has no trainable parameter (every parameter has requires_grad=False)")
 
 
+def check_hpz_group(hpz_group: dist.ProcessGroup | None, stage: int, group: dist.ProcessGroup | None) -> None:
+    """hpZ needs stage 3 and a subgroup of the shard group whose size divides it."""
+    if hpz_group is None:
+        return
+    if stage != 3:
+        raise ValueError(f"hpz_group with stage={stage}: the secondary parameter partition (ZeRO++ hpZ) needs stage=3")
+    mine = dist.get_process_group_ranks(hpz_group)
+    shard = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    if not set(mine) <= set(shard) or len(shard) % len(mine):
+        raise ValueError(
+            f"hpz_group {mine} must be ranks of the shard group {shard} whose number divides it: "
+            "pass ParallelDims.dp_shard_node_group"
+        )
+
+
 def param_names(model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
     """The first name of each parameter (a tied parameter keeps the first)."""
     names: dict[torch.nn.Parameter, str] = {}

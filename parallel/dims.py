@@ -253,10 +253,38 @@ class ParallelDims:
                 ],
                 group_desc="embedding",
             )
-        groups = {"mp": mp_group, "embedding": embedding_group}
-        return groups | self._hybrid_groups(groups)
+        return {"mp": mp_group, "embedding": embedding_group, **self._hybrid_groups(), **self._node_groups()}
 
-    def _hybrid_groups(self, groups: dict[str, dist.ProcessGroup | None]) -> dict[str, dist.ProcessGroup | None]:
+    def shard_groups(self) -> list[list[int]]:
+        """The global ranks of every shard group (one replica's dp ranks for each (pp, tp))."""
+        shard = self.dp_shard
+        return [
+            [self.rank_of(p, r * shard + s, t) for s in range(shard)]
+            for p in range(self.pp)
+            for t in range(self.tp)
+            for r in range(self.dp_replicate)
+        ]
+
+    def _node_groups(self) -> dict[str, dist.ProcessGroup | None]:
+        """dp_shard_node: the ranks of this rank's shard group on its node (ZeRO++ hpZ's
+        secondary partition lives there), made only when shard groups cross nodes and every
+        node holds as many ranks of each."""
+        parts = [
+            [
+                [r for r in ranks if r // self.ranks_per_node == node]
+                for node in sorted({r // self.ranks_per_node for r in ranks})
+            ]
+            for ranks in self.shard_groups()
+        ]
+        if all(len(p) == 1 for p in parts):
+            return {"dp_shard_node": None}
+        sizes = {len(node) for p in parts for node in p}
+        if len(sizes) > 1:  # nodes split the shard groups unevenly: no secondary partition
+            return {"dp_shard_node": None}
+        group, _ = dist.new_subgroups_by_enumeration([node for p in parts for node in p], group_desc="dp_shard_node")
+        return {"dp_shard_node": group}
+
+    def _hybrid_groups(self) -> dict[str, dist.ProcessGroup | None]:
         """dp_shard: the dp ranks of one replica (the dp group without replicas);
         dp_replicate: the ranks holding the same shard in each replica (None without)."""
         if self.dp_replicate == 1:
@@ -309,6 +337,13 @@ class ParallelDims:
         dp_shard = dp); labelled "dp_shard" when distinct."""
         self._built()
         return self._groups["dp_shard"] or self._groups["dp"]
+
+    @property
+    def dp_shard_node_group(self) -> dist.ProcessGroup:
+        """The ranks of this rank's shard group on its node (ZeRO++ hpZ's `hpz_group`): the
+        shard group itself when it fits in one node; labelled "dp_shard_node" when distinct."""
+        self._built()
+        return self._groups["dp_shard_node"] or self.dp_shard_group
 
     @property
     def dp_replicate_group(self) -> dist.ProcessGroup | None:

@@ -58,6 +58,7 @@ class ParallelConfig:
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     unit_numel: int = DEFAULT_UNIT_NUMEL
     qwz_block: int | None = None
+    hpz: bool = False
     comm_timeout: float | None = None
 
 
@@ -181,6 +182,8 @@ HELP = {
     "elements (below a block's size: one unit per transformer block)",
     "qwz_block": "ZeRO++ qwZ: all-gather parameters as int8 with an fp32 scale per block of this many elements "
     "(e.g. 2048; None: exact)",
+    "hpz": "ZeRO++ hpZ (--zero 3): after a unit's first all-gather in a step each rank keeps its node's 1/k slice "
+    "of it, so the step's later all-gathers stay inside the node (k = shard ranks per node)",
     "comm_timeout": "seconds a collective may wait for the other ranks before the run stops with a report of "
     "which rank did not arrive (None: 180 on CPU/gloo, 900 on CUDA/NCCL)",
     "steps": "total optimizer steps of the run (also when resuming)",
@@ -505,6 +508,10 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"{cli.flag_name(field)}={value}: {e}") from None
     if par.virtual_stages > 1 and par.pp == 1:
         raise ConfigError(f"--virtual-stages={par.virtual_stages} needs --pp > 1")
+    if par.hpz and par.zero != 3:
+        raise ConfigError(
+            f"--hpz keeps a secondary partition of ZeRO-3's parameters: use it with --zero 3, not {par.zero}"
+        )
     if par.qwz_block is not None and par.zero == 0:
         raise ConfigError(
             f"--qwz-block={par.qwz_block} quantizes ZeRO's parameter all-gather: use it with --zero 1, 2 or 3"

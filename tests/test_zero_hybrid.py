@@ -33,7 +33,16 @@ def test_two_replicas_of_two_shards_match_torch(stage: int, use_no_sync: bool) -
     """dp 4 = 2 replicas × 2 shards; with `use_no_sync` False every micro-batch is reduced,
     so a replica's second reduction carries the first (only the first replica keeps it)."""
     out = run_distributed(
-        zero_train, 4, stage, STEPS, BATCH, MICRO, lr=LR, zero_kwargs=SMALL, use_no_sync=use_no_sync, dp_shard=2
+        zero_train,
+        4,
+        stage,
+        STEPS,
+        BATCH,
+        MICRO,
+        lr=LR,
+        zero_kwargs=SMALL,
+        use_no_sync=use_no_sync,
+        dims={"dp_shard": 2},
     )
     ref = reference_run(STEPS, BATCH, MICRO, 4, torch.optim.AdamW, lr=LR)
     for rank_result in out:
@@ -95,9 +104,11 @@ def test_checkpoint_resumes_across_hybrid_and_plain_layouts(first: tuple, second
     the uninterrupted one."""
     (stage_a, shard_a), (stage_b, shard_b) = first, second
     common = {"lr": LR, "zero_kwargs": SMALL}
-    run_distributed(zero_train, 4, stage_a, STEPS, BATCH, MICRO, save=(4, str(tmp_path)), dp_shard=shard_a, **common)
+    run_distributed(
+        zero_train, 4, stage_a, STEPS, BATCH, MICRO, save=(4, str(tmp_path)), dims={"dp_shard": shard_a}, **common
+    )
     losses, state = run_distributed(
-        zero_train, 4, stage_b, STEPS, BATCH, MICRO, load=str(tmp_path), dp_shard=shard_b, **common
+        zero_train, 4, stage_b, STEPS, BATCH, MICRO, load=str(tmp_path), dims={"dp_shard": shard_b}, **common
     )[0]
     ref_losses, ref_state = reference_run(STEPS, BATCH, MICRO, 4, torch.optim.AdamW, lr=LR)
     assert_matches((losses, state), (ref_losses[4:], ref_state))

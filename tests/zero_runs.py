@@ -30,7 +30,8 @@ def zero_train(
     zero_kwargs: dict[str, Any] | None = None,
     save: tuple[int, str] | None = None,
     load: str | None = None,
-    dp_shard: int | None = None,
+    dims: dict[str, Any] | None = None,
+    hpz: bool = False,
     **opt_kwargs: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train with ZeroOptimizer as `tests.models.reference_run` does in one process:
@@ -39,13 +40,16 @@ def zero_train(
 
     `save=(k, dir)` writes a torch.distributed.checkpoint after k steps and stops there;
     `load=dir` resumes from one (optimizer + LR scheduler) at the step it was saved.
-    `dp_shard`: hybrid sharding over groups of that many ranks (`ParallelDims(dp_shard=...)`)."""
+    `dims`: a `ParallelDims(**dims)` layout (`dp_shard` for hybrid sharding, `ranks_per_node`)
+    whose shard and replicate groups the optimizer uses; `hpz`: its node group as hpz_group."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make()
-    if dp_shard is not None:
-        dims = ParallelDims(dp_shard=dp_shard).build()
-        zero_kwargs = {**(zero_kwargs or {}), "process_group": dims.dp_shard_group}
-        zero_kwargs["replicate_group"] = dims.dp_replicate_group
+    if dims is not None:
+        layout = ParallelDims(**dims).build()
+        zero_kwargs = {**(zero_kwargs or {}), "process_group": layout.dp_shard_group}
+        zero_kwargs["replicate_group"] = layout.dp_replicate_group
+        if hpz:
+            zero_kwargs["hpz_group"] = layout.dp_shard_node_group
     opt = ZeroOptimizer(
         model,
         optimizer_class,
