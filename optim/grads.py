@@ -20,6 +20,10 @@ is how gradients are reduced every micro-batch without reducing every chunk's bu
 Hybrid sharding (`replicate_group`): the group is one replica's shard group; each
 reduction there is followed by an all-reduce, across the replicas, of the part this rank
 keeps (its shard; the whole buffer at stage 0), so ḡ = (1/(N·R)) Σ over all N·R ranks.
+ZeRO++ qgZ (`QuantizedReduction`, stages 2-3): the reduce-scatter becomes quantized
+all-to-alls inside the node and then across nodes (`parallel.quantize`) into a fresh shard,
+which is then added to the gradients the shard already holds (no carry through the buffer,
+so earlier reductions of the step are never quantized again).
 
 A reduction is retired (`FlatBucket.after_reduction`: stages 2-3 free the full bucket) as
 soon as it has completed, checked whenever a bucket is launched, and at most
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -38,8 +43,19 @@ import torch.distributed as dist
 
 from optim.buffers import FlatBucket
 from parallel import comm
+from parallel.quantize import reduce_scatter_quantized
 
 MAX_IN_FLIGHT = 2
+QGZ_BLOCK = 2048  # elements per quantization block of qgZ
+
+
+@dataclass(frozen=True)
+class QuantizedReduction:
+    """qgZ's bits, and the shard group as node group (intra) × cross-node group (inter)."""
+
+    bits: int
+    intra: dist.ProcessGroup | None
+    inter: dist.ProcessGroup | None
 
 
 class GradReducer:
@@ -59,6 +75,7 @@ class GradReducer:
         group: dist.ProcessGroup | None,
         placeholders: list[list[torch.Tensor]],
         replicate_group: dist.ProcessGroup | None = None,
+        quantized: QuantizedReduction | None = None,
         on_backward_start: Callable[[int, int], None] | None = None,
         on_bucket_done: Callable[[int], None] | None = None,
         on_backward_end: Callable[[bool], None] | None = None,
@@ -67,6 +84,7 @@ class GradReducer:
         self.placeholders = placeholders
         self.group = group
         self.replicate_group = replicate_group
+        self.quantized = quantized
         self.sync = True
         self.unsynced: set[int] = set()  # buckets holding gradients accumulated under no_sync, not reduced yet
         self._scope = list(range(len(buckets)))  # the buckets a synced backward launches, in order
@@ -78,8 +96,8 @@ class GradReducer:
         self._on_backward_end = on_backward_end
         self._ready = [0] * len(buckets)
         self._next = 0
-        # (work, bucket, what to reduce across replicas once the work is done)
-        self._works: list[tuple[dist.Work | None, FlatBucket, torch.Tensor | None]] = []
+        # reductions in flight: (their collectives in order, the works of the current one, bucket)
+        self._works: list[tuple[Iterator[list[dist.Work | None]], list[dist.Work | None], FlatBucket]] = []
         self._callback_queued = False
         self._handles = [
             p.register_post_accumulate_grad_hook(partial(self._on_grad, b, i))
@@ -149,29 +167,44 @@ class GradReducer:
     def _retire(self, keep: int) -> None:
         """Retire finished reductions in launch order; wait while more than `keep` remain."""
         while self._works:
-            work, bucket, across_replicas = self._works[0]
-            if work is not None and not work.is_completed() and len(self._works) <= keep:
+            steps, works, bucket = self._works[0]
+            busy = any(w is not None and not w.is_completed() for w in works)
+            if busy and len(self._works) <= keep:
                 return
-            if work is not None:
-                work.wait()
-            if across_replicas is not None:
-                work = comm.all_reduce(across_replicas, group=self.replicate_group, async_op=True)
-                self._works[0] = (work, bucket, None)
+            for w in works:
+                if w is not None:
+                    w.wait()
+            following = next(steps, None)
+            if following is not None:
+                self._works[0] = (steps, following, bucket)
                 continue
             bucket.after_reduction()
             self._works.pop(0)
 
     def _launch(self, bucket: FlatBucket) -> None:
         self._retire(keep=MAX_IN_FLIGHT - 1)
+        steps = self._reduction(bucket)
+        self._works.append((steps, next(steps), bucket))
+
+    def _reduction(self, bucket: FlatBucket) -> Iterator[list[dist.Work | None]]:
+        """The collectives of one bucket's reduction, each yielded once issued: all-reduce
+        (stage 0), reduce-scatter or qgZ's all-to-alls (1-3), then the all-reduce across replicas."""
         full = bucket.grads_for_reduction()
+        lo, hi = bucket.shard_range
         if not bucket.sharding.optimizer_state:
             out = full
-            work = comm.all_reduce(full, group=self.group, async_op=True)
+            yield [comm.all_reduce(full, group=self.group, async_op=True)]
+        elif self.quantized is not None and bucket.sharding.gradients:
+            q = self.quantized
+            out = torch.empty_like(bucket.grad_shard)
+            yield from reduce_scatter_quantized(full, out, q.intra, q.inter, q.bits, QGZ_BLOCK)
         else:
-            lo, hi = bucket.shard_range
             out = bucket.grad_shard if bucket.sharding.gradients else full[lo:hi]
-            work = comm.reduce_scatter_tensor(out, full, group=self.group, async_op=True)
-        self._works.append((work, bucket, out if self.replicate_group is not None else None))
+            yield [comm.reduce_scatter_tensor(out, full, group=self.group, async_op=True)]
+        if self.replicate_group is not None:
+            yield [comm.all_reduce(out, group=self.replicate_group, async_op=True)]
+        if out is not bucket.grad_shard and bucket.sharding.gradients:
+            bucket.grad_shard.add_(out)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False

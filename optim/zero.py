@@ -32,7 +32,7 @@ from optim import clip, fused
 from optim.buffers import FlatBucket, arrival_key, assign_buckets
 from optim.grad_lifecycle import NOT_TRAINED, GradLifecycle
 from optim.grad_placeholder import GradPlaceholder
-from optim.grads import GradReducer
+from optim.grads import GradReducer, QuantizedReduction
 from optim.scaler import DynamicLossScaler
 from optim.shard_update import ShardUpdate
 from optim.sharding import SHARD_GRADIENTS, SHARD_PARAMETERS, Sharding
@@ -40,8 +40,8 @@ from optim.stage3 import ParamGatherer, roots, stage3_units
 from optim.zero_setup import (
     DEFAULT_BUCKET_NUMEL,
     DEFAULT_UNIT_NUMEL,
-    check_hpz_group,
     check_same_model_on_all_ranks,
+    check_zero_pp,
     default_resident_numel,
     param_names,
     torch_order,
@@ -88,9 +88,15 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         loss_scaler: dynamic loss scaler for fp16 (created by default for fp16).
         qwz_block: stages 1-3: all-gather parameters as int8 with one fp32 scale per block of
             this many elements (ZeRO++ qwZ; `parallel.quantize`); None gathers them exactly.
-        hpz_group: stage 3: the ranks of `process_group` on this node (ZeRO++ hpZ,
-            `ParallelDims.dp_shard_node_group`): after a unit's first gather in a step each
-            keeps 1/k of it, and later gathers in the step stay inside the node (`optim.stage3`).
+        node_groups: (the ranks of `process_group` on this node, those at this rank's place
+            in each node), `ParallelDims.dp_shard_node_groups`; None: the shard group is
+            one node. Used by hpZ and qgZ.
+        hpz: stage 3: after a unit's first gather in a step each rank keeps 1/k of it (k =
+            ranks of the node group), and later gathers in the step stay inside the node
+            (ZeRO++ hpZ; `optim.stage3`).
+        qgz_bits: stages 2-3: reduce-scatter gradients as 8- or 4-bit blocks through an
+            all-to-all inside the node, then one across nodes, summed in fp32 (ZeRO++ qgZ;
+            `parallel.quantize.reduce_scatter_quantized`); None reduces them exactly.
         **optimizer_kwargs: passed to `optimizer_class` (lr, weight_decay, betas, ...).
 
     `grad_peak_bytes`: the most gradient bytes this rank has held since construction. At
@@ -121,13 +127,17 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         model_parallel_group: dist.ProcessGroup | None = None,
         loss_scaler: DynamicLossScaler | None = None,
         qwz_block: int | None = None,
-        hpz_group: dist.ProcessGroup | None = None,
+        node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None,
+        hpz: bool = False,
+        qgz_bits: int | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         validate(model, optimizer_class, stage, param_dtype, qwz_block)
-        check_hpz_group(hpz_group, stage, process_group)
+        check_zero_pp(stage, hpz, qgz_bits, node_groups, process_group)
         self.qwz_block = qwz_block
-        self.hpz_group = hpz_group
+        self.node_groups = node_groups or (process_group, None)
+        self.hpz = hpz
+        self.qgz_bits = qgz_bits
         self.model = model
         self.optimizer_class = optimizer_class
         self.stage = stage
@@ -192,7 +202,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         the gradient reducer."""
         self._check_handles = [r.register_forward_pre_hook(self._check_model) for r in roots(self.model)]
         self._gatherer = (
-            ParamGatherer(self.model, units, self.group, self.qwz_block, self.hpz_group)
+            ParamGatherer(self.model, units, self.group, self.qwz_block, self.node_groups[0] if self.hpz else None)
             if self.sharding.parameters
             else None
         )
@@ -203,6 +213,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             self.group,
             self._placeholders,
             self.replicate_group,
+            QuantizedReduction(self.qgz_bits, *self.node_groups) if self.qgz_bits is not None else None,
             on_backward_start=lambda k, i: self._check_grads(arriving=(k, i)),
             on_bucket_done=(lambda i: gatherer.bucket_done(self.buckets[i])) if gatherer else None,
             on_backward_end=self._backward_end,
@@ -260,7 +271,8 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
                 reduce_dtype,
                 on_grad_bytes=self._grad_bytes_changed,
                 marks=marks_of.get(params[0], NO_MARKS),
-                keeps_carry=self.replicate_group is None or dist.get_rank(self.replicate_group) == 0,
+                keeps_carry=(self.replicate_group is None or dist.get_rank(self.replicate_group) == 0)
+                and not (self.qgz_bits is not None and sharding.gradients),
             )
 
         units: list[tuple[torch.nn.Module, list[FlatBucket]]] = []

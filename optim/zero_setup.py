@@ -55,18 +55,32 @@ def validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, param_dty
         raise ValueError("the model has no trainable parameter (every parameter has requires_grad=False)")
 
 
-def check_hpz_group(hpz_group: dist.ProcessGroup | None, stage: int, group: dist.ProcessGroup | None) -> None:
-    """hpZ needs stage 3 and a subgroup of the shard group whose size divides it."""
-    if hpz_group is None:
-        return
-    if stage != 3:
-        raise ValueError(f"hpz_group with stage={stage}: the secondary parameter partition (ZeRO++ hpZ) needs stage=3")
-    mine = dist.get_process_group_ranks(hpz_group)
-    shard = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    if not set(mine) <= set(shard) or len(shard) % len(mine):
+def check_zero_pp(
+    stage: int,
+    hpz: bool,
+    qgz_bits: Any,
+    node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """ZeRO++'s switches against the stage, and `node_groups` against the shard group: rank
+    s = a·k + j of the shard group is rank j of its node group (k ranks) and a of its cross group."""
+    if hpz and stage != 3:
+        raise ValueError(f"hpz=True with stage={stage}: the secondary parameter partition (ZeRO++ hpZ) needs stage=3")
+    if qgz_bits is not None and (qgz_bits not in (4, 8) or isinstance(qgz_bits, bool) or stage < 2):
         raise ValueError(
-            f"hpz_group {mine} must be ranks of the shard group {shard} whose number divides it: "
-            "pass ParallelDims.dp_shard_node_group"
+            f"qgz_bits={qgz_bits!r} with stage={stage}: quantized gradient reduce-scatter (ZeRO++ qgZ) takes 4 or 8 "
+            "bits and needs stage 2 or 3 (sharded gradients)"
+        )
+    if node_groups is None:
+        return
+    intra, inter = node_groups
+    n, k = dist.get_world_size(group), dist.get_world_size(intra)
+    m = dist.get_world_size(inter) if inter is not None else 1
+    at = (dist.get_rank(inter) if inter is not None else 0) * k + dist.get_rank(intra)
+    if k * m != n or at != dist.get_rank(group):
+        raise ValueError(
+            f"node_groups of {k} and {m} ranks do not split the shard group of {n} as node × rank in node "
+            "(shard rank = node · k + rank in node): pass ParallelDims.dp_shard_node_groups"
         )
 
 

@@ -7,6 +7,7 @@ under the ring algorithm. With N = group size and S = tensor bytes:
 
     all_reduce               2·S·(N−1)/N     (reduce-scatter, then all-gather)
     reduce_scatter_tensor    S_in·(N−1)/N    (S_in: the full, unsharded input)
+    all_to_all_single        S_in·(N−1)/N    (equal splits: all but its own part leave)
     all_gather_into_tensor   S_out·(N−1)/N   (S_out: the full, gathered output)
     broadcast                S on src, 0 elsewhere
     send / isend             S
@@ -50,6 +51,7 @@ __all__ = [
     "all_gather_into_tensor",
     "all_gather_object",
     "all_reduce",
+    "all_to_all_single",
     "barrier",
     "batch_isend_irecv",
     "broadcast",
@@ -289,6 +291,19 @@ def reduce_scatter_tensor(
     if _log is not None:
         s = _nbytes(input)
         _record(group, "reduce_scatter_tensor", s, _ring(group, s))
+    return work
+
+
+def all_to_all_single(
+    output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False
+) -> dist.Work | None:
+    """Split ``input`` into N equal parts and send part j to rank j; ``output`` holds the part
+    from each rank, in rank order. bytes = S_in·(N−1)/N, payload = S_in."""
+    _note(group, "all_to_all_single", _nbytes(input))
+    work = dist.all_to_all_single(output, input, group=group, async_op=async_op)
+    if _log is not None:
+        s = _nbytes(input)
+        _record(group, "all_to_all_single", s, _ring(group, s))
     return work
 
 

@@ -267,8 +267,9 @@ class ParallelDims:
 
     def _node_groups(self) -> dict[str, dist.ProcessGroup | None]:
         """dp_shard_node: the ranks of this rank's shard group on its node (ZeRO++ hpZ's
-        secondary partition lives there), made only when shard groups cross nodes and every
-        node holds as many ranks of each."""
+        secondary partition lives there); dp_shard_cross: the ranks of its shard group with
+        its place in their node, one per node (qgZ's second all-to-all). Made only when shard
+        groups cross nodes and every node holds as many ranks of each."""
         parts = [
             [
                 [r for r in ranks if r // self.ranks_per_node == node]
@@ -276,13 +277,15 @@ class ParallelDims:
             ]
             for ranks in self.shard_groups()
         ]
-        if all(len(p) == 1 for p in parts):
-            return {"dp_shard_node": None}
         sizes = {len(node) for p in parts for node in p}
-        if len(sizes) > 1:  # nodes split the shard groups unevenly: no secondary partition
-            return {"dp_shard_node": None}
-        group, _ = dist.new_subgroups_by_enumeration([node for p in parts for node in p], group_desc="dp_shard_node")
-        return {"dp_shard_node": group}
+        if all(len(p) == 1 for p in parts) or len(sizes) > 1:  # inside a node, or split unevenly
+            return {"dp_shard_node": None, "dp_shard_cross": None}
+        node, _ = dist.new_subgroups_by_enumeration([node for p in parts for node in p], group_desc="dp_shard_node")
+        cross, _ = dist.new_subgroups_by_enumeration(
+            [[node[j] for node in p] for p in parts for j in range(len(p[0]))],
+            group_desc="dp_shard_cross",
+        )
+        return {"dp_shard_node": node, "dp_shard_cross": cross}
 
     def _hybrid_groups(self) -> dict[str, dist.ProcessGroup | None]:
         """dp_shard: the dp ranks of one replica (the dp group without replicas);
@@ -339,11 +342,13 @@ class ParallelDims:
         return self._groups["dp_shard"] or self._groups["dp"]
 
     @property
-    def dp_shard_node_group(self) -> dist.ProcessGroup:
-        """The ranks of this rank's shard group on its node (ZeRO++ hpZ's `hpz_group`): the
-        shard group itself when it fits in one node; labelled "dp_shard_node" when distinct."""
+    def dp_shard_node_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+        """(the ranks of this rank's shard group on its node, the ranks of its shard group at
+        its place in each node): ZeroOptimizer's `node_groups` for ZeRO++ hpZ and qgZ. (The
+        shard group, None) when it fits in one node; labelled "dp_shard_node" and
+        "dp_shard_cross" when distinct."""
         self._built()
-        return self._groups["dp_shard_node"] or self.dp_shard_group
+        return self._groups["dp_shard_node"] or self.dp_shard_group, self._groups["dp_shard_cross"]
 
     @property
     def dp_replicate_group(self) -> dist.ProcessGroup | None:

@@ -13,6 +13,7 @@ Bytes on the wire per element: 1 (int8) or 1/2 (int4), plus 4 per block for the 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -131,3 +132,44 @@ def all_gather_quantized(shard: torch.Tensor, block: int, group: dist.ProcessGro
         comm.all_gather_into_tensor(scale, q.scale, group=group, async_op=True),
     ]
     return QuantizedGather(works, data, scale, q)
+
+
+def reduce_scatter_quantized(
+    full: torch.Tensor,
+    out: torch.Tensor,
+    intra: dist.ProcessGroup | None,
+    inter: dist.ProcessGroup | None,
+    bits: int,
+    block: int,
+) -> Iterator[list]:
+    """ZeRO++ qgZ: out = Σ over the shard group of `full`'s shard s on shard rank s = a·k + j
+    (node a of m, rank j of the k on each node), sent as `bits`-bit blocks: an all-to-all
+    inside the node (rank j receives every node-peer's shards for local rank j and sums them
+    in fp32), then one across nodes among the ranks j (each sums its own shard). A generator:
+    it yields the works of each all-to-all and goes on once they are done. `inter` None:
+    the shard group is inside one node."""
+    k = dist.get_world_size(intra)
+    m = dist.get_world_size(inter) if inter is not None else 1
+    shard = full.numel() // (k * m)
+    rows = full.view(m, k, shard).transpose(0, 1).reshape(k, m * shard)
+    partial = (yield from _exchange(rows, intra, bits, block)) if k > 1 else rows[0].float()
+    if m > 1:
+        partial = yield from _exchange(partial.view(m, shard), inter, bits, block)
+    out.copy_(partial)
+
+
+def _exchange(rows: torch.Tensor, group: dist.ProcessGroup | None, bits: int, block: int) -> Iterator[list]:
+    """Σ_r (row i of rank r's `rows`) on group rank i: each row quantized on its own blocks,
+    one all-to-all of the values and one of the scales, summed in fp32 after dequantizing."""
+    n, width = rows.shape
+    padded_width = -(-width // block) * block
+    padded = rows.new_zeros((n, padded_width), dtype=torch.float32)
+    padded[:, :width] = rows
+    q = quantize(padded, block, bits)
+    data, scale = torch.empty_like(q.data), torch.empty_like(q.scale)
+    yield [
+        comm.all_to_all_single(data, q.data, group=group, async_op=True),
+        comm.all_to_all_single(scale, q.scale, group=group, async_op=True),
+    ]
+    arrived = dequantize(Quantized(data, scale, n * padded_width, block, bits, torch.float32))
+    return arrived.view(n, padded_width)[:, :width].sum(0)

@@ -59,6 +59,7 @@ class ParallelConfig:
     unit_numel: int = DEFAULT_UNIT_NUMEL
     qwz_block: int | None = None
     hpz: bool = False
+    qgz_bits: int | None = None
     comm_timeout: float | None = None
 
 
@@ -184,6 +185,8 @@ HELP = {
     "(e.g. 2048; None: exact)",
     "hpz": "ZeRO++ hpZ (--zero 3): after a unit's first all-gather in a step each rank keeps its node's 1/k slice "
     "of it, so the step's later all-gathers stay inside the node (k = shard ranks per node)",
+    "qgz_bits": "ZeRO++ qgZ (--zero 2, 3): reduce-scatter gradients as 4- or 8-bit blocks through all-to-alls, "
+    "inside the node then across nodes, summed in fp32 (None: exact)",
     "comm_timeout": "seconds a collective may wait for the other ranks before the run stops with a report of "
     "which rank did not arrive (None: 180 on CPU/gloo, 900 on CUDA/NCCL)",
     "steps": "total optimizer steps of the run (also when resuming)",
@@ -288,6 +291,7 @@ RULES: dict[str, Rule] = {
     **dict.fromkeys(("dropout", "beta1", "beta2"), FRACTION),
     **dict.fromkeys(("init_seed", "seed"), SEED),
     "zero": one_of(0, 1, 2, 3),
+    "qgz_bits": one_of(4, 8),
     "schedule": one_of(*SCHEDULES),
 }
 
@@ -511,6 +515,10 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if par.hpz and par.zero != 3:
         raise ConfigError(
             f"--hpz keeps a secondary partition of ZeRO-3's parameters: use it with --zero 3, not {par.zero}"
+        )
+    if par.qgz_bits is not None and par.zero < 2:
+        raise ConfigError(
+            f"--qgz-bits={par.qgz_bits} quantizes the gradient reduce-scatter of --zero 2 or 3, not {par.zero}"
         )
     if par.qwz_block is not None and par.zero == 0:
         raise ConfigError(

@@ -92,13 +92,13 @@ def build_optimizer(
     dp_group: dist.ProcessGroup | None = None,
     mp_group: dist.ProcessGroup | None = None,
     replicate_group: dist.ProcessGroup | None = None,
-    node_group: dist.ProcessGroup | None = None,
+    node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None,
 ) -> ZeroOptimizer:
     """The run's ZeroOptimizer over `model`: AdamW with decay on matrices only, the ZeRO
     stage, precision, reduction dtype, fp16 loss scaling and bucket sizes of `cfg`, sharded
     over `dp_group` (None: the default group; with `replicate_group`, one replica's shard
     group), norms taken over `mp_group` too; with --hpz, the secondary partition in
-    `node_group` (the shard group's ranks on this node)."""
+    `node_groups` (`ParallelDims.dp_shard_node_groups`), which qgZ's all-to-alls follow too."""
     par, tr = cfg.parallel, cfg.train
     return ZeroOptimizer(
         model,
@@ -114,7 +114,9 @@ def build_optimizer(
         bucket_numel=par.bucket_numel,
         unit_numel=par.unit_numel,
         qwz_block=par.qwz_block,
-        hpz_group=node_group if par.hpz else None,
+        node_groups=node_groups,
+        hpz=par.hpz,
+        qgz_bits=par.qgz_bits,
         lr=tr.lr,
         betas=(tr.beta1, tr.beta2),
         eps=tr.eps,
@@ -150,7 +152,7 @@ class Trainer:
         self.model = nn.ModuleList(chunks).to(self.device)
         self.param_dtype = DTYPES[tr.precision]
         self.opt = build_optimizer(
-            cfg, self.model, dims.dp_shard_group, dims.mp_group, dims.dp_replicate_group, dims.dp_shard_node_group
+            cfg, self.model, dims.dp_shard_group, dims.mp_group, dims.dp_replicate_group, dims.dp_shard_node_groups
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_multiplier(cfg))
         self.executor = PipelineExecutor(

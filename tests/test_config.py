@@ -146,6 +146,8 @@ def test_help_lists_every_key_with_its_default() -> None:
     [
         (["--tp", "3"], 8, "--tp=3 × --pp=1 = 3 does not divide the world size 8"),
         (["--tp", "2", "--pp", "2", "--dp", "3"], 8, "--tp=2 × --pp=2 × --dp=3 = 12 does not equal the world size 8"),
+        (["--qgz-bits", "8"], 2, "--qgz-bits=8 quantizes the gradient reduce-scatter of --zero 2 or 3, not 1"),
+        (["--hpz"], 2, "--hpz keeps a secondary partition of ZeRO-3's parameters: use it with --zero 3, not 1"),
         (
             ["--tp", "2", "--dp-shard", "3"],
             8,

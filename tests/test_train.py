@@ -113,11 +113,12 @@ LOW_PRECISION = {
         "2",
     ],
 }
-# ZeRO++ qwZ (int8 parameter all-gathers) and hpZ (their secondary partition) composed with
-# tp, SP and the interleaved pipeline
+# ZeRO++ qwZ (int8 parameter all-gathers), hpZ (their secondary partition) and qgZ (int8
+# gradient all-to-alls) composed with tp, SP and the interleaved pipeline
 QWZ = {
-    "tp2-pp2-dp2-sp-interleaved-zero3-qwz-hpz": [
-        *("--tp", "2", "--pp", "2", "--zero", "3", "--sequence-parallel", "--qwz-block", "64", "--hpz"),
+    "tp2-pp2-dp2-sp-interleaved-zero3-zeropp": [
+        *("--tp", "2", "--pp", "2", "--zero", "3", "--sequence-parallel"),
+        *("--qwz-block", "64", "--hpz", "--qgz-bits", "8"),
         *("--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--micro-batches", "4"),
     ],
 }
@@ -288,9 +289,10 @@ def test_bf16_and_fp16_runs_track_fp32(runs, variant: str) -> None:
 
 
 @pytest.mark.parametrize("variant", list(QWZ))
-def test_qwz_runs_track_fp32(runs, variant: str) -> None:
-    """int8 parameter all-gathers (blocks of 64) and hpZ's secondary partition with tp 2, SP
-    and the interleaved pipeline track the exact losses over 20 steps within 1e-2 relative."""
+def test_zeropp_runs_track_fp32(runs, variant: str) -> None:
+    """int8 parameter all-gathers (blocks of 64), hpZ's secondary partition and int8 gradient
+    all-to-alls with tp 2, SP and the interleaved pipeline track the exact losses over 20
+    steps within 1e-2 relative."""
     _, losses = runs
     torch.testing.assert_close(torch.tensor(losses[variant]), torch.tensor(losses["single"]), rtol=1e-2, atol=0)
     assert losses[variant] != losses["single"]  # the gathers really were quantized

@@ -1,4 +1,4 @@
-"""ZeRO++ hpZ (`ZeroOptimizer(stage=3, hpz_group=ParallelDims.dp_shard_node_group)`): after a
+"""ZeRO++ hpZ (`ZeroOptimizer(stage=3, hpz=True, node_groups=ParallelDims.dp_shard_node_groups)`): after a
 unit's first gather in a step each rank keeps 1/k of it (k = shard ranks per node), and the
 later gathers of the step stay inside the node. Exact in fp32 (the same values travel), so
 the run equals torch; bytes per group and the extra memory follow the paper's formulas."""
@@ -28,7 +28,16 @@ def test_hpz_matches_torch(dims: dict, use_no_sync: bool) -> None:
     a node (no secondary partition needed: the node group is the shard group); 4 nodes of 1
     (k = 1: each rank keeps whole units from forward to the step)."""
     out = run_distributed(
-        zero_train, 4, 3, STEPS, BATCH, MICRO, lr=LR, zero_kwargs=SMALL, use_no_sync=use_no_sync, dims=dims, hpz=True
+        zero_train,
+        4,
+        3,
+        STEPS,
+        BATCH,
+        MICRO,
+        lr=LR,
+        zero_kwargs={**SMALL, "hpz": True},
+        use_no_sync=use_no_sync,
+        dims=dims,
     )
     ref = reference_run(STEPS, BATCH, MICRO, 4, torch.optim.AdamW, lr=LR)
     for losses, state in out:
@@ -42,7 +51,7 @@ def _one_step(hpz: bool) -> dict:
     dims = ParallelDims(ranks_per_node=2).build()
     model = mlp()
     kwargs = {"stage": 3, "bucket_numel": 4000, "unit_numel": 1000, "resident_numel": 0}
-    opt = ZeroOptimizer(model, torch.optim.AdamW, hpz_group=dims.dp_shard_node_group if hpz else None, **kwargs)
+    opt = ZeroOptimizer(model, torch.optim.AdamW, node_groups=dims.dp_shard_node_groups, hpz=hpz, **kwargs)
     x = torch.randn(2, 4, 31)
     before = opt.memory_breakdown()["params"]
     with comm.tracking() as log:
@@ -55,7 +64,7 @@ def _one_step(hpz: bool) -> dict:
         "log": log.as_dict(),
         "padded": sum(b.numel for b in opt.buckets),
         "params": (before, held, opt.memory_breakdown()["params"]),
-        "node_group": dist.get_process_group_ranks(dims.dp_shard_node_group),
+        "node_group": dist.get_process_group_ranks(dims.dp_shard_node_groups[0]),
     }
 
 
@@ -78,7 +87,7 @@ def test_hpz_bytes_and_memory() -> None:
 def _refused(kwargs: dict) -> str:
     dims = ParallelDims(ranks_per_node=2).build()
     try:
-        ZeroOptimizer(mlp(), torch.optim.AdamW, hpz_group=dims.dp_shard_node_group, **kwargs)
+        ZeroOptimizer(mlp(), torch.optim.AdamW, node_groups=dims.dp_shard_node_groups, hpz=True, **kwargs)
     except ValueError as e:
         return str(e)
     return "no error"

@@ -31,7 +31,6 @@ def zero_train(
     save: tuple[int, str] | None = None,
     load: str | None = None,
     dims: dict[str, Any] | None = None,
-    hpz: bool = False,
     **opt_kwargs: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train with ZeroOptimizer as `tests.models.reference_run` does in one process:
@@ -41,15 +40,14 @@ def zero_train(
     `save=(k, dir)` writes a torch.distributed.checkpoint after k steps and stops there;
     `load=dir` resumes from one (optimizer + LR scheduler) at the step it was saved.
     `dims`: a `ParallelDims(**dims)` layout (`dp_shard` for hybrid sharding, `ranks_per_node`)
-    whose shard and replicate groups the optimizer uses; `hpz`: its node group as hpz_group."""
+    whose shard, replicate and node groups the optimizer uses."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make()
     if dims is not None:
         layout = ParallelDims(**dims).build()
         zero_kwargs = {**(zero_kwargs or {}), "process_group": layout.dp_shard_group}
         zero_kwargs["replicate_group"] = layout.dp_replicate_group
-        if hpz:
-            zero_kwargs["hpz_group"] = layout.dp_shard_node_group
+        zero_kwargs["node_groups"] = layout.dp_shard_node_groups
     opt = ZeroOptimizer(
         model,
         optimizer_class,
