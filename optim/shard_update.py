@@ -6,6 +6,8 @@ buckets whose parameters are stepped alike and once per run of ranges otherwise.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,6 +32,8 @@ class ShardUpdate:
     rank: int
     qwz_block: int | None
     _gatherer: ParamGatherer | None
+    overlap_param_gather: bool
+    _param_gathers: dict[FlatBucket, Callable[[], None]]
     _param_steps: list[list[int]]
 
     def _runs(self, k: int) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -139,22 +143,29 @@ class ShardUpdate:
     def _publish_params(self) -> None:
         """All-gather updated shards into the full parameter buffers (stages 1-2 and
         resident stage-3 units); stage 0 updated everything, stage 3 gathers on use. With
-        `qwz_block` the shards travel quantized and each rank keeps its own shard exact."""
+        `qwz_block` the shards travel quantized and each rank keeps its own shard exact.
+        With `overlap_param_gather` the gathers are left in flight: `wait_params` finishes a
+        bucket's just before the first forward that uses it (or anything else that reads it)."""
         if self._gatherer is not None:
             self._gatherer.forget_secondary()
-        published = [b for b in self.buckets if b.sharding.optimizer_state and not b.sharding.parameters]
-        if self.qwz_block is not None:
-            gathers = [all_gather_quantized(b.param_shard, self.qwz_block, self.group) for b in published]
-            for b, gather in zip(published, gathers):
-                gather.finish(b.param_buffer, keep=self.rank)
-            return
-        works = [
-            comm.all_gather_into_tensor(b.param_buffer, b.param_shard, group=self.group, async_op=True)
-            for b in published
-        ]
-        for w in works:
-            if w is not None:
-                w.wait()
+        self.wait_params()
+        for b in self.buckets:
+            if b.sharding.optimizer_state and not b.sharding.parameters:
+                if self.qwz_block is not None:
+                    gather = all_gather_quantized(b.param_shard, self.qwz_block, self.group)
+                    self._param_gathers[b] = functools.partial(gather.finish, b.param_buffer, keep=self.rank)
+                else:
+                    work = comm.all_gather_into_tensor(b.param_buffer, b.param_shard, group=self.group, async_op=True)
+                    self._param_gathers[b] = work.wait if work is not None else lambda: None
+        if not self.overlap_param_gather:
+            self.wait_params()
+
+    def wait_params(self, buckets: list[FlatBucket] | None = None) -> None:
+        """Finish the parameter all-gathers still in flight (of `buckets`; None: all)."""
+        for b in list(self._param_gathers) if buckets is None else buckets:
+            finish = self._param_gathers.pop(b, None)
+            if finish is not None:
+                finish()
 
 
 def _clone_state(state: dict[str, Any]) -> dict[str, Any]:

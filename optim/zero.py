@@ -97,6 +97,10 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         qgz_bits: stages 2-3: reduce-scatter gradients as 8- or 4-bit blocks through an
             all-to-all inside the node, then one across nodes, summed in fp32 (ZeRO++ qgZ;
             `parallel.quantize.reduce_scatter_quantized`); None reduces them exactly.
+        overlap_param_gather: stages 1-2: `step()` returns with the all-gathers of the updated
+            parameters in flight; each bucket's is waited for just before the first forward
+            of a module holding its parameters, or before anything else reads them (the
+            model's `state_dict()`, this optimizer's state dicts, the next step).
         **optimizer_kwargs: passed to `optimizer_class` (lr, weight_decay, betas, ...).
 
     `grad_peak_bytes`: the most gradient bytes this rank has held since construction. At
@@ -130,6 +134,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None,
         hpz: bool = False,
         qgz_bits: int | None = None,
+        overlap_param_gather: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         validate(model, optimizer_class, stage, param_dtype, qwz_block)
@@ -138,6 +143,8 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         self.node_groups = node_groups or (process_group, None)
         self.hpz = hpz
         self.qgz_bits = qgz_bits
+        self.overlap_param_gather = overlap_param_gather
+        self._param_gathers: dict[FlatBucket, Callable[[], None]] = {}
         self.model = model
         self.optimizer_class = optimizer_class
         self.stage = stage
@@ -201,6 +208,8 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         """The hooks of a step (docs/architecture.md): the model check, stage 3's gatherer,
         the gradient reducer."""
         self._check_handles = [r.register_forward_pre_hook(self._check_model) for r in roots(self.model)]
+        if self.overlap_param_gather:
+            self._register_param_waits()
         self._gatherer = (
             ParamGatherer(self.model, units, self.group, self.qwz_block, self.node_groups[0] if self.hpz else None)
             if self.sharding.parameters
@@ -218,6 +227,16 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             on_bucket_done=(lambda i: gatherer.bucket_done(self.buckets[i])) if gatherer else None,
             on_backward_end=self._backward_end,
         )
+
+    def _register_param_waits(self) -> None:
+        """overlap_param_gather: each module holding trained parameters waits, before its
+        forward, for the gathers of their buckets; the model's state_dict() for all of them."""
+        bucket_of = {p: b for b in self.buckets for p in b.params}
+        for module in self.model.modules():
+            mine = list(dict.fromkeys(bucket_of[p] for p in module.parameters(recurse=False) if p in bucket_of))
+            if mine:
+                module.register_forward_pre_hook(lambda m, a, mine=mine: self.wait_params(mine))
+        self.model.register_state_dict_pre_hook(lambda *args: self.wait_params())
 
     @property
     def _dp_groups(self) -> list[dist.ProcessGroup | None]:
@@ -386,6 +405,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.wait_params()
         self._finish_grads()
         self.last_step_skipped = False
         if not any(any(b.got) for b in self.buckets):

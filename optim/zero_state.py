@@ -4,6 +4,7 @@ formats of optim.state_formats (torch.save per rank, plain torch.optim state dic
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,11 +32,13 @@ class ShardedStateDicts:
     _orig_dtypes: dict[int, torch.dtype]
     _param_steps: list[list[int]]
     _torch_order: list[list[torch.nn.Parameter]]
+    wait_params: Callable[..., None]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded weights with the keys and shapes of `model.state_dict()`: trainable
         parameters from the fp32 masters (in their original dtype), the rest as they are.
         A collective: every rank must call it; every rank gets the whole dict."""
+        self.wait_params()
         full: dict[torch.nn.Parameter, torch.Tensor] = {}
         for b in self.buckets:
             flat = self._gather_flat(b, b.master)
@@ -60,6 +63,7 @@ class ShardedStateDicts:
         (hyperparameters per group), "loss_scaler"}, each sharded tensor in the parameter's true shape. It loads under
         any other data-parallel size and stage: `sd = opt.state_dict(); dcp.load(sd, ...);
         opt.load_state_dict(sd)`. Entries are views of the optimizer's own storage."""
+        self.wait_params()
         self._materialize_state()
         params: dict[str, Any] = {}
         state: dict[str, dict[str, Any]] = {}

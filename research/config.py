@@ -60,6 +60,7 @@ class ParallelConfig:
     qwz_block: int | None = None
     hpz: bool = False
     qgz_bits: int | None = None
+    overlap_param_gather: bool = False
     comm_timeout: float | None = None
 
 
@@ -187,6 +188,8 @@ HELP = {
     "of it, so the step's later all-gathers stay inside the node (k = shard ranks per node)",
     "qgz_bits": "ZeRO++ qgZ (--zero 2, 3): reduce-scatter gradients as 4- or 8-bit blocks through all-to-alls, "
     "inside the node then across nodes, summed in fp32 (None: exact)",
+    "overlap_param_gather": "ZeRO-1/2: leave the all-gather of updated parameters in flight after the step and "
+    "wait for each bucket's just before the first forward that uses it (Megatron's overlap-param-gather)",
     "comm_timeout": "seconds a collective may wait for the other ranks before the run stops with a report of "
     "which rank did not arrive (None: 180 on CPU/gloo, 900 on CUDA/NCCL)",
     "steps": "total optimizer steps of the run (also when resuming)",

@@ -117,6 +117,7 @@ def build_optimizer(
         node_groups=node_groups,
         hpz=par.hpz,
         qgz_bits=par.qgz_bits,
+        overlap_param_gather=par.overlap_param_gather,
         lr=tr.lr,
         betas=(tr.beta1, tr.beta2),
         eps=tr.eps,

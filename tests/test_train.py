@@ -57,7 +57,7 @@ LAYOUTS = {
         "4",
     ],
     "tp2-pp2-dp2-zero0": ["--tp", "2", "--pp", "2", "--zero", "0", "--micro-batches", "2"],
-    "tp2-pp2-dp2-zero1": ["--tp", "2", "--pp", "2", "--zero", "1", "--micro-batches", "2"],
+    "tp2-pp2-dp2-zero1": ["--tp", "2", "--pp", "2", "--zero", "1", "--micro-batches", "2", "--overlap-param-gather"],
     "tp2-pp2-dp2-zero2": ["--tp", "2", "--pp", "2", "--zero", "2", "--micro-batches", "2"],
     "tp2-pp2-dp2-zero3": ["--tp", "2", "--pp", "2", "--zero", "3", "--micro-batches", "2"],
     "dp4-zero3": ["--zero", "3"],
