@@ -1,13 +1,18 @@
 """Plan a training layout: every (tp, pp, dp, v, ZeRO stage, micro-batch size, recompute,
-SP) of a model on a cluster, ranked by predicted step time, and why the others are out.
+SP) of a model on a cluster, each with its fastest data-parallel communication (hybrid
+sharding, ZeRO++ qwZ / hpZ / qgZ), ranked by predicted step time, where the bytes go (NVLink
+or network), and why the others are out.
 
     python -m experiments.plan --model gpt-1t --gpus 3072 --gpu a100-80gb
     python -m experiments.plan --config experiments/configs/tiny.yaml --gpus 8 --gpu h100
+    python -m experiments.plan --model gpt-70b --gpus 512 --gpu h100 --inter-node-gbps 400
+    python -m experiments.plan --scale-table   # ZeRO-3 / hybrid / ZeRO++ for 7B-175B on H100s
 
 The model is a preset (the GPT models of Narayanan et al. 2021, Table 1: vocabulary 51,200,
-sequence 2048, their global batch and GPU count as defaults) or the `model` section of a
-zero3d YAML config (with its `data.seq_len` and `train.global_batch_size`). Memory and time
-come from `research.costmodel` (bf16 parameters, fp32 gradient reduction, AdamW).
+sequence 2048, their global batch and GPU count as defaults; and GPT 7B / 70B / 175B of the
+usual shapes) or the `model` section of a zero3d YAML config (with its `data.seq_len` and
+`train.global_batch_size`). Memory and time come from `research.costmodel` (bf16
+parameters, fp32 gradient reduction, AdamW).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import sys
 from dataclasses import dataclass
 
 from research import costmodel
-from research.costmodel import Cluster, Estimate, GiB, Plan
+from research.costmodel import Cluster, Collective, Estimate, GiB, Layout, Plan
 from research.model import GPTConfig
 
 
@@ -53,6 +58,10 @@ PRESETS = {
     "gpt-310.1b": Preset(128, 16384, 96, 1920, 2160),
     "gpt-529.6b": Preset(128, 20480, 105, 2520, 2520),
     "gpt-1t": Preset(160, 25600, 128, 3072, 3072),
+    # the usual shapes, in GPT form (learned positions, GELU, vocabulary 51,200): 6.7B, 64.9B, 174.6B
+    "gpt-7b": Preset(32, 4096, 32, 128, 2048),
+    "gpt-70b": Preset(64, 8192, 80, 512, 2048),
+    "gpt-175b": Preset(96, 12288, 96, 1024, 2048),
 }
 
 
@@ -61,8 +70,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m experiments.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", choices=list(PRESETS), help="a Table 1 model")
+    source.add_argument("--model", choices=list(PRESETS), help="a preset model")
     source.add_argument("--config", help="a zero3d YAML config (its model, seq_len and global batch)")
+    source.add_argument(
+        "--scale-table",
+        action="store_true",
+        help="the README's table: GPT 7B / 70B / 175B on 128 / 512 / 1024 H100s at 100 / 400 / 3200 Gb/s per node, "
+        "ZeRO-3 vs hybrid vs ZeRO++ (markdown)",
+    )
     p.add_argument("--gpus", type=int, help="GPUs in all (default: the preset's)")
     p.add_argument("--gpu", choices=list(costmodel.GPUS), default="a100-80gb", help="GPU type")
     p.add_argument("--gpus-per-node", type=int, default=8)
@@ -72,7 +87,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--memory-gib", type=float, help="override the GPU's memory")
     p.add_argument("--peak-tflops", type=float, help="override the GPU's dense 16-bit peak")
     p.add_argument("--intra-node-gbs", type=float, help="override NVLink GB/s per GPU and direction")
-    p.add_argument("--inter-node-gbs", type=float, help="override network GB/s per GPU and direction")
+    network = p.add_mutually_exclusive_group()
+    network.add_argument("--inter-node-gbs", type=float, help="override network GB/s per GPU and direction")
+    network.add_argument(
+        "--inter-node-gbps", type=float, help="a node's network, Gb/s per direction, all NICs together (DGX H100: 3200)"
+    )
+    p.add_argument(
+        "--comm",
+        choices=list(costmodel.COMM_SCHEMES),
+        default="any",
+        help="data-parallel communication: any (the fastest per layout), zero (plain), hybrid (--dp-shard), "
+        "zero++ (qwZ, hpZ at stage 3, int4 qgZ at stages 2-3)",
+    )
     return p.parse_args(argv)
 
 
@@ -100,7 +126,7 @@ def cluster_of(args: argparse.Namespace, gpus: int) -> Cluster:
         "inter_node_bandwidth": args.inter_node_gbs and args.inter_node_gbs * 1e9,
     }
     gpu = dataclasses.replace(gpu, **{k: v for k, v in overrides.items() if v})
-    return Cluster(gpu, gpus, args.gpus_per_node)
+    return Cluster(gpu, gpus, args.gpus_per_node, args.inter_node_gbps)
 
 
 def _count(n: int) -> str:
@@ -124,7 +150,7 @@ def report(
     rejected = sum(count for count, _ in plan.rejected.values())
     lines.append(f"{len(plan.ranked) + rejected} layouts: {len(plan.ranked)} fit, {rejected} do not")
     if plan.ranked:
-        lines += ["", *_ranked_table(plan, top), "", *_best_breakdown(plan.ranked[0])]
+        lines += ["", *_ranked_table(plan, top), "", *_best_breakdown(plan.ranked[0], cluster)]
     else:
         lines += ["", "No layout fits."]
     if plan.rejected:
@@ -137,33 +163,48 @@ def report(
 def _title(name: str, model: GPTConfig, cluster: Cluster, global_batch_size: int, seq_len: int) -> str:
     """The model and its batch on the cluster, in one line."""
     gpu = cluster.gpu
+    network = cluster.inter_node_bandwidth * 8 * cluster.gpus_per_node / 1e9
     return (
         f"{name}: {_count(model.num_params())} parameters, seq {seq_len}, global batch {global_batch_size} "
         f"on {cluster.gpus} × {gpu.name} ({_gib(gpu.memory_bytes)}, {gpu.peak_flops / 1e12:g} TFLOP/s, "
-        f"{cluster.gpus_per_node} per node)"
+        f"{cluster.gpus_per_node} per node, {network:g} Gb/s per node)"
     )
+
+
+def _zeropp(layout: Layout) -> str:
+    """The ZeRO++ switches of a layout, e.g. qwZ+hpZ+qgZ4, or -."""
+    parts = ["qwZ"] * (layout.qwz_block is not None) + ["hpZ"] * layout.hpz
+    parts += [f"qgZ{layout.qgz_bits}"] if layout.qgz_bits else []
+    return "+".join(parts) or "-"
+
+
+def _network_bytes(e: Estimate) -> float:
+    return sum(c.inter_bytes for c in e.time.collectives)
 
 
 def _ranked_table(plan: Plan, top: int) -> list[str]:
     """The header and one row per layout of the `top` fastest fitting ones."""
     lines = [
-        f"{'#':>3} {'tp':>3} {'pp':>4} {'dp':>5} {'v':>2} {'zero':>4} {'mbs':>4} {'recompute':>9} {'sp':>2} {'sync':>5} "
-        f"{'mem GiB':>8} {'step s':>9} {'TFLOP/s/GPU':>11} {'MFU':>6}"
+        f"{'#':>3} {'tp':>3} {'pp':>4} {'dp':>5} {'shard':>5} {'v':>2} {'zero':>4} {'mbs':>4} {'recompute':>9} "
+        f"{'sp':>2} {'sync':>5} {'zero++':>12} {'mem GiB':>8} {'net GB':>7} {'step s':>9} {'TFLOP/s/GPU':>11} {'MFU':>6}"
     ]
     for i, e in enumerate(plan.ranked[:top], 1):
         lo = e.layout
         lines.append(
-            f"{i:>3} {lo.tp:>3} {lo.pp:>4} {lo.dp:>5} {lo.virtual_stages:>2} {lo.zero:>4} "
-            f"{lo.micro_batch_size:>4} {lo.recompute:>9} {int(lo.sp):>2} {lo.grad_sync:>5} {e.memory.total / GiB:>8.1f} "
-            f"{e.time.total:>9.3g} {e.tflops_per_gpu:>11.1f} {e.mfu:>6.1%}"
+            f"{i:>3} {lo.tp:>3} {lo.pp:>4} {lo.dp:>5} {lo.shard:>5} {lo.virtual_stages:>2} {lo.zero:>4} "
+            f"{lo.micro_batch_size:>4} {lo.recompute:>9} {int(lo.sp):>2} {lo.grad_sync:>5} {_zeropp(lo):>12} "
+            f"{e.memory.total / GiB:>8.1f} {_network_bytes(e) / 1e9:>7.3g} {e.time.total:>9.3g} "
+            f"{e.tflops_per_gpu:>11.1f} {e.mfu:>6.1%}"
         )
     return lines
 
 
-def _best_breakdown(best: Estimate) -> list[str]:
-    """What TFLOP/s/GPU means, and the best layout's memory and step time by part."""
+def _best_breakdown(best: Estimate, cluster: Cluster) -> list[str]:
+    """What the columns mean, and the best layout's memory, step time and DP bytes by part."""
     mem, t = best.memory, best.time
     return [
+        "shard: ranks ZeRO shards over (dp_shard; dp / shard replicas); net GB: data-parallel bytes each GPU "
+        "sends across nodes per step.",
         "TFLOP/s/GPU: model FLOPs (no recomputation) per second per GPU, as the trainer reports; MFU = that / peak.",
         (
             f"#1 memory (pipeline rank {mem.pp_rank}): model states {_gib(mem.model_states.total)} + "
@@ -173,11 +214,81 @@ def _best_breakdown(best: Estimate) -> list[str]:
             f"#1 step: {t.pipeline:.3g} s pipeline (bubble {t.bubble:.3g}, TP comm {t.tp_comm:.3g}, "
             f"PP comm {t.pp_comm:.3g}) + {t.dp_comm:.3g} s exposed DP comm + {t.optimizer:.3g} s optimizer"
         ),
+        *_where_the_bytes_go(t.collectives, cluster),
     ]
+
+
+FAMILIES = {
+    "gather_fwd": "param all-gather, forward",
+    "gather_bwd": "param all-gather, backward",
+    "gather_hpz": "param all-gather in node (hpZ)",
+    "gather_step": "param all-gather after step",
+    "reduce": "gradient reduction",
+    "replicate": "replica all-reduce",
+}
+
+
+def _where_the_bytes_go(collectives: tuple[Collective, ...], cluster: Cluster) -> list[str]:
+    """#1's data-parallel bytes and seconds per family over NVLink and over the network."""
+    lines = [
+        f"#1 data-parallel communication per GPU and step (NVLink {cluster.gpu.intra_node_bandwidth / 1e9:g} GB/s, "
+        f"network {cluster.inter_node_bandwidth / 1e9:.3g} GB/s per GPU):",
+        f"  {'':30} {'NVLink GB':>10} {'s':>8} {'network GB':>11} {'s':>8} {'busy s':>8} {'exposed s':>9}",
+    ]
+    rows = [(FAMILIES[c.name], c) for c in collectives]
+    if len(rows) > 1:
+        numbers = [f.name for f in dataclasses.fields(Collective)][1:]
+        rows.append(("total", Collective("total", *(sum(getattr(c, f) for c in collectives) for f in numbers))))
+    for label, c in rows:
+        lines.append(
+            f"  {label:30} {c.intra_bytes / 1e9:>10.3g} {c.intra_seconds:>8.3g} {c.inter_bytes / 1e9:>11.3g} "
+            f"{c.inter_seconds:>8.3g} {c.seconds:>8.3g} {c.exposed:>9.3g}"
+        )
+    return lines
+
+
+SCALE_MODELS, SCALE_GPUS, SCALE_GBPS = ("gpt-7b", "gpt-70b", "gpt-175b"), (128, 512, 1024), (100, 400, 3200)
+SCALE_BATCH = SCALE_SEQ = 2048  # sequences per step (4.2M tokens), tokens per sequence
+SCALE_SCHEMES = {"ZeRO-3": "zero", "hybrid": "hybrid", "ZeRO++": "zero++"}
+
+
+def _scale_cell(e: Estimate | None) -> str:
+    """Step time, memory and layout of a scheme's best ZeRO-3 layout, or a dash."""
+    if e is None:
+        return "does not fit"
+    lo = e.layout
+    shard = f" N={lo.shard}" if lo.replicas > 1 else ""
+    return f"{e.time.total:.2f} s, {e.memory.total / GiB:.0f} GiB ({lo.tp}·{lo.pp}·{lo.dp}{shard})"
+
+
+def scale_table() -> str:
+    """GPT 7B / 70B / 175B on 128 / 512 / 1024 H100s at 100 / 400 / 3200 Gb/s per node: the
+    best ZeRO-3 layout (tp, pp, v, micro-batch, recompute, SP free) of plain ZeRO-3,
+    hybrid sharding and ZeRO++, as a markdown table."""
+    lines = [
+        "| model | GPUs | Gb/s per node | " + " | ".join(SCALE_SCHEMES) + " | ZeRO++ / ZeRO-3 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in SCALE_MODELS:
+        model = PRESETS[name].model()
+        for gpus in SCALE_GPUS:
+            for gbps in SCALE_GBPS:
+                cluster = Cluster(costmodel.GPUS["h100"], gpus, 8, gbps)
+                best = [
+                    next(iter(costmodel.plan(model, cluster, SCALE_BATCH, SCALE_SEQ, comm, zero=3).ranked), None)
+                    for comm in SCALE_SCHEMES.values()
+                ]
+                gain = f"{best[0].time.total / best[2].time.total:.2f}×" if best[0] and best[2] else "-"
+                cells = " | ".join(map(_scale_cell, best))
+                lines.append(f"| {name[4:].upper()} | {gpus} | {gbps} | {cells} | {gain} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.scale_table:
+        print(scale_table())
+        return
     if args.model:
         preset = PRESETS[args.model]
         seq_len = args.seq_len or 2048
@@ -195,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     if batch is None:
         sys.exit("error: --global-batch-size is needed (the config does not give train.global_batch_size)")
     cluster = cluster_of(args, gpus)
-    result = costmodel.plan(model, cluster, batch, seq_len)
+    result = costmodel.plan(model, cluster, batch, seq_len, args.comm)
     print(report(result, name, model, cluster, batch, seq_len, args.top))
 
 

@@ -10,7 +10,8 @@ Memory per GPU = model states + activations + buffers, for the fullest pipeline 
 Modules: `hardware` (GPUs, clusters), `layout` (what is chosen), `params` (a rank's
 parameters and stage-3 units, read off the model built on the meta device), `memory` (model
 states per the ZeRO formulas, activations per Korthikanti et al. 2022, buffers), `steptime` (compute,
-bubble, communication with overlap), `search` (enumerate, estimate, rank, explain).
+bubble, communication with overlap, data-parallel bytes split over NVLink and the network),
+`search` (enumerate, estimate, choose hybrid sharding / ZeRO++ per layout, rank, explain).
 """
 
 from research.costmodel.hardware import GPU, GPUS, Cluster, GiB, MiB
@@ -24,13 +25,23 @@ from research.costmodel.memory import (
     predict_model_states,
 )
 from research.costmodel.params import RankParams, rank_params, unit_sizes
-from research.costmodel.search import Estimate, Plan, candidate_layouts, estimate, plan
-from research.costmodel.steptime import StepTime, forward_flops_per_token, pipeline_bubble, predict_step_time
+from research.costmodel.search import COMM_SCHEMES, Estimate, Plan, candidate_layouts, comm_variants, estimate, plan
+from research.costmodel.steptime import (
+    Collective,
+    StepTime,
+    Traffic,
+    dp_traffic,
+    forward_flops_per_token,
+    pipeline_bubble,
+    predict_step_time,
+)
 
 __all__ = [
+    "COMM_SCHEMES",
     "GPU",
     "GPUS",
     "Cluster",
+    "Collective",
     "Estimate",
     "GiB",
     "Layout",
@@ -40,7 +51,10 @@ __all__ = [
     "Plan",
     "RankParams",
     "StepTime",
+    "Traffic",
     "candidate_layouts",
+    "comm_variants",
+    "dp_traffic",
     "estimate",
     "forward_flops_per_token",
     "in_flight",

@@ -43,17 +43,45 @@ GPUS: dict[str, GPU] = {
 }
 
 
+def ranks_per_node(size: int, stride: int, gpus_per_node: int) -> int:
+    """Ranks of a group of `size` ranks `stride` apart in the rank order that share a node."""
+    return max(1, min(size, gpus_per_node // stride))
+
+
 @dataclass(frozen=True)
 class Cluster:
+    """`gpus` GPUs, `gpus_per_node` to a node. `inter_node_gbps`: a node's network in Gb/s per
+    direction, all its NICs together, shared evenly by its GPUs (DGX H100: 8 × 400 = 3200);
+    None keeps each GPU's own NIC, `GPU.inter_node_bandwidth`."""
+
     gpu: GPU
     gpus: int
     gpus_per_node: int = 8
+    inter_node_gbps: float | None = None
+
+    @property
+    def inter_node_bandwidth(self) -> float:
+        """Bytes/s per GPU and direction across nodes."""
+        if self.inter_node_gbps is None:
+            return self.gpu.inter_node_bandwidth
+        return self.inter_node_gbps * 1e9 / 8 / self.gpus_per_node
+
+    def ring_bytes(self, size: int, stride: int, volume: float) -> tuple[float, float]:
+        """(NVLink, network) bytes per rank of a ring collective that sends `volume` bytes per
+        rank over `size` ranks `stride` apart (mesh (pp, dp, tp), tp innermost): all NVLink if
+        they share a node; else NCCL runs k rings (k of them per node) through k NICs, each
+        leaving the node once, so a rank sends volume/k over its NIC and the rest over NVLink."""
+        if size * stride <= self.gpus_per_node:
+            return volume, 0.0
+        k = ranks_per_node(size, stride, self.gpus_per_node)
+        return volume * (k - 1) / k, volume / k
+
+    def seconds(self, intra: float, inter: float) -> tuple[float, float]:
+        """Seconds of `intra` bytes over NVLink and `inter` bytes over this GPU's network share."""
+        return intra / self.gpu.intra_node_bandwidth, inter / self.inter_node_bandwidth
 
     def ring_bandwidth(self, size: int, stride: int) -> float:
-        """Bus bandwidth of a collective over `size` ranks `stride` apart in the rank order
-        (mesh (pp, dp, tp), tp innermost): NVLink if they share a node, else min(intra,
-        k·inter) with k of them per node."""
-        if size * stride <= self.gpus_per_node:
-            return self.gpu.intra_node_bandwidth
-        per_node = max(1, min(size, self.gpus_per_node // stride))
-        return min(self.gpu.intra_node_bandwidth, per_node * self.gpu.inter_node_bandwidth)
+        """Bus bandwidth of a ring collective (`ring_bytes`): volume / the slower of its NVLink
+        and network parts, which run at once: NVLink inside a node, about min(intra, k·inter)
+        across nodes."""
+        return 1 / max(self.seconds(*self.ring_bytes(size, stride, 1.0)))

@@ -1,5 +1,5 @@
 """A training layout (tp, pp, dp, v, ZeRO stage, micro-batching, recompute, SP, precision,
-when gradients are reduced)."""
+when gradients are reduced, hybrid sharding and the ZeRO++ switches)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,13 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 @dataclass(frozen=True)
 class Layout:
     """How a run is laid out: parallel degrees, ZeRO stage, pipeline schedule, batching,
-    recomputation, sequence parallelism, dtypes (global batch = b · m · dp) and whether dp
-    gradients are reduced after the last backward of a step or after every micro-batch."""
+    recomputation, sequence parallelism, dtypes (global batch = b · m · dp), whether dp
+    gradients are reduced after the last backward of a step or after every micro-batch, and
+    how dp communicates: ZeRO over shard groups of `dp_shard` ranks (None: all dp) with
+    dp / dp_shard replicas, and ZeRO++ (Wang et al. 2023): qwZ (parameters all-gathered as
+    int8, one fp32 scale per `qwz_block` elements), hpZ (stage 3: the backward gathers from a
+    copy partitioned inside the node) and qgZ (stages 2-3: gradients reduced as int4 / int8
+    by a hierarchical all-to-all)."""
 
     tp: int = 1
     pp: int = 1
@@ -38,6 +43,10 @@ class Layout:
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     grad_sync: Literal["last", "every"] = "last"
     unit_numel: int = DEFAULT_UNIT_NUMEL
+    dp_shard: int | None = None
+    qwz_block: int | None = None
+    hpz: bool = False
+    qgz_bits: int | None = None
 
     @property
     def sharding(self) -> Sharding:
@@ -53,6 +62,16 @@ class Layout:
         return self.micro_batch_size * self.micro_batches * self.dp
 
     @property
+    def shard(self) -> int:
+        """N: the ranks ZeRO shards over (a replica's shard group)."""
+        return self.dp_shard or self.dp
+
+    @property
+    def replicas(self) -> int:
+        """R = dp / N."""
+        return self.dp // self.shard
+
+    @property
     def sp(self) -> bool:
         return self.sequence_parallel and self.tp > 1
 
@@ -66,6 +85,10 @@ class Layout:
             f"tp={self.tp} pp={self.pp} dp={self.dp} v={self.virtual_stages} zero={self.zero} "
             f"mbs={self.micro_batch_size} recompute={self.recompute} sp={int(self.sp)}"
             + (" grad_sync=every" if self.grad_sync == "every" else "")
+            + (f" dp_shard={self.dp_shard}" if self.dp_shard is not None else "")
+            + (f" qwz_block={self.qwz_block}" if self.qwz_block is not None else "")
+            + (" hpz" if self.hpz else "")
+            + (f" qgz_bits={self.qgz_bits}" if self.qgz_bits is not None else "")
         )
 
 
@@ -88,5 +111,9 @@ def run_spec(config: Mapping[str, Mapping[str, Any]]) -> tuple[GPTConfig, Layout
         reduce_dtype=tr["reduce_dtype"],
         grad_sync=par.get("grad_sync", "last"),
         unit_numel=par.get("unit_numel", DEFAULT_UNIT_NUMEL),
+        dp_shard=par.get("dp_shard"),
+        qwz_block=par.get("qwz_block"),
+        hpz=par.get("hpz", False),
+        qgz_bits=par.get("qgz_bits"),
     )
     return GPTConfig(**config["model"]), layout, config["data"]["seq_len"]

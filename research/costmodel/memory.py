@@ -7,9 +7,12 @@ Model states, counted as `ZeroOptimizer.memory_breakdown` counts them (Rajbhanda
 
     stage | params             | grads  | master (P < 4 only) | Adam m, v
       0   | PΨ                 | GΨ     | 4Ψ                  | 8Ψ
-      1   | PΨ                 | GΨ     | 4Ψ/d                | 8Ψ/d
-      2   | PΨ                 | GΨ/d   | 4Ψ/d                | 8Ψ/d
-      3   | P(Ψ_res + Ψ_sh/d)  | GΨ/d   | 4Ψ/d                | 8Ψ/d
+      1   | PΨ                 | GΨ     | 4Ψ/N                | 8Ψ/N
+      2   | PΨ                 | GΨ/N   | 4Ψ/N                | 8Ψ/N
+      3   | P(Ψ_res + Ψ_sh/N)  | GΨ/N   | 4Ψ/N                | 8Ψ/N
+
+N = the shard group's size: dp, or `dp_shard` under hybrid sharding (each replica holds the
+same shards).
 
 In fp32 the master is the parameter itself. At stage 3 a unit (`optim.stage3.stage3_units`)
 smaller than `optim.zero.default_resident_numel(layout.unit_numel)` stays whole on every rank
@@ -33,11 +36,13 @@ for interleaved 1F1B on rank 0, m for GPipe; each chunk holds L/(p·v) layers. T
 stage adds the output layer, 4sbh/t·(1 + V/h) (fp32 logits), per micro-batch at the head.
 
 Buffers: at stages 2-3 with m > 1 and `grad_sync` last the full gradient buckets live through
-the step (every backward but the last runs under `no_sync`), GΨ(1 - 1/d); with `grad_sync`
+the step (every backward but the last runs under `no_sync`), GΨ(1 - 1/N); with `grad_sync`
 every each backward reduces its chunk as it goes, like m = 1 (the few buckets in flight
 are not counted, as at m = 1); stage 3 holds two gathered units
-(current and prefetched); plus `RESERVED_BYTES` (CUDA context, NCCL / cuBLAS workspaces,
-allocator slack).
+(current and prefetched), and with ZeRO++ hpZ each rank's 1/k slice of every sharded unit,
+PΨ_sh/k (k = the shard group's ranks on a node; from a step's first forward to its optimizer
+step, when `memory_breakdown` counts it under params); plus `RESERVED_BYTES` (CUDA context,
+NCCL / cuBLAS workspaces, allocator slack). qwZ's and qgZ's quantized buffers are not counted.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from dataclasses import dataclass
 from parallel.pipeline.schedules import SCHEDULES, splits_backward
 from parallel.pipeline.schedules import validate as validate_schedule
 from parallel.pipeline.simulate import peak_in_flight
-from research.costmodel.hardware import GiB
+from research.costmodel.hardware import GiB, ranks_per_node
 from research.costmodel.layout import DTYPE_BYTES, Layout, Recompute
 from research.costmodel.params import rank_params
 from research.model import GPTConfig
@@ -72,7 +77,7 @@ class ModelStates:
 def predict_model_states(model: GPTConfig, layout: Layout, pp_rank: int = 0) -> ModelStates:
     """Model-state bytes of one rank of pipeline rank `pp_rank` (the table in the module
     docstring), for the Trainer's ZeroOptimizer."""
-    P, G, d, sharded = DTYPE_BYTES[layout.precision], DTYPE_BYTES[layout.reduce_dtype], layout.dp, layout.sharding
+    P, G, d, sharded = DTYPE_BYTES[layout.precision], DTYPE_BYTES[layout.reduce_dtype], layout.shard, layout.sharding
     rank = rank_params(model, layout.tp, layout.pp, layout.virtual_stages, pp_rank, layout.unit_numel)
     psi = rank.aligned
     params = P * (rank.resident + (psi - rank.resident) / d if sharded.parameters else psi)
@@ -117,7 +122,7 @@ class Memory:
         return self.model_states.total + self.activations + self.buffers
 
 
-def _rank_memory(model: GPTConfig, layout: Layout, seq_len: int, pp_rank: int) -> Memory:
+def _rank_memory(model: GPTConfig, layout: Layout, seq_len: int, pp_rank: int, gpus_per_node: int) -> Memory:
     s, b, h, t = seq_len, layout.micro_batch_size, model.d_model, layout.tp
     p, v, m = layout.pp, layout.virtual_stages, layout.micro_batches
     states = predict_model_states(model, layout, pp_rank)
@@ -131,17 +136,22 @@ def _rank_memory(model: GPTConfig, layout: Layout, seq_len: int, pp_rank: int) -
     buffers = float(RESERVED_BYTES)
     rank = rank_params(model, t, p, v, pp_rank, layout.unit_numel)
     if layout.sharding.gradients and m > 1 and layout.grad_sync == "last":
-        buffers += DTYPE_BYTES[layout.reduce_dtype] * rank.aligned * (1 - 1 / layout.dp)
+        buffers += DTYPE_BYTES[layout.reduce_dtype] * rank.aligned * (1 - 1 / layout.shard)
     if layout.sharding.parameters:
         buffers += DTYPE_BYTES[layout.precision] * rank.largest_units
+    if layout.hpz:
+        k = ranks_per_node(layout.shard, t, gpus_per_node)
+        buffers += DTYPE_BYTES[layout.precision] * (rank.aligned - rank.resident) / k
     return Memory(pp_rank, states, acts, buffers)
 
 
-def predict_memory(model: GPTConfig, layout: Layout, seq_len: int, pp_rank: int | None = None) -> Memory:
+def predict_memory(
+    model: GPTConfig, layout: Layout, seq_len: int, pp_rank: int | None = None, gpus_per_node: int = 8
+) -> Memory:
     """Predicted per-GPU memory of `pp_rank`, or of the fuller of the first and last
     pipeline ranks (the middle ones hold fewer parameters and fewer micro-batches than the
-    first)."""
+    first); `gpus_per_node` places hpZ's partition."""
     if pp_rank is not None:
-        return _rank_memory(model, layout, seq_len, pp_rank)
+        return _rank_memory(model, layout, seq_len, pp_rank, gpus_per_node)
     ranks = {0, layout.pp - 1}
-    return max((_rank_memory(model, layout, seq_len, r) for r in ranks), key=lambda mem: mem.total)
+    return max((_rank_memory(model, layout, seq_len, r, gpus_per_node) for r in ranks), key=lambda mem: mem.total)

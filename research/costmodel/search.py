@@ -1,9 +1,14 @@
-"""Every valid layout of a model on a cluster, estimated, ranked and explained."""
+"""Every valid layout of a model on a cluster, estimated, ranked and explained.
+
+Each runnable split (tp, pp, dp, v, ZeRO stage, b, recompute, SP, grad_sync) that fits takes
+its fastest way of communicating over dp (`comm_variants`: hybrid sharding, ZeRO++ qwZ / hpZ /
+qgZ); ties go to less memory, then to exact communication. `COMM_SCHEMES` restricts the
+choice (plain ZeRO, hybrid, ZeRO++)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from optim.sharding import Sharding
@@ -11,7 +16,7 @@ from parallel.pipeline.schedules import validate as validate_schedule
 from research.costmodel.hardware import Cluster, GiB
 from research.costmodel.layout import Layout
 from research.costmodel.memory import Memory, predict_memory
-from research.costmodel.steptime import StepTime, predict_step_time
+from research.costmodel.steptime import StepTime, predict_step_time, predict_step_times
 from research.model import GPTConfig
 
 
@@ -25,10 +30,17 @@ class Estimate:
     mfu: float
 
 
-def estimate(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster) -> Estimate:
-    """Memory, step time and throughput of one layout."""
-    memory = predict_memory(model, layout, seq_len)
-    time = predict_step_time(model, layout, seq_len, cluster)
+def estimate(
+    model: GPTConfig,
+    layout: Layout,
+    seq_len: int,
+    cluster: Cluster,
+    memory: Memory | None = None,
+    time: StepTime | None = None,
+) -> Estimate:
+    """Memory, step time (each unless given) and throughput of one layout."""
+    memory = memory or predict_memory(model, layout, seq_len, gpus_per_node=cluster.gpus_per_node)
+    time = time or predict_step_time(model, layout, seq_len, cluster)
     tokens = layout.global_batch_size * seq_len
     per_gpu = tokens / time.total / layout.gpus / 1e12
     model_flops = dataclasses.replace(model, recompute="none").flops_per_token(seq_len) * per_gpu
@@ -55,6 +67,54 @@ class Plan:
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+QWZ_BLOCK = 2048  # the qwZ block the planner offers (ZeRO++'s)
+COMM_FIELDS = ("dp_shard", "qwz_block", "hpz", "qgz_bits")
+
+
+def _exact(lo: Layout) -> bool:
+    return lo.qwz_block is None and not lo.hpz and lo.qgz_bits is None
+
+
+COMM_SCHEMES: dict[str, Callable[[Layout], bool]] = {
+    "any": lambda lo: True,
+    "zero": lambda lo: lo.replicas == 1 and _exact(lo),
+    "hybrid": lambda lo: lo.replicas > 1 and _exact(lo),
+    # Wang et al. 2023's set: every switch the stage has, int4 gradients
+    "zero++": lambda lo: (
+        lo.replicas == 1
+        and lo.qwz_block is not None
+        and lo.hpz == (lo.zero == 3)
+        and lo.qgz_bits == (4 if lo.zero >= 2 else None)
+    ),
+}
+
+
+def comm_variants(layout: Layout, cluster: Cluster, **fixed: object) -> list[Layout]:
+    """`layout` with each way of communicating over dp that its ZeRO stage allows and that
+    could be fastest under this model: dp_shard None (all dp) or, at stages 1-3, the largest
+    divisor N of dp whose shard group fits in a node (a group across c nodes sends per NIC
+    the ring bytes of all dp's, (N-1)/N of them, plus the replica all-reduce, with more
+    memory; a smaller one in a node sends the same network bytes, 2GΨ·t/g per rank, with
+    more memory; N = 1 is stage 0's all-reduce); qwZ (block `QWZ_BLOCK`) at stages 1-3;
+    hpZ at stage 3 when the shard group spans nodes; qgZ int4 at stages 2-3 (int8: pin
+    it). `fixed` pins any of `COMM_FIELDS` to any value."""
+    sharded, dp, tp, g = layout.sharding, layout.dp, layout.tp, cluster.gpus_per_node
+    node = max((n for n in _divisors(dp) if 1 < n < dp and n * tp <= g), default=None)
+    offered = {
+        "dp_shard": [None, node] if node and sharded.optimizer_state else [None],
+        "qwz_block": [None, QWZ_BLOCK] if sharded.optimizer_state else [None],
+        "qgz_bits": [None, 4] if sharded.gradients else [None],
+    }
+    values = {**offered, **{k: [None if k == "dp_shard" and fixed[k] == dp else fixed[k]] for k in fixed}}
+    return [
+        dataclasses.replace(layout, dp_shard=n, qwz_block=b, hpz=h, qgz_bits=q)
+        for n in values["dp_shard"]
+        for h in values.get("hpz", [False, True] if sharded.parameters and (n or dp) * tp > g else [False])
+        for b in values["qwz_block"]
+        for q in values["qgz_bits"]
+    ]
 
 
 def candidate_layouts(
@@ -135,16 +195,99 @@ def _why_invalid(
     return None
 
 
-def plan(model: GPTConfig, cluster: Cluster, global_batch_size: int, seq_len: int, **fixed: object) -> Plan:
-    """Estimate every runnable layout; keep those that fit in memory, fastest first."""
+def _why_comm_invalid(layout: Layout) -> tuple[str, str] | None:
+    """(reason, detail) why the runtime refuses this hybrid sharding / ZeRO++ choice, or None."""
+    lo, sharded = layout, layout.sharding
+    if lo.dp % lo.shard:
+        return "dp_shard does not divide dp", f"dp={lo.dp}, dp_shard={lo.dp_shard}"
+    if lo.qwz_block is not None and not sharded.optimizer_state:
+        return "qwZ quantizes ZeRO's parameter all-gather: stages 1-3", f"zero={lo.zero}"
+    if lo.hpz and not sharded.parameters:
+        return "hpZ partitions ZeRO-3's gathered parameters: stage 3", f"zero={lo.zero}"
+    if lo.qgz_bits is not None and not sharded.gradients:
+        return "qgZ reduces sharded gradients: stages 2-3", f"zero={lo.zero}"
+    if lo.qgz_bits not in (None, 4, 8):
+        return "qgZ quantizes gradients to 4 or 8 bits", f"qgz_bits={lo.qgz_bits}"
+    return None
+
+
+def _rank_key(lo: Layout, time: StepTime, memory: Memory) -> tuple:
+    """Faster first, then less memory, a lower stage, exact communication."""
+    return (time.total, memory.total, lo.zero, lo.qwz_block is not None, -(lo.qgz_bits or 16))
+
+
+def _sort_variants(
+    model: GPTConfig, variants: list[Layout], memories: dict, seq_len: int, cluster: Cluster
+) -> tuple[list, list, list]:
+    """(fitting [(layout, memory)], invalid [(reason, detail, layout)], too big [(bytes, layout)]);
+    `memories` holds Memory by (dp_shard, hpz), all that memory depends on among variants."""
+    fitting, invalid, misses = [], [], []
+    for v in variants:
+        why = _why_comm_invalid(v)
+        if why is not None:
+            invalid.append((*why, v))
+            continue
+        if (v.dp_shard, v.hpz) not in memories:
+            memories[v.dp_shard, v.hpz] = predict_memory(model, v, seq_len, gpus_per_node=cluster.gpus_per_node)
+        memory = memories[v.dp_shard, v.hpz]
+        if memory.total <= cluster.gpu.memory_bytes:
+            fitting.append((v, memory))
+        else:
+            misses.append((memory.total, v))
+    return fitting, invalid, misses
+
+
+def _choose_comm(
+    model: GPTConfig,
+    layout: Layout,
+    memory: Memory,
+    seq_len: int,
+    cluster: Cluster,
+    scheme: str,
+    pins: dict,
+    result: Plan,
+) -> Estimate | None:
+    """The fastest of `comm_variants` of a fitting layout that `COMM_SCHEMES[scheme]` takes;
+    the plain layout itself when it is one (nothing pinned) and exposes no DP communication
+    (no variant can beat it: each holds at least its bytes and pays at least its other
+    terms). None, the layout counted in `result` by reason, when no variant is valid and fits."""
+    if not pins and COMM_SCHEMES[scheme](layout):
+        time = predict_step_time(model, layout, seq_len, cluster)
+        if not any(c.exposed for c in time.collectives):
+            return estimate(model, layout, seq_len, cluster, memory, time)
+    variants = [v for v in comm_variants(layout, cluster, **pins) if COMM_SCHEMES[scheme](v)]
+    fitting, invalid, misses = _sort_variants(model, variants, {(None, False): memory}, seq_len, cluster)
+    if fitting:
+        times = predict_step_times(model, [v for v, _ in fitting], seq_len, cluster)
+        time, (v, memory) = min(zip(times, fitting), key=lambda f: _rank_key(f[1][0], f[0], f[1][1]))
+        return estimate(model, v, seq_len, cluster, memory, time)
+    capacity = cluster.gpu.memory_bytes
+    if misses:
+        need, v = min(misses, key=lambda miss: miss[0])
+        result.reject("does not fit in memory", v, f"needs {need / GiB:.2f} GiB > {capacity / GiB:.2f} GiB", miss=need)
+    elif invalid:
+        reason, detail, v = invalid[0]
+        result.reject(reason, v, detail)
+    else:
+        result.reject(f"no {scheme} communication for this layout", layout, f"zero={layout.zero} dp={layout.dp}")
+    return None
+
+
+def plan(
+    model: GPTConfig, cluster: Cluster, global_batch_size: int, seq_len: int, comm: str = "any", **fixed: object
+) -> Plan:
+    """Estimate every runnable layout; keep those that fit in memory, each with its fastest
+    communication (`comm`: a key of `COMM_SCHEMES`), fastest first. `fixed` pins Layout
+    fields, `COMM_FIELDS` included."""
     result = Plan([])
     capacity = cluster.gpu.memory_bytes
+    pins = {k: fixed.pop(k) for k in COMM_FIELDS if k in fixed}
     for layout, why, count in candidate_layouts(model, cluster, global_batch_size, seq_len, **fixed):
         if why is not None:
             result.reject(why[0], layout, why[1], count)
             continue
-        memory = predict_memory(model, layout, seq_len)
-        if memory.total > capacity:
+        memory = predict_memory(model, layout, seq_len, gpus_per_node=cluster.gpus_per_node)
+        if memory.total > capacity:  # every variant holds at least these bytes
             result.reject(
                 "does not fit in memory",
                 layout,
@@ -152,6 +295,8 @@ def plan(model: GPTConfig, cluster: Cluster, global_batch_size: int, seq_len: in
                 miss=memory.total,
             )
             continue
-        result.ranked.append(estimate(model, layout, seq_len, cluster))
-    result.ranked.sort(key=lambda e: (e.time.total, e.memory.total, e.layout.zero))
+        best = _choose_comm(model, layout, memory, seq_len, cluster, comm, pins, result)
+        if best is not None:
+            result.ranked.append(best)
+    result.ranked.sort(key=lambda e: _rank_key(e.layout, e.time, e.memory))
     return result
