@@ -139,30 +139,19 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
     ) -> None:
         validate(model, optimizer_class, stage, param_dtype, qwz_block)
         check_zero_pp(stage, hpz, qgz_bits, node_groups, process_group)
-        self.qwz_block = qwz_block
-        self.node_groups = node_groups or (process_group, None)
-        self.hpz = hpz
-        self.qgz_bits = qgz_bits
+        self.qwz_block, self.hpz, self.qgz_bits = qwz_block, hpz, qgz_bits
         self.overlap_param_gather = overlap_param_gather
-        self._param_gathers: dict[FlatBucket, Callable[[], None]] = {}
-        self.model = model
-        self.optimizer_class = optimizer_class
-        self.stage = stage
+        self._param_gathers: dict[FlatBucket, Callable[[], None]] = {}  # bucket -> finish its gather
+        self.model, self.optimizer_class, self.stage = model, optimizer_class, stage
         self.sharding = Sharding.of_zero_stage(stage)
-        self.group = process_group
-        self.replicate_group = replicate_group
+        self._set_groups(process_group, replicate_group, node_groups, model_parallel_group)
         self.param_dtype = param_dtype or torch.float32
-        self.model_parallel_group = model_parallel_group
-        self.world = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
         self.names = param_names(model)
         groups, group_of = user_groups(model, param_groups, optimizer_kwargs)
         self._torch_order = torch_order(param_groups, group_of, len(groups))
         for group in self._dp_groups:
             check_same_model_on_all_ranks(model, stage, group_of, group)
-        self._orig_dtypes = {id(t): t.dtype for t in [*model.parameters(), *model.buffers()]}
         self._cast_untrained(model)
-
         resident = default_resident_numel(unit_numel) if resident_numel is None else resident_numel
         self.buckets, units = self._build_buckets(group_of, reduce_dtype, bucket_numel, unit_numel, resident)
         self._init_gradient_state()
@@ -176,6 +165,19 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         self._constructed = True
 
     # ---- construction -------------------------------------------------------------------
+    def _set_groups(
+        self,
+        group: dist.ProcessGroup | None,
+        replicate_group: dist.ProcessGroup | None,
+        node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None,
+        model_parallel_group: dist.ProcessGroup | None,
+    ) -> None:
+        """The shard group (and this rank's place in it), replicas, nodes, model parallelism."""
+        self.group, self.replicate_group, self.model_parallel_group = group, replicate_group, model_parallel_group
+        self.node_groups = node_groups or (group, None)
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
     def _init_gradient_state(self) -> None:
         """Per-parameter step counts, gradient flags' flat order, `.grad` placeholders and
         the storage each parameter must still view (`optim.grad_lifecycle`)."""
@@ -250,7 +252,9 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
 
     def _cast_untrained(self, model: torch.nn.Module) -> None:
         """Frozen parameters and floating buffers join the model's compute dtype, replicated
-        from the first data-parallel rank as DDP does."""
+        from the first data-parallel rank as DDP does (their original dtypes are kept for
+        `full_state_dict`)."""
+        self._orig_dtypes = {id(t): t.dtype for t in [*model.parameters(), *model.buffers()]}
         for p in model.parameters():
             if not p.requires_grad:
                 if p.is_floating_point():
@@ -290,8 +294,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
                 reduce_dtype,
                 on_grad_bytes=self._grad_bytes_changed,
                 marks=marks_of.get(params[0], NO_MARKS),
-                keeps_carry=(self.replicate_group is None or dist.get_rank(self.replicate_group) == 0)
-                and not (self.qgz_bits is not None and sharding.gradients),
+                keeps_carry=self._keeps_carry(sharding),
             )
 
         units: list[tuple[torch.nn.Module, list[FlatBucket]]] = []
@@ -312,6 +315,13 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             buckets.sort(key=lambda b: last_arrival(b.params))
         self._allocate(buckets)
         return buckets, units
+
+    def _keeps_carry(self, sharding: Sharding) -> bool:
+        """Whether a bucket carries earlier reductions of the step through its full buffer
+        (`optim.buffers`): not on the replicas after the first, nor under qgZ at stages 2-3,
+        whose reductions are added to the shard."""
+        first_replica = self.replicate_group is None or dist.get_rank(self.replicate_group) == 0
+        return first_replica and not (self.qgz_bits is not None and sharding.gradients)
 
     def _allocate(self, buckets: list[FlatBucket]) -> None:
         """Give each bucket its storage, holding the values of the first data-parallel rank."""

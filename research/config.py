@@ -498,23 +498,8 @@ def resolve_batch(cfg: RunConfig, world_size: int, given_cli: set[str], given_fi
         )
 
 
-def validate(cfg: RunConfig, world_size: int) -> None:
-    """Reject every invalid combination with one sentence naming the flags. Each field's own
-    type and range were checked where it entered (`check_value`); here: the pipeline
-    schedule against pp, micro-batches and virtual stages; the model's split over tp and
-    pp, with the vocabulary the run really has (raised to the tokenizer's, as the trainer
-    does) padded to --vocab-multiple; sequence length and parallelism; the LR schedule;
-    that --data and --tokenizer exist (a hub dataset only while the hub is reachable); the
-    checkpoint flags."""
-    m, par, tr, data = cfg.model, cfg.parallel, cfg.train, cfg.data
-    try:
-        validate_schedule(par.schedule, par.pp, tr.micro_batches, par.virtual_stages)
-    except ScheduleError as e:
-        field = "micro_batches" if e.field == "microbatches" else e.field
-        value = getattr(tr, field) if field == "micro_batches" else getattr(par, field)
-        raise ConfigError(f"{cli.flag_name(field)}={value}: {e}") from None
-    if par.virtual_stages > 1 and par.pp == 1:
-        raise ConfigError(f"--virtual-stages={par.virtual_stages} needs --pp > 1")
+def validate_zero_options(par: ParallelConfig) -> None:
+    """ZeRO++'s switches against the ZeRO stage they need."""
     if par.hpz and par.zero != 3:
         raise ConfigError(
             f"--hpz keeps a secondary partition of ZeRO-3's parameters: use it with --zero 3, not {par.zero}"
@@ -527,6 +512,26 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(
             f"--qwz-block={par.qwz_block} quantizes ZeRO's parameter all-gather: use it with --zero 1, 2 or 3"
         )
+
+
+def validate(cfg: RunConfig, world_size: int) -> None:
+    """Reject every invalid combination with one sentence naming the flags. Each field's own
+    type and range were checked where it entered (`check_value`); here: the pipeline
+    schedule against pp, micro-batches and virtual stages; the model's split over tp and
+    pp, with the vocabulary the run really has (raised to the tokenizer's, as the trainer
+    does) padded to --vocab-multiple; sequence length and parallelism; the LR schedule;
+    that --data and --tokenizer exist (a hub dataset only while the hub is reachable); the
+    checkpoint flags; the ZeRO++ switches against the stage."""
+    m, par, tr, data = cfg.model, cfg.parallel, cfg.train, cfg.data
+    try:
+        validate_schedule(par.schedule, par.pp, tr.micro_batches, par.virtual_stages)
+    except ScheduleError as e:
+        field = "micro_batches" if e.field == "microbatches" else e.field
+        value = getattr(tr, field) if field == "micro_batches" else getattr(par, field)
+        raise ConfigError(f"{cli.flag_name(field)}={value}: {e}") from None
+    if par.virtual_stages > 1 and par.pp == 1:
+        raise ConfigError(f"--virtual-stages={par.virtual_stages} needs --pp > 1")
+    validate_zero_options(par)
     try:
         source = resolve_source(data.data)
         if isinstance(source, str):
