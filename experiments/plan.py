@@ -137,6 +137,11 @@ def _count(n: int) -> str:
     )
 
 
+def _sig(x: float) -> str:
+    """Three significant digits, without an exponent from 1000 up."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def _gib(n: float) -> str:
     return f"{round(n / GiB, 1):g} GiB"
 
@@ -193,7 +198,7 @@ def _ranked_table(plan: Plan, top: int) -> list[str]:
         lines.append(
             f"{i:>3} {lo.tp:>3} {lo.pp:>4} {lo.dp:>5} {lo.shard:>5} {lo.virtual_stages:>2} {lo.zero:>4} "
             f"{lo.micro_batch_size:>4} {lo.recompute:>9} {int(lo.sp):>2} {lo.grad_sync:>5} {_zeropp(lo):>12} "
-            f"{e.memory.total / GiB:>8.1f} {_network_bytes(e) / 1e9:>7.3g} {e.time.total:>9.3g} "
+            f"{e.memory.total / GiB:>8.1f} {_sig(_network_bytes(e) / 1e9):>7} {e.time.total:>9.3g} "
             f"{e.tflops_per_gpu:>11.1f} {e.mfu:>6.1%}"
         )
     return lines
@@ -241,8 +246,8 @@ def _where_the_bytes_go(collectives: tuple[Collective, ...], cluster: Cluster) -
         rows.append(("total", Collective("total", *(sum(getattr(c, f) for c in collectives) for f in numbers))))
     for label, c in rows:
         lines.append(
-            f"  {label:30} {c.intra_bytes / 1e9:>10.3g} {c.intra_seconds:>8.3g} {c.inter_bytes / 1e9:>11.3g} "
-            f"{c.inter_seconds:>8.3g} {c.seconds:>8.3g} {c.exposed:>9.3g}"
+            f"  {label:30} {_sig(c.intra_bytes / 1e9):>10} {_sig(c.intra_seconds):>8} {_sig(c.inter_bytes / 1e9):>11} "
+            f"{_sig(c.inter_seconds):>8} {_sig(c.seconds):>8} {_sig(c.exposed):>9}"
         )
     return lines
 

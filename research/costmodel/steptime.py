@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from optim.grads import QGZ_BLOCK
 from research.costmodel.hardware import Cluster, ranks_per_node
 from research.costmodel.layout import DTYPE_BYTES, Layout
 from research.costmodel.memory import layer_activation_bytes
@@ -64,7 +65,6 @@ from research.model import GPTConfig
 # any value in 0.60-0.70 keeps every row within 15%). Element-wise memory traffic, pipeline
 # bubbles and communication are modelled on their own, not folded into η.
 MATMUL_EFFICIENCY = 0.65
-QGZ_BLOCK = 2048  # elements per fp32 scale of qgZ's quantized gradients
 
 
 def forward_flops_per_token(model: GPTConfig, seq_len: int) -> tuple[float, float, float]:
