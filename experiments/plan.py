@@ -95,8 +95,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--comm",
         choices=list(costmodel.COMM_SCHEMES),
-        default="any",
-        help="data-parallel communication: any (the fastest per layout), zero (plain), hybrid (--dp-shard), "
+        default="exact",
+        help="data-parallel communication: exact (the fastest without quantization: plain, hybrid, hpZ), "
+        "any (the fastest, quantized too), zero (plain), hybrid (--dp-shard), "
         "zero++ (qwZ, hpZ at stage 3, int4 qgZ at stages 2-3)",
     )
     return p.parse_args(argv)

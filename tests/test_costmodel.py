@@ -766,8 +766,9 @@ def test_hybrid_and_hpz_memory() -> None:
 
 def test_planner_chooses_hybrid_and_zeropp_where_they_pay() -> None:
     """On a fast network ZeRO-3 of the 7B model hides its communication and the planner keeps
-    it exact; at 100 Gb/s per node it quantizes and the step is faster than plain ZeRO-3's
-    best; each scheme restricts the choice; pins are honoured and invalid ones refused."""
+    it plain; at 100 Gb/s per node, allowed to (`any`), it quantizes and the step is faster
+    than plain ZeRO-3's best, while by default (`exact`) it never quantizes; each scheme
+    restricts the choice; pins are honoured and invalid ones refused."""
     from experiments.plan import PRESETS
 
     model = PRESETS["gpt-7b"].model()
@@ -775,7 +776,9 @@ def test_planner_chooses_hybrid_and_zeropp_where_they_pay() -> None:
     fast, slow = Cluster(GPUS["h100"], 128, 8, 3200), Cluster(GPUS["h100"], 128, 8, 100)
     best = costmodel.plan(model, fast, 2048, 2048, **fixed).ranked[0]
     assert (best.layout.shard, best.layout.qwz_block, best.layout.hpz, best.layout.qgz_bits) == (128, None, False, None)
-    chosen = costmodel.plan(model, slow, 2048, 2048, **fixed).ranked[0]
+    chosen = costmodel.plan(model, slow, 2048, 2048, "any", **fixed).ranked[0]
+    exact = costmodel.plan(model, slow, 2048, 2048, **fixed).ranked[0].layout
+    assert (exact.qwz_block, exact.qgz_bits) == (None, None)
     plain = costmodel.plan(model, slow, 2048, 2048, "zero", **fixed).ranked[0]
     assert chosen.layout.qwz_block == 2048 and chosen.time.total < plain.time.total
     assert plain.layout.replicas == 1 and plain.layout.qwz_block is None
@@ -783,9 +786,9 @@ def test_planner_chooses_hybrid_and_zeropp_where_they_pay() -> None:
     assert (hybrid.dp_shard, hybrid.qwz_block) == (8, None)
     zeropp = costmodel.plan(model, slow, 2048, 2048, "zero++", **fixed).ranked[0].layout
     assert (zeropp.replicas, zeropp.qwz_block, zeropp.hpz, zeropp.qgz_bits) == (1, 2048, True, 4)
-    pinned = costmodel.plan(model, slow, 2048, 2048, dp_shard=16, qgz_bits=8, **fixed).ranked[0].layout
+    pinned = costmodel.plan(model, slow, 2048, 2048, "any", dp_shard=16, qgz_bits=8, **fixed).ranked[0].layout
     assert (pinned.dp_shard, pinned.qgz_bits) == (16, 8)
-    refused = costmodel.plan(model, slow, 2048, 2048, **{**fixed, "zero": 1}, qgz_bits=4)
+    refused = costmodel.plan(model, slow, 2048, 2048, "any", **{**fixed, "zero": 1}, qgz_bits=4)
     assert not refused.ranked and "qgZ reduces sharded gradients: stages 2-3" in refused.rejected
     refused = costmodel.plan(model, slow, 2048, 2048, dp_shard=3, **fixed)
     assert not refused.ranked and "dp_shard does not divide dp" in refused.rejected

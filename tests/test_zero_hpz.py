@@ -14,6 +14,7 @@ from parallel import ParallelDims, comm
 from tests.dist_utils import run_distributed
 from tests.models import reference_run
 from tests.test_zero_memory_comm import mlp
+from tests.test_zero_parity import assert_matches
 from tests.zero_runs import zero_train
 
 STEPS, BATCH, MICRO, LR = 10, 16, 2, 1e-2
@@ -40,10 +41,8 @@ def test_hpz_matches_torch(dims: dict, use_no_sync: bool) -> None:
         dims=dims,
     )
     ref = reference_run(STEPS, BATCH, MICRO, 4, torch.optim.AdamW, lr=LR)
-    for losses, state in out:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]), rtol=1e-5, atol=0)
-        for k, v in ref[1].items():
-            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+    for result in out:
+        assert_matches(result, ref)
 
 
 def _one_step(hpz: bool) -> dict:

@@ -13,18 +13,11 @@ from parallel import ParallelDims, comm
 from tests.dist_utils import run_distributed
 from tests.models import reference_run
 from tests.test_zero_memory_comm import mlp, one_step
+from tests.test_zero_parity import assert_matches
 from tests.zero_runs import zero_train
 
 STEPS, BATCH, MICRO, LR = 10, 16, 2, 1e-2
 SMALL = {"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 100}
-
-
-def assert_matches(result, ref, rtol=1e-5, atol=1e-6) -> None:
-    losses, state = result
-    ref_losses, ref_state = ref
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
-    for k in ref_state:
-        torch.testing.assert_close(state[k], ref_state[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

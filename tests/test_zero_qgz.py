@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from optim import ZeroOptimizer
 from optim.grads import QGZ_BLOCK
-from parallel import ParallelDims, comm
+from parallel import ParallelDims
 from tests.dist_utils import run_distributed
-from tests.models import batches, make_model
+from tests.models import make_model
+from tests.zero_runs import construction_error, tracked_steps
 
 STEPS = 50
 UNITS = {"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 0}
 
 
 def train(stage: int, qgz_bits: int | None, dp_shard: int | None) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
     dims = ParallelDims(dp_shard=dp_shard, ranks_per_node=2).build()
     model = make_model()
     opt = ZeroOptimizer(
@@ -35,18 +34,8 @@ def train(stage: int, qgz_bits: int | None, dp_shard: int | None) -> dict:
         qgz_bits=qgz_bits,
         **UNITS,
     )
-    losses = []
-    for idx, tgt in batches(STEPS, 8):
-        mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
-        with comm.tracking() as log:
-            loss = model(idx[mine], tgt[mine])
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(float(total) / world)
-    return {"losses": losses, "log": log.as_dict(), "sizes": [b.numel for b in opt.buckets]}
+    losses, logs = tracked_steps(model, opt, STEPS)
+    return {"losses": losses, "log": logs[-1], "sizes": [b.numel for b in opt.buckets]}
 
 
 def both(stage: int, bits: int, dp_shard: int | None) -> dict:
@@ -85,16 +74,8 @@ def test_qgz_bytes_and_close_losses(stage: int, bits: int, dp_shard: int | None)
             assert "all_reduce" in log["dp_replicate"]
 
 
-def refused(stage: int) -> str:
-    try:
-        ZeroOptimizer(make_model(), torch.optim.AdamW, stage=stage, qgz_bits=8)
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
 @pytest.mark.timeout(60)
 def test_qgz_is_refused_at_stages_0_and_1() -> None:
     for stage in (0, 1):
-        (message,) = run_distributed(refused, 1, stage)
+        (message,) = run_distributed(construction_error, 1, stage, qgz_bits=8)
         assert "needs stage 2 or 3" in message, message

@@ -11,30 +11,24 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from optim import ZeroOptimizer
-from parallel import comm
 from tests.dist_utils import run_distributed
 from tests.models import batches, make_model
+from tests.zero_runs import construction_error, tracked_steps
 
 UNITS = {"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 0}  # every stage-3 unit is gathered
 STEPS, BLOCK = 50, 64
 
 
 def train(stage: int, qwz_block: int | None) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
     opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=3e-3, qwz_block=qwz_block, **UNITS)
-    losses, gathered = [], 0
-    for idx, tgt in batches(STEPS, 8):
-        mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
-        with comm.tracking() as log:
-            loss = model(idx[mine], tgt[mine])
-            loss.backward()
-            opt.step()
-        gathered += log.total_bytes(op="all_gather_into_tensor")
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(float(total) / world)
+    losses, logs = tracked_steps(model, opt, STEPS)
+    gathered = sum(
+        ops["all_gather_into_tensor"]["bytes"]
+        for log in logs
+        for ops in log.values()
+        if "all_gather_into_tensor" in ops
+    )
     return {"losses": losses, "gathered": gathered, "weights": opt.full_state_dict()}
 
 
@@ -59,17 +53,9 @@ def test_qwz_quarter_bytes_and_close_losses(stage: int) -> None:
         assert any(not torch.equal(exact["weights"][k], v) for k, v in qwz["weights"].items())  # it is lossy
 
 
-def refused(stage: int) -> str:
-    try:
-        ZeroOptimizer(make_model(), torch.optim.AdamW, stage=stage, qwz_block=64)
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
 @pytest.mark.timeout(60)
 def test_qwz_is_refused_at_stage_0() -> None:
-    (message,) = run_distributed(refused, 1, 0)
+    (message,) = run_distributed(construction_error, 1, 0, qwz_block=64)
     assert "needs stage 1-3" in message, message
 
 

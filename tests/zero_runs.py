@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from optim import ZeroOptimizer
-from parallel import ParallelDims
+from parallel import ParallelDims, comm
 from tests.models import batches, make_model, micro_slices, no_decay_groups
 
 
@@ -88,3 +88,31 @@ def zero_train(
         sched.step()
         opt.zero_grad()
     return losses, opt.full_state_dict()
+
+
+def construction_error(stage: int, **zero_kwargs: Any) -> str:
+    """The sentence ZeroOptimizer(make_model(), AdamW, stage=stage, **zero_kwargs) raises."""
+    try:
+        ZeroOptimizer(make_model(), torch.optim.AdamW, stage=stage, **zero_kwargs)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def tracked_steps(model: nn.Module, opt: ZeroOptimizer, steps: int, batch: int = 8) -> tuple[list[float], list[dict]]:
+    """`steps` plain steps (each rank on its slice of the global batch, no accumulation): the
+    global mean loss of each, and each step's `comm.CommLog.as_dict()` (forward, backward, step)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses, logs = [], []
+    for idx, tgt in batches(steps, batch):
+        mine = slice(rank * batch // world, (rank + 1) * batch // world)
+        with comm.tracking() as log:
+            loss = model(idx[mine], tgt[mine])
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+        logs.append(log.as_dict())
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses, logs

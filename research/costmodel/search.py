@@ -78,6 +78,8 @@ def _exact(lo: Layout) -> bool:
 
 
 COMM_SCHEMES: dict[str, Callable[[Layout], bool]] = {
+    # the default: what changes no number of the run (hybrid sharding and hpZ are exact)
+    "exact": lambda lo: lo.qwz_block is None and lo.qgz_bits is None,
     "any": lambda lo: True,
     "zero": lambda lo: lo.replicas == 1 and _exact(lo),
     "hybrid": lambda lo: lo.replicas > 1 and _exact(lo),
@@ -274,7 +276,7 @@ def _choose_comm(
 
 
 def plan(
-    model: GPTConfig, cluster: Cluster, global_batch_size: int, seq_len: int, comm: str = "any", **fixed: object
+    model: GPTConfig, cluster: Cluster, global_batch_size: int, seq_len: int, comm: str = "exact", **fixed: object
 ) -> Plan:
     """Estimate every runnable layout; keep those that fit in memory, each with its fastest
     communication (`comm`: a key of `COMM_SCHEMES`), fastest first. `fixed` pins Layout
