@@ -29,7 +29,8 @@ def train(stage: int, qwz_block: int | None) -> dict:
         for ops in log.values()
         if "all_gather_into_tensor" in ops
     )
-    return {"losses": losses, "gathered": gathered, "weights": opt.full_state_dict()}
+    shards = [b.shard_numel for b in opt.buckets]
+    return {"losses": losses, "gathered": gathered, "weights": opt.full_state_dict(), "shards": shards}
 
 
 def both(stage: int) -> dict:
@@ -47,6 +48,11 @@ def test_qwz_quarter_bytes_and_close_losses(stage: int) -> None:
         ratio = qwz["gathered"] / exact["gathered"]
         # 1 byte per element (each shard padded to whole blocks) + 4 per block, against 4 bytes
         assert 0.25 < ratio < 0.3, ratio
+        if stage < 3:  # every bucket gathered once a step: (N−1)·(padded shard + 4 per block) bytes
+            shards, n = qwz["shards"], 2
+            rounds = exact["gathered"] // (4 * (n - 1) * sum(shards))
+            assert exact["gathered"] == rounds * 4 * (n - 1) * sum(shards) and rounds == STEPS
+            assert qwz["gathered"] == rounds * (n - 1) * sum(-(-c // BLOCK) * (BLOCK + 4) for c in shards)
         worst = max(abs(a - b) / b for a, b in zip(qwz["losses"], exact["losses"]))
         assert worst < 0.02, (worst, qwz["losses"], exact["losses"])
         assert qwz["losses"][-1] < 0.8 * qwz["losses"][0]  # it trains
