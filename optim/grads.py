@@ -190,7 +190,6 @@ class GradReducer:
         """The collectives of one bucket's reduction, each yielded once issued: all-reduce
         (stage 0), reduce-scatter or qgZ's all-to-alls (1-3), then the all-reduce across replicas."""
         full = bucket.grads_for_reduction()
-        lo, hi = bucket.shard_range
         if not bucket.sharding.optimizer_state:
             out = full
             yield [comm.all_reduce(full, group=self.group, async_op=True)]
@@ -199,6 +198,7 @@ class GradReducer:
             out = torch.empty_like(bucket.grad_shard)
             yield from reduce_scatter_quantized(full, out, q.intra, q.inter, q.bits, QGZ_BLOCK)
         else:
+            lo, hi = bucket.shard_range
             out = bucket.grad_shard if bucket.sharding.gradients else full[lo:hi]
             yield [comm.reduce_scatter_tensor(out, full, group=self.group, async_op=True)]
         if self.replicate_group is not None:

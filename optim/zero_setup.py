@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from optim import state_formats
 from parallel import comm
 
 NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "Muon", "LAMB", "Lamb", "FusedLAMB", "Shampoo", "SparseAdam", "LARS"}
@@ -77,11 +78,13 @@ def check_zero_pp(
     n, k = dist.get_world_size(group), dist.get_world_size(intra)
     m = dist.get_world_size(inter) if inter is not None else 1
     at = (dist.get_rank(inter) if inter is not None else 0) * k + dist.get_rank(intra)
+    problem = None
     if k * m != n or at != dist.get_rank(group):
-        raise ValueError(
+        problem = (
             f"node_groups of {k} and {m} ranks do not split the shard group of {n} as node × rank in node "
             "(shard rank = node · k + rank in node): pass ParallelDims.dp_shard_node_groups"
         )
+    state_formats.agree(problem, group)  # raised on every rank, so none waits for the others
 
 
 def param_names(model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:

@@ -292,14 +292,10 @@ class ParallelDims:
         dp_replicate: the ranks holding the same shard in each replica (None without)."""
         if self.dp_replicate == 1:
             return {"dp_shard": None, "dp_replicate": None}
-        shard, replicate = self.dp_shard, self.dp_replicate
-        cells = [(p, t) for p in range(self.pp) for t in range(self.tp)]
-        shard_group, _ = dist.new_subgroups_by_enumeration(
-            [[self.rank_of(p, r * shard + s, t) for s in range(shard)] for p, t in cells for r in range(replicate)],
-            group_desc="dp_shard",
-        )
+        shards, replicas = self.shard_groups(), self.dp_replicate  # each (pp, tp) cell's replicas in a row
+        shard_group, _ = dist.new_subgroups_by_enumeration(shards, group_desc="dp_shard")
         replicate_group, _ = dist.new_subgroups_by_enumeration(
-            [[self.rank_of(p, r * shard + s, t) for r in range(replicate)] for p, t in cells for s in range(shard)],
+            [list(same) for i in range(0, len(shards), replicas) for same in zip(*shards[i : i + replicas])],
             group_desc="dp_replicate",
         )
         return {"dp_shard": shard_group, "dp_replicate": replicate_group}

@@ -96,3 +96,20 @@ def _refused(kwargs: dict) -> str:
 def test_hpz_is_refused_outside_stage_3() -> None:
     (message, _) = run_distributed(_refused, 2, {"stage": 2})
     assert "needs stage=3" in message, message
+
+
+def _swapped_node_groups() -> str:
+    dims = ParallelDims(ranks_per_node=2).build()
+    node, cross = dims.dp_shard_node_groups
+    try:
+        ZeroOptimizer(mlp(), torch.optim.AdamW, stage=3, node_groups=(cross, node), hpz=True)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_node_groups_that_do_not_split_the_shard_group_are_refused_on_every_rank() -> None:
+    """Swapped, they fit ranks 0 and 3 and not 1 and 2: every rank raises the sentence, none waits."""
+    messages = run_distributed(_swapped_node_groups, 4)
+    assert all("do not split the shard group of 4" in m for m in messages), messages
