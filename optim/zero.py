@@ -100,7 +100,9 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         overlap_param_gather: stages 1-2: `step()` returns with the all-gathers of the updated
             parameters in flight; each bucket's is waited for just before the first forward
             of a module holding its parameters, or before anything else reads them (the
-            model's `state_dict()`, this optimizer's state dicts, the next step).
+            model's `state_dict()`, this optimizer's state dicts, the next step). Code that
+            reads parameters directly in between (an EMA update, weight logging) must call
+            `opt.wait_params()` first: until then other ranks' shards hold the old values.
         **optimizer_kwargs: passed to `optimizer_class` (lr, weight_decay, betas, ...).
 
     `grad_peak_bytes`: the most gradient bytes this rank has held since construction. At
