@@ -123,21 +123,23 @@ def train(stage: int, output_dir: str, resume: str | None = None, **overrides) -
     }
 
 
+def stage_overrides(stage: int) -> dict:
+    """Stage 2 reduces every micro-batch (accelerate's sync_each_batch), stage 3 checkpoints
+    activations. Fresh dicts each call: TrainingArguments writes into accelerator_config."""
+    if stage == 2:
+        return {"accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}}}
+    return {"activation_checkpointing": True} if stage == 3 else {}
+
+
 def train_stages(root: str) -> dict:
-    """Stages 0-3 for STEPS steps each (stage 2 reducing every micro-batch through accelerate's
-    sync_each_batch, stage 3 with activation checkpointing), then stage 3 resumed from its
-    checkpoint-5 by a fresh trainer."""
-    return {
-        0: train(0, os.path.join(root, "stage0")),
-        1: train(1, os.path.join(root, "stage1")),
-        2: train(
-            2,
-            os.path.join(root, "stage2"),
-            accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}},
-        ),
-        3: train(3, os.path.join(root, "stage3"), activation_checkpointing=True),
-        "resumed": train(3, os.path.join(root, "resumed"), resume=os.path.join(root, "stage3", "checkpoint-5")),
-    }
+    """Stages 0-3 for STEPS steps each, then each stage resumed from its checkpoint-5 by a
+    fresh trainer."""
+    runs = {stage: train(stage, os.path.join(root, f"stage{stage}"), **stage_overrides(stage)) for stage in range(4)}
+    for stage in range(4):
+        checkpoint = os.path.join(root, f"stage{stage}", "checkpoint-5")
+        resumed = os.path.join(root, f"resumed{stage}")
+        runs[("resumed", stage)] = train(stage, resumed, resume=checkpoint, **stage_overrides(stage))
+    return runs
 
 
 def reference(
@@ -219,13 +221,14 @@ def test_model_safetensors_holds_the_full_weights(runs, stage) -> None:
     assert os.path.isfile(os.path.join(root, f"stage{stage}", "checkpoint-5", ZERO_OPTIMIZER_DIR, ".metadata"))
 
 
-def test_resume_from_checkpoint_is_exact(runs) -> None:
-    """A fresh stage-3 ZeroTrainer resumed from checkpoint-5 (the weights come back through the
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_resume_from_checkpoint_is_exact(runs, stage) -> None:
+    """A fresh ZeroTrainer resumed from checkpoint-5 (the weights come back through the
     optimizer's fp32 masters) sees the same last 5 global batches, logs the same norms and ends
     with bitwise the same weights as the uninterrupted run."""
     _, ranks = runs
     for rank in ranks:
-        whole, resumed = rank[3], rank["resumed"]
+        whole, resumed = rank[stage], rank[("resumed", stage)]
         assert len(resumed["seen"]) == len(whole["seen"]) // 2
         for (ids, labels), (ids_whole, labels_whole) in zip(resumed["seen"], whole["seen"][len(resumed["seen"]) :]):
             assert torch.equal(ids, ids_whole) and torch.equal(labels, labels_whole)

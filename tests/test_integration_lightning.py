@@ -151,15 +151,31 @@ def reference_weights(seen: list[list[list[int]]]) -> dict[str, torch.Tensor]:
     return {f"net.{k}": v.detach().clone() for k, v in net.state_dict().items()}
 
 
+def resume(root: Path, stage: int, seen: list[list[int]], straight: ZeroStrategy) -> dict[str, Any]:
+    """A fresh Trainer at `stage` resumed from that run's step-5 checkpoint for the last 5
+    steps: what it ended with, next to the straight run's."""
+    resumed, strategy = LitTiny(), ZeroStrategy(stage, **SMALL)
+    trainer = make_trainer(strategy, root)
+    trainer.fit(resumed, ckpt_path=str(root / f"ckpt{stage}" / "epoch=0-step=5.ckpt"))
+    return {
+        "weights": strategy.full_state_dict(),
+        "seen_equal": resumed.seen == seen[STEPS // 2 * ACCUM :],
+        "global_step": trainer.global_step,
+        "lr": (strategy.zero_optimizer.param_groups[0]["lr"], straight.zero_optimizer.param_groups[0]["lr"]),
+        "state": (local_optimizer_state(strategy.zero_optimizer), local_optimizer_state(straight.zero_optimizer)),
+    }
+
+
 def train_everything(root: Path) -> dict[str, Any]:
-    """On each rank: 10 steps at stages 0-3 (stage 3 checkpointing every 5 steps) and with
-    manual optimization at stage 2; resume stage 3 from step 5; validate a fresh module from
-    the step-10 checkpoint. Rank 0 adds the single-process reference."""
+    """On each rank: 10 steps at stages 0-3 (checkpointing every 5 steps) and with manual
+    optimization at stage 2; resume each stage from step 5; validate a fresh module from
+    stage 3's step-10 checkpoint. Rank 0 adds the single-process reference."""
     out: dict[str, Any] = {"weights": {}, "lr_warnings": [], "wrapped": []}
     seen, strategies = {}, {}
     for name, cls in [(0, LitTiny), (1, LitTiny), (2, LitTiny), (3, LitTiny), ("manual", ManualLit)]:
         module, strategy = cls(), ZeroStrategy(2 if name == "manual" else name, **SMALL)
-        ckpt = [pl.callbacks.ModelCheckpoint(root / "ckpt", every_n_train_steps=5, save_top_k=-1)] if name == 3 else []
+        every5 = pl.callbacks.ModelCheckpoint(root / f"ckpt{name}", every_n_train_steps=5, save_top_k=-1)
+        ckpt = [every5] if name != "manual" else []
         trainer = make_trainer(
             strategy,
             root,
@@ -178,17 +194,7 @@ def train_everything(root: Path) -> dict[str, Any]:
         out["weights"][name] = strategy.full_state_dict()
         seen[name], strategies[name] = module.seen, strategy
 
-    resumed, strategy = LitTiny(), ZeroStrategy(3, **SMALL)
-    trainer = make_trainer(strategy, root)
-    trainer.fit(resumed, ckpt_path=str(root / "ckpt" / "epoch=0-step=5.ckpt"))
-    straight = strategies[3].zero_optimizer
-    out["resume"] = {
-        "weights": strategy.full_state_dict(),
-        "seen_equal": resumed.seen == seen[3][STEPS // 2 * ACCUM :],
-        "global_step": trainer.global_step,
-        "lr": (strategy.zero_optimizer.param_groups[0]["lr"], straight.param_groups[0]["lr"]),
-        "state": (local_optimizer_state(strategy.zero_optimizer), local_optimizer_state(straight)),
-    }
+    out["resume"] = {stage: resume(root, stage, seen[stage], strategies[stage]) for stage in range(4)}
 
     strategies[3].save_full_weights(root / "full.pt")
     out["saved_full"] = torch.load(root / "full.pt")
@@ -196,7 +202,7 @@ def train_everything(root: Path) -> dict[str, Any]:
     make_trainer(ZeroStrategy(3, **SMALL), root).validate(
         fresh,
         DataLoader(Tokens(), batch_size=MICRO_BATCH),
-        ckpt_path=str(root / "ckpt" / "epoch=1-step=10.ckpt"),
+        ckpt_path=str(root / "ckpt3" / "epoch=1-step=10.ckpt"),
         verbose=False,
     )
     out["validated"] = {k: v.clone() for k, v in fresh.state_dict().items()}
@@ -363,15 +369,16 @@ def test_each_sample_once_per_epoch(trained: list[dict[str, Any]]) -> None:
             assert ids == list(range(SAMPLES)), name
 
 
-def test_resume_from_sharded_checkpoint_is_exact(trained: list[dict[str, Any]]) -> None:
-    """Stage 3: 5 steps, Lightning's (DCP-sharded) checkpoint, a fresh Trainer resuming with
-    ckpt_path= for 5 more: weights, optimizer state, LR, step and data order equal 10
-    straight steps exactly."""
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_resume_from_sharded_checkpoint_is_exact(trained: list[dict[str, Any]], stage: int) -> None:
+    """5 steps, Lightning's (DCP-sharded) checkpoint, a fresh Trainer resuming with ckpt_path=
+    for 5 more: weights, optimizer state, LR, step and data order equal 10 straight steps
+    exactly."""
     for rank in trained:
-        resume = rank["resume"]
+        resume = rank["resume"][stage]
         assert resume["seen_equal"] and resume["global_step"] == STEPS
         assert resume["lr"][0] == resume["lr"][1]
-        close(resume["weights"], rank["weights"][3], rtol=0, atol=0)
+        close(resume["weights"], rank["weights"][stage], rtol=0, atol=0)
         close(*resume["state"], rtol=0, atol=0)
 
 
