@@ -225,14 +225,14 @@ def test_state_dicts_users_reach_for(stage: int, tmp_path) -> None:
 
 
 # ---- torch.compile ------------------------------------------------------------------------
-def compiled_training(stage: int) -> dict:
-    """Three steps through torch.compile(model, backend="aot_eager") and three eager ones."""
+def compiled_training(stage: int, backend: str) -> dict:
+    """Three steps through torch.compile(model, backend=backend) and three eager ones."""
     out = {}
     for compiled in (False, True):
         torch.manual_seed(0)
         model = Gated()
         opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=1e-2, **SMALL)
-        run = torch.compile(model, backend="aot_eager") if compiled else model
+        run = torch.compile(model, backend=backend) if compiled else model
         try:
             for step in range(3):
                 x, y = batch(step, dist.get_rank())
@@ -245,9 +245,11 @@ def compiled_training(stage: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_torch_compile_trains_like_eager_or_is_refused_at_stage_3(stage: int) -> None:
-    for out in run_distributed(compiled_training, 2, stage, timeout=180):
+@pytest.mark.parametrize(
+    "stage,backend", [(0, "aot_eager"), (2, "aot_eager"), (2, "inductor"), (3, "aot_eager"), (3, "inductor")]
+)
+def test_torch_compile_trains_like_eager_or_is_refused_at_stage_3(stage: int, backend: str) -> None:
+    for out in run_distributed(compiled_training, 2, stage, backend, timeout=180):
         if stage == 3:
             assert "torch.compile cannot trace ZeRO stage 3" in out[True], out[True]
         else:
