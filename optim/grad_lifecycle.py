@@ -4,7 +4,9 @@ that keeps torch.optim + DDP semantics under other people's habits.
 * Which parameters have a gradient: each rank notes them as gradients arrive; after a
   backward that reduced every bucket, and before each step, one max all-reduce of a flag per
   parameter makes every rank agree (as DDP's unused-parameter search does). Parameters
-  without a gradient on any rank are not stepped.
+  without a gradient on any rank are not stepped. With `find_unused_parameters=False` (DDP's
+  default promise: every trained parameter gets a gradient in every step on every rank) the
+  two all-reduces are skipped and a parameter without a gradient raises instead.
 * What `param.grad` holds: the parameter's `GradPlaceholder` (optim.grad_placeholder), whose
   norm, scaling and zeroing are answered here; a `.grad` found None again (model.zero_grad())
   forgets that gradient; one assigned by hand is refused on every rank.
@@ -41,6 +43,11 @@ COMPILED = (
     "torch.compile cannot trace ZeRO stage 3, whose hooks gather and free the parameters around every "
     "module; use stage 2 with torch.compile, or stage 3 without it"
 )
+UNUSED = (
+    "parameter {name!r} got no gradient in this step, but ZeroOptimizer(find_unused_parameters=False) expects one for "
+    "every trained parameter on every rank; pass find_unused_parameters=True (--find-unused-parameters), or freeze it "
+    "before building the optimizer"
+)
 WRAPPED = (
     "the model runs inside DistributedDataParallel, but ZeroOptimizer reduces gradients itself: train the bare model "
     "(do not wrap it in DDP; for Lightning and HF Trainer use optim.integrations)"
@@ -64,6 +71,7 @@ class GradLifecycle:
     _first_index: list[int]
     _all_params: list[torch.nn.Parameter]
     _dp_groups: list[dist.ProcessGroup | None]
+    find_unused_parameters: bool
 
     def _check_grads(self, arriving: tuple[int, int] | None = None) -> None:
         """`.grad` set to None since the last backward (model.zero_grad()) clears that
@@ -87,6 +95,9 @@ class GradLifecycle:
         having a gradient and shows its placeholder in `.grad`. A `.grad` assigned by hand on
         any rank (the last flag) raises on every rank."""
         self._check_grads()
+        if not self.find_unused_parameters:
+            self._expect_every_grad()
+            return
         flags = torch.tensor(
             [g for b in self.buckets for g in b.got] + [self._hand_set],
             dtype=torch.int32,
@@ -95,13 +106,7 @@ class GradLifecycle:
         for group in self._dp_groups:
             if dist.get_world_size(group) > 1:
                 comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        hand_set, self._hand_set = int(flags[-1]), 0
-        if hand_set:
-            name = self.names[self._all_params[hand_set - 1]]
-            raise RuntimeError(
-                f"param.grad of {name!r} was assigned by hand; ZeroOptimizer takes gradients only from "
-                "backward(), so compute them with loss.backward() and clear them with opt.zero_grad()"
-            )
+        self._refuse_hand_set(int(flags[-1]))
         for k, b in enumerate(self.buckets):
             for group in b.marks.tied if tied else ():
                 start = self._first_index[k]
@@ -113,6 +118,27 @@ class GradLifecycle:
             for i, p in enumerate(b.params):
                 if b.got[i] and p.grad is None:
                     p.grad = self._placeholders[k][i]
+
+    def _expect_every_grad(self) -> None:
+        """find_unused_parameters=False: with no flags shared, every trained parameter must have
+        its gradient on this rank; then each shows its placeholder in `.grad`."""
+        self._refuse_hand_set(self._hand_set)
+        for k, b in enumerate(self.buckets):
+            for i, p in enumerate(b.params):
+                if not b.got[i]:
+                    raise RuntimeError(UNUSED.format(name=self.names[p]))
+                if p.grad is None:
+                    p.grad = self._placeholders[k][i]
+
+    def _refuse_hand_set(self, hand_set: int) -> None:
+        """Raise if a `.grad` was assigned by hand (`hand_set`: 1 + its flat index; 0: none)."""
+        self._hand_set = 0
+        if hand_set:
+            name = self.names[self._all_params[hand_set - 1]]
+            raise RuntimeError(
+                f"param.grad of {name!r} was assigned by hand; ZeroOptimizer takes gradients only from "
+                "backward(), so compute them with loss.backward() and clear them with opt.zero_grad()"
+            )
 
     def _backward_end(self, synced: bool) -> None:
         """After every backward: stage 3 frees what it gathered; a backward that reduced every

@@ -103,6 +103,12 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             model's `state_dict()`, this optimizer's state dicts, the next step). Code that
             reads parameters directly in between (an EMA update, weight logging) must call
             `opt.wait_params()` first: until then other ranks' shards hold the old values.
+        find_unused_parameters: True: which parameters got a gradient is agreed over the ranks
+            (one max all-reduce of a flag per parameter after the last backward and one at the
+            step), so parameters unused in a step, on some or all ranks, behave as in torch.
+            False: DDP's default promise that every trained parameter gets a gradient in
+            every step on every rank; both all-reduces are skipped, and a parameter without a
+            gradient raises on the rank that misses it.
         **optimizer_kwargs: passed to `optimizer_class` (lr, weight_decay, betas, ...).
 
     `grad_peak_bytes`: the most gradient bytes this rank has held since construction. At
@@ -137,12 +143,13 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         hpz: bool = False,
         qgz_bits: int | None = None,
         overlap_param_gather: bool = False,
+        find_unused_parameters: bool = True,
         **optimizer_kwargs: Any,
     ) -> None:
         validate(model, optimizer_class, stage, param_dtype, qwz_block)
         check_zero_pp(stage, hpz, qgz_bits, node_groups, process_group)
         self.qwz_block, self.hpz, self.qgz_bits = qwz_block, hpz, qgz_bits
-        self.overlap_param_gather = overlap_param_gather
+        self.overlap_param_gather, self.find_unused_parameters = overlap_param_gather, find_unused_parameters
         self._param_gathers: dict[FlatBucket, Callable[[], None]] = {}  # bucket -> finish its gather
         self.model, self.optimizer_class, self.stage = model, optimizer_class, stage
         self.sharding = Sharding.of_zero_stage(stage)

@@ -61,6 +61,7 @@ class ParallelConfig:
     hpz: bool = False
     qgz_bits: int | None = None
     overlap_param_gather: bool = False
+    find_unused_parameters: bool = False
     comm_timeout: float | None = None
 
 
@@ -190,6 +191,9 @@ HELP = {
     "inside the node then across nodes, summed in fp32 (None: exact)",
     "overlap_param_gather": "ZeRO-1/2: leave the all-gather of updated parameters in flight after the step and "
     "wait for each bucket's just before the first forward that uses it (Megatron's overlap-param-gather)",
+    "find_unused_parameters": "agree over the ranks, each step, which parameters got a gradient (two small "
+    "all-reduces), so a parameter unused in a step is not stepped, as in torch; off: every parameter must get a "
+    "gradient in every step (DDP's default promise), and one that does not stops the run with its name",
     "comm_timeout": "seconds a collective may wait for the other ranks before the run stops with a report of "
     "which rank did not arrive (None: 180 on CPU/gloo, 900 on CUDA/NCCL)",
     "steps": "total optimizer steps of the run (also when resuming)",

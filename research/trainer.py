@@ -118,6 +118,7 @@ def build_optimizer(
         hpz=par.hpz,
         qgz_bits=par.qgz_bits,
         overlap_param_gather=par.overlap_param_gather,
+        find_unused_parameters=par.find_unused_parameters,
         lr=tr.lr,
         betas=(tr.beta1, tr.beta2),
         eps=tr.eps,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from optim import ZeroOptimizer
+from parallel import comm
 from tests.dist_utils import run_distributed
 
 STEPS = 7
@@ -162,6 +163,58 @@ def misuse(stage: int, what: str) -> str:
 def test_misuse_raises_one_sentence(stage: int, what: str, sentence: str) -> None:
     messages = run_distributed(misuse, 2, stage, what, timeout=60)
     assert all(sentence in m for m in messages), messages
+
+
+# ---- find_unused_parameters=False: DDP's default promise, no flag all-reduces --------------
+def dense() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def promised(stage: int) -> dict:
+    """Three clipped steps of a model that uses every parameter, with and without the promise
+    (equal weights, and the all-reduces it saves); then a parameter unused on every rank, and
+    one unused on rank 1 only: the rank that misses a gradient raises."""
+    out, rank = {}, dist.get_rank()
+    for find in (True, False):
+        model = dense()
+        opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, find_unused_parameters=find, **SMALL, lr=1e-2)
+        with comm.tracking() as log:
+            for step in range(3):
+                x, y = batch(step, rank)
+                F.cross_entropy(model(x), y).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+                opt.step()
+                opt.zero_grad()
+        out[find] = (opt.full_state_dict(), log.calls(op="all_reduce"))
+    cases = {"unused everywhere": lambda r: False, "unused on rank 1": lambda r: r == 0}
+    for case, uses in list(cases.items())[: 1 if stage == 3 else 2]:  # stage 3: same modules on every rank
+        torch.manual_seed(0)
+        model = Gated()
+        model.never.requires_grad_(False)  # never used: frozen before the optimizer, as the sentence says
+        opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, find_unused_parameters=False, **SMALL, lr=1e-2)
+        try:
+            x, y = batch(0, rank)
+            F.cross_entropy(model(x, uses(rank)), y).backward()
+            opt.step()
+            out[case] = "no error"
+        except RuntimeError as e:
+            out[case] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_find_unused_parameters_false_skips_the_flag_all_reduces(stage: int) -> None:
+    outs = run_distributed(promised, 2, stage, timeout=60)
+    for out in outs:
+        (found, found_calls), (promise, promise_calls) = out[True], out[False]
+        for name, value in found.items():
+            assert torch.equal(promise[name], value), name
+        assert found_calls - promise_calls == 2 * 3  # two flag all-reduces per step
+        assert "got no gradient in this step" in out["unused everywhere"]
+    if stage < 3:  # rank 0 steps (stage 0) or its post-step all-gather finds rank 1 gone (stage 2); no hang
+        assert outs[0]["unused on rank 1"] == "no error" or "Connection" in outs[0]["unused on rank 1"]
+        assert "parameter 'sometimes." in outs[1]["unused on rank 1"]
 
 
 # ---- state dicts users reach for: torch.save per rank, torch.optim's own ----------------

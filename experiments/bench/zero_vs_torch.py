@@ -140,7 +140,8 @@ def zero_options(cfg: Config) -> dict[str, Any]:
     """ZeroOptimizer keyword options used. Gradient buckets: ZeroOptimizer's default against
     DDP's default buckets, so defaults meet defaults (other sizes measured: docs/benchmarks.md).
     Stage-3 units of one block each, the root unit holding the embeddings and the final norm:
-    the same grouping as the FSDP2 wrapping."""
+    the same grouping as the FSDP2 wrapping. find_unused_parameters=False: the promise DDP's
+    default makes (every parameter gets a gradient in every step), which the model keeps."""
     from optim.zero import DEFAULT_BUCKET_NUMEL
 
     n = block_numel(cfg)
@@ -149,6 +150,7 @@ def zero_options(cfg: Config) -> dict[str, Any]:
         "unit_numel": cfg.unit_numel if cfg.unit_numel is not None else n,
         "resident_numel": cfg.resident_numel,
         "step_backend": cfg.step_backend,
+        "find_unused_parameters": False,
     }
 
 
