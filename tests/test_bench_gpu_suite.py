@@ -19,7 +19,7 @@ import pytest
 from experiments.bench.gpu_suite import PARTS
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_ON_CPU = ("environment", "fused_step", "mfu", "memory", "zero_stages")
+RUN_ON_CPU = ("environment", "fused_step", "quantize", "mfu", "memory", "zero_stages")
 
 
 @pytest.mark.skipif(os.environ.get("ZERO3D_SKIP_BENCH") == "1", reason="ZERO3D_SKIP_BENCH=1")
@@ -62,6 +62,9 @@ def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
     assert env["copy_gbs"] > 0 and env["matmul_tflops"] > 0
     fused_rows = results["parts"]["fused_step"]["rows"]
     assert fused_rows[0]["backend"] is None and all(r["gbs"] > 0 and r["of_copy"] > 0 for r in fused_rows)
+    quantized = results["parts"]["quantize"]["rows"]
+    assert {(r["bits"], r["op"]) for r in quantized} == {(b, op) for b in (8, 4) for op in ("quantize", "dequantize")}
+    assert all(r["gbs"] > 0 and r["of_copy"] > 0 for r in quantized)
     assert {r["loop"] for r in results["parts"]["mfu"]["rows"]} == {"ours", "plain"}
     memory = results["parts"]["memory"]["rows"]
     assert {(r["recompute"], r["seq_len"]) for r in memory} == {

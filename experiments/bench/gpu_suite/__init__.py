@@ -19,6 +19,10 @@ fused_step    `fused_step_bandwidth.measure` on a 1B-element shard (2e5 on the C
               fused Adam step backends and AdamW(fused=True), effective GB/s as a fraction of
               the copy bandwidth measured by `environment`. Goal: >= 85 % for the backend
               ZeroOptimizer picks.
+quantize      ZeRO++'s block quantizer (`parallel.quantize`, blocks of 2048) on 2^28 bf16
+              elements (2^16 on the CPU): quantize and dequantize at int8 and int4, GB/s of
+              the bytes each moves as a fraction of the copy bandwidth, which the planner
+              assumes for them. Goal: >= 50 % for the slowest.
 mfu           `gpu_mfu.main`: the ~1.3B GPT of --config in bf16 through the training command
               next to the plain PyTorch loop (`--quick`'s tiny fp32 model on the CPU):
               tokens/s, TFLOP/s, MFU against the datasheet peak and the fraction of the matmul
@@ -64,6 +68,7 @@ from experiments.bench.gpu_suite.parts import (
     fused_step,
     memory,
     mfu,
+    quantize,
     zero_stages,
 )
 from experiments.bench.gpu_suite.report import (
@@ -72,6 +77,7 @@ from experiments.bench.gpu_suite.report import (
     fused_step_md,
     memory_md,
     mfu_md,
+    quantize_md,
     zero_stages_md,
 )
 from experiments.bench.gpu_suite.runner import GPU_BUDGET_S, SMOKE_BUDGET_S, Context, Part, run_suite
@@ -81,6 +87,7 @@ PARTS = [
     Part("environment", environment, 30, environment_md),
     Part("cuda_tests", cuda_tests, 120, cuda_tests_md),
     Part("fused_step", fused_step, 60, fused_step_md),
+    Part("quantize", quantize, 20, quantize_md),
     Part("mfu", mfu, 150, mfu_md),
     Part("memory", memory, 60, memory_md),
     Part("zero_stages", zero_stages, 60, zero_stages_md),

@@ -22,6 +22,7 @@ from experiments.bench import fused_step_bandwidth, gpu_mfu
 from experiments.bench.common import median, timed
 from experiments.bench.gpu_suite.runner import ROOT, Context
 from optim import ZeroOptimizer, fused
+from parallel import quantize as quant
 from research import data, metrics
 from research.config import RunConfig
 from research.config import parse_args as parse_run_args
@@ -229,6 +230,42 @@ def fused_step(ctx: Context) -> dict[str, Any]:
         "picked_backend": picked,
         "rows": rows,
         "goal": _goal(of_copy, ">=", 0.85),
+    }
+
+
+QUANT_BLOCK = 2048  # ZeRO++'s block, the one the planner costs
+
+
+def quantize(ctx: Context) -> dict[str, Any]:
+    """ZeRO++'s block quantizer (`parallel.quantize`) on a bf16 tensor: median times of
+    quantize and dequantize at int8 and int4, as GB/s of the bytes each must move (bf16 in
+    and q-bit values + fp32 scales out, or the reverse) and as a fraction of the copy
+    bandwidth `environment` measured: the planner costs them as passes at that bandwidth."""
+    device = ctx.device
+    n = 2**16 if ctx.smoke else 2**28
+    x = torch.randn(n, device=device).to(torch.bfloat16)
+    copy = ctx.earlier.get("environment", {}).get("copy_gbs")
+    rows = []
+    for bits in quant.BITS:
+        q = quant.quantize(x, QUANT_BLOCK, bits)
+        moved = 2 * n + q.nbytes  # the bf16 tensor and its quantized form
+        for op, fn in (
+            ("quantize", lambda b=bits: quant.quantize(x, QUANT_BLOCK, b)),
+            ("dequantize", lambda q=q: quant.dequantize(q)),
+        ):
+            seconds = timed(fn, device, 5 if ctx.smoke else 20)
+            gbs = moved / seconds / 1e9
+            rows.append(
+                {"bits": bits, "op": op, "seconds": seconds, "gbs": gbs, "of_copy": gbs / copy if copy else None}
+            )
+    worst = min((r["of_copy"] for r in rows), default=None) if copy else None
+    return {
+        "status": "ok",
+        "numel": n,
+        "block": QUANT_BLOCK,
+        "copy_gbs": copy,
+        "rows": rows,
+        "goal": _goal(worst, ">=", 0.5),
     }
 
 
