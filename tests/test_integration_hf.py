@@ -115,6 +115,7 @@ def train(stage: int, output_dir: str, resume: str | None = None, **overrides) -
         "norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
         "reductions": log.calls(op="reduce_scatter_tensor") / len(trainer.zero_optimizer.buckets),
         "weights": trainer.zero_optimizer.full_state_dict(),
+        "find_unused": trainer.zero_optimizer.find_unused_parameters,
         "eval_loss": trainer.evaluate()["eval_loss"],
         "decay": trainer.get_decay_parameter_names(trainer.model),
         # whether Trainer counts the tokens a causal LM predicts (labels[:, 1:]) or every label:
@@ -126,6 +127,8 @@ def train(stage: int, output_dir: str, resume: str | None = None, **overrides) -
 def stage_overrides(stage: int) -> dict:
     """Stage 2 reduces every micro-batch (accelerate's sync_each_batch), stage 3 checkpoints
     activations. Fresh dicts each call: TrainingArguments writes into accelerator_config."""
+    if stage == 1:  # every GPT-2 parameter gets a gradient: the promise holds
+        return {"ddp_find_unused_parameters": False}
     if stage == 2:
         return {"accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}}}
     return {"activation_checkpointing": True} if stage == 3 else {}
@@ -203,6 +206,7 @@ def test_stage_matches_single_process_adamw(runs, stage) -> None:
         for name, want in ref_weights.items():
             torch.testing.assert_close(rank[stage]["weights"][name], want, rtol=RTOL, atol=ATOL, msg=name)
     assert run["eval_loss"] == pytest.approx(ranks[0][0]["eval_loss"], rel=RTOL)
+    assert run["find_unused"] == (stage != 1)  # TrainingArguments(ddp_find_unused_parameters=False) at stage 1
     if stage > 0:  # stage 0 all-reduces; its all_reduce count mixes in the grad norm's
         assert run["reductions"] == STEPS * (ACCUM if stage == 2 else 1)
 

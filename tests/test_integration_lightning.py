@@ -321,6 +321,8 @@ def one_rank_checks(root: Path) -> dict[str, Any]:
             misuse[name] = "no error"
         except Exception as e:  # any exception: its message is what is tested
             misuse[name] = f"{type(e).__name__}: {e}"
+    promised = ZeroStrategy(2, find_unused_parameters=False)
+    fit_once(root, LitTiny(), promised)
     own, strategy = OwnZero(2), ZeroStrategy(2)
     fit_once(root, own, strategy)
     trained = not torch.equal(strategy.full_state_dict()["net.emb.weight"], LitTiny().net.emb.weight)
@@ -335,7 +337,12 @@ def one_rank_checks(root: Path) -> dict[str, Any]:
         "changed": not torch.equal(after["net.emb.weight"], before["net.emb.weight"]),
         "dtypes": {str(v.dtype) for v in after.values()},
     }
-    return {"misuse": misuse, "bf16": bf16, "own ZeroOptimizer taken": taken}
+    return {
+        "misuse": misuse,
+        "bf16": bf16,
+        "own ZeroOptimizer taken": taken,
+        "find_unused_parameters": promised.zero_optimizer.find_unused_parameters,
+    }
 
 
 # ---- tests ----------------------------------------------------------------------------------
@@ -409,6 +416,10 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_misuse_is_one_sentence(one_rank: dict[str, Any], case: str) -> None:
     message = one_rank["misuse"][case]
     assert re.search(MISUSE[case][1], message), message
+
+
+def test_find_unused_parameters_reaches_the_optimizer(one_rank: dict[str, Any]) -> None:
+    assert one_rank["find_unused_parameters"] is False
 
 
 def test_own_zero_optimizer_is_taken(one_rank: dict[str, Any]) -> None:

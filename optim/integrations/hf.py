@@ -77,6 +77,11 @@ class ZeroTrainer(Trainer):
             param_dtype None or torch.bfloat16, reduce_dtype, bucket_numel, unit_numel,
             resident_numel, step_backend).
 
+    `ddp_find_unused_parameters=False` in TrainingArguments makes ZeroOptimizer's
+    `find_unused_parameters=False` promise (every parameter gets a gradient in every step),
+    which saves two small all-reduces per step; otherwise parameters without a gradient in a
+    step are found and left alone, as in torch.
+
     torch.distributed must be initialized (torchrun); the data-parallel group is the
     default group, over which Trainer shards the data. Unsupported settings raise one
     sentence at construction.
@@ -141,6 +146,7 @@ class ZeroTrainer(Trainer):
                 cls,
                 stage=self.zero_stage,
                 param_groups=[g for g in groups if g["params"]],
+                find_unused_parameters=self.args.ddp_find_unused_parameters is not False,
                 **kwargs,
                 **self.zero_kwargs,
             )

@@ -62,7 +62,15 @@ except ImportError:
 __all__ = ["ZeroPrecision", "ZeroStrategy"]
 
 # ZeroOptimizer options the strategy passes on; hyperparameters belong to configure_optimizers.
-ZERO_OPTIONS = ("param_dtype", "reduce_dtype", "bucket_numel", "unit_numel", "resident_numel", "step_backend")
+ZERO_OPTIONS = (
+    "param_dtype",
+    "reduce_dtype",
+    "bucket_numel",
+    "unit_numel",
+    "resident_numel",
+    "step_backend",
+    "find_unused_parameters",
+)
 META = "meta.pt"
 CLIP_BY_VALUE = (
     "ZeroStrategy clips gradients only by their global norm (ZeroOptimizer.clip_grad_norm_); "
