@@ -92,6 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     network.add_argument(
         "--inter-node-gbps", type=float, help="a node's network, Gb/s per direction, all NICs together (DGX H100: 3200)"
     )
+    p.add_argument("--intra-node-latency-us", type=float, help="override µs per ring step inside a node (3.4)")
+    p.add_argument("--inter-node-latency-us", type=float, help="override µs per ring step across nodes (14)")
     p.add_argument(
         "--comm",
         choices=list(costmodel.COMM_SCHEMES),
@@ -127,7 +129,9 @@ def cluster_of(args: argparse.Namespace, gpus: int) -> Cluster:
         "inter_node_bandwidth": args.inter_node_gbs and args.inter_node_gbs * 1e9,
     }
     gpu = dataclasses.replace(gpu, **{k: v for k, v in overrides.items() if v})
-    return Cluster(gpu, gpus, args.gpus_per_node, args.inter_node_gbps)
+    latencies = {"intra_node_latency": args.intra_node_latency_us, "inter_node_latency": args.inter_node_latency_us}
+    latencies = {k: us * 1e-6 for k, us in latencies.items() if us is not None}  # 0: bandwidth only
+    return Cluster(gpu, gpus, args.gpus_per_node, args.inter_node_gbps, **latencies)
 
 
 def _count(n: int) -> str:
@@ -209,8 +213,8 @@ def _best_breakdown(best: Estimate, cluster: Cluster) -> list[str]:
     """What the columns mean, and the best layout's memory, step time and DP bytes by part."""
     mem, t = best.memory, best.time
     return [
-        "shard: ranks ZeRO shards over (dp_shard; dp / shard replicas); net GB: data-parallel bytes each GPU "
-        "sends across nodes per step.",
+        "shard: ranks ZeRO shards over (dp_shard; dp / shard replicas); net GB: data-parallel (and tied-embedding) "
+        "bytes each GPU sends across nodes per step.",
         "TFLOP/s/GPU: model FLOPs (no recomputation) per second per GPU, as the trainer reports; MFU = that / peak.",
         (
             f"#1 memory (pipeline rank {mem.pp_rank}): model states {_gib(mem.model_states.total)} + "
@@ -231,15 +235,20 @@ FAMILIES = {
     "gather_step": "param all-gather after step",
     "reduce": "gradient reduction",
     "replicate": "replica all-reduce",
+    "tied_embedding": "tied-embedding all-reduce",
 }
 
 
 def _where_the_bytes_go(collectives: tuple[Collective, ...], cluster: Cluster) -> list[str]:
-    """#1's data-parallel bytes and seconds per family over NVLink and over the network."""
+    """#1's data-parallel (and tied-embedding) bytes and seconds per family: transfers over
+    NVLink and the network, latency, quantization kernels, busy and exposed; the exposed
+    total is the step's exposed DP comm."""
     lines = [
         f"#1 data-parallel communication per GPU and step (NVLink {cluster.gpu.intra_node_bandwidth / 1e9:g} GB/s, "
-        f"network {cluster.inter_node_bandwidth / 1e9:.3g} GB/s per GPU):",
-        f"  {'':30} {'NVLink GB':>10} {'s':>8} {'network GB':>11} {'s':>8} {'busy s':>8} {'exposed s':>9}",
+        f"network {cluster.inter_node_bandwidth / 1e9:.3g} GB/s per GPU; {cluster.intra_node_latency * 1e6:g} / "
+        f"{cluster.inter_node_latency * 1e6:g} µs per ring step in / across nodes):",
+        f"  {'':30} {'NVLink GB':>10} {'s':>8} {'network GB':>11} {'s':>8} {'latency s':>9} {'kernels s':>9} "
+        f"{'busy s':>8} {'exposed s':>9}",
     ]
     rows = [(FAMILIES[c.name], c) for c in collectives]
     if len(rows) > 1:
@@ -248,7 +257,7 @@ def _where_the_bytes_go(collectives: tuple[Collective, ...], cluster: Cluster) -
     for label, c in rows:
         lines.append(
             f"  {label:30} {_sig(c.intra_bytes / 1e9):>10} {_sig(c.intra_seconds):>8} {_sig(c.inter_bytes / 1e9):>11} "
-            f"{_sig(c.inter_seconds):>8} {_sig(c.seconds):>8} {_sig(c.exposed):>9}"
+            f"{_sig(c.inter_seconds):>8} {_sig(c.latency):>9} {_sig(c.kernels):>9} {_sig(c.seconds):>8} {_sig(c.exposed):>9}"
         )
     return lines
 

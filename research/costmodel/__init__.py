@@ -10,10 +10,13 @@ Memory per GPU = model states + activations + buffers, for the fullest pipeline 
 Modules: `hardware` (GPUs, clusters), `layout` (what is chosen), `params` (a rank's
 parameters and stage-3 units, read off the model built on the meta device), `memory` (model
 states per the ZeRO formulas, activations per Korthikanti et al. 2022, buffers), `steptime` (compute,
-bubble, communication with overlap, data-parallel bytes split over NVLink and the network),
-`search` (enumerate, estimate, choose hybrid sharding / ZeRO++ per layout, rank, explain).
+bubble, TP and pipeline communication, the step's total),
+`dpcomm` (data-parallel bytes over NVLink and the network, alpha-beta latency, quantization
+kernels, overlap per unit or bucket), `search` (enumerate, estimate, choose hybrid sharding /
+ZeRO++ per layout, rank, explain).
 """
 
+from research.costmodel.dpcomm import Collective, Traffic, dp_traffic
 from research.costmodel.hardware import GPU, GPUS, Cluster, GiB, MiB
 from research.costmodel.layout import Layout, run_spec
 from research.costmodel.memory import (
@@ -26,15 +29,7 @@ from research.costmodel.memory import (
 )
 from research.costmodel.params import RankParams, rank_params, unit_sizes
 from research.costmodel.search import COMM_SCHEMES, Estimate, Plan, candidate_layouts, comm_variants, estimate, plan
-from research.costmodel.steptime import (
-    Collective,
-    StepTime,
-    Traffic,
-    dp_traffic,
-    forward_flops_per_token,
-    pipeline_bubble,
-    predict_step_time,
-)
+from research.costmodel.steptime import StepTime, forward_flops_per_token, pipeline_bubble, predict_step_time
 
 __all__ = [
     "COMM_SCHEMES",

@@ -1,4 +1,4 @@
-"""GPUs and clusters the planner knows: memory, peak FLOP/s, bandwidths."""
+"""GPUs and clusters the planner knows: memory, peak FLOP/s, bandwidths, latencies."""
 
 from __future__ import annotations
 
@@ -43,6 +43,15 @@ GPUS: dict[str, GPU] = {
 }
 
 
+# Latency per step of a ring collective (the α of alpha-beta), from NCCL's own cost model:
+# NVIDIA/nccl src/graph/tuning.cc, `hwLat`, ring algorithm, Simple protocol (the one NCCL picks
+# for the megabyte messages of data parallelism): 3.4 µs per step over NVLink, 14 µs per step
+# over the network (9.6 µs in NCCL 2.8's table). An assumption: not measured here, and NCCL's
+# fixed cost per call (`baseLat`, 8.4 µs) is left out.
+NVLINK_STEP_LATENCY = 3.4e-6
+NETWORK_STEP_LATENCY = 14e-6
+
+
 def ranks_per_node(size: int, stride: int, gpus_per_node: int) -> int:
     """Ranks of a group of `size` ranks `stride` apart in the rank order that share a node."""
     return max(1, min(size, gpus_per_node // stride))
@@ -52,12 +61,15 @@ def ranks_per_node(size: int, stride: int, gpus_per_node: int) -> int:
 class Cluster:
     """`gpus` GPUs, `gpus_per_node` to a node. `inter_node_gbps`: a node's network in Gb/s per
     direction, all its NICs together, shared evenly by its GPUs (DGX H100: 8 × 400 = 3200);
-    None keeps each GPU's own NIC, `GPU.inter_node_bandwidth`."""
+    None keeps each GPU's own NIC, `GPU.inter_node_bandwidth`. `intra_node_latency` /
+    `inter_node_latency`: seconds per step of a ring collective inside a node / across nodes."""
 
     gpu: GPU
     gpus: int
     gpus_per_node: int = 8
     inter_node_gbps: float | None = None
+    intra_node_latency: float = NVLINK_STEP_LATENCY
+    inter_node_latency: float = NETWORK_STEP_LATENCY
 
     @property
     def inter_node_bandwidth(self) -> float:
@@ -75,6 +87,19 @@ class Cluster:
             return volume, 0.0
         k = ranks_per_node(size, stride, self.gpus_per_node)
         return volume * (k - 1) / k, volume / k
+
+    def ring_steps(self, size: int, stride: int, rounds: int = 1) -> tuple[int, int]:
+        """(in-node, cross-node) steps of a ring over `size` ranks `stride` apart on n nodes:
+        rounds·(size - 1) (all-gather, reduce-scatter: 1 round; all-reduce: 2), rounds·(n - 1)
+        of them between nodes, as NCCL's cost model counts them (`ncclTopoTuneModel`)."""
+        nodes = (
+            1 if size * stride <= self.gpus_per_node else -(-size // ranks_per_node(size, stride, self.gpus_per_node))
+        )
+        return rounds * (size - nodes), rounds * (nodes - 1)
+
+    def latency(self, intra_steps: int, inter_steps: int) -> float:
+        """Seconds of α·steps: `intra_steps` inside a node, `inter_steps` across nodes."""
+        return intra_steps * self.intra_node_latency + inter_steps * self.inter_node_latency
 
     def seconds(self, intra: float, inter: float) -> tuple[float, float]:
         """Seconds of `intra` bytes over NVLink and `inter` bytes over this GPU's network share."""

@@ -11,12 +11,20 @@ seeds its weights), and the blocks sit in a ModuleDict, which has no forward and
 claims a unit. A chunk of n blocks therefore has n copies of one block's units, and its root
 unit holds n copies of what the block left unclaimed (`tests/test_costmodel.py` compares
 with the chunks built whole).
+
+Passes. What the step-time model needs of a rank's collectives (`research.costmodel.dpcomm`):
+each chunk's units in the order forward uses them (the chunk's root unit first, as its
+forward hook fires first, then the units before its blocks, the blocks', those after), cut
+into `Slot`s, and the same for its stages 0-2 gradient buckets. A unit or bucket costs one
+collective per bucket key (`_bucket_key`), as `ZeroOptimizer` buckets it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -24,7 +32,8 @@ from torch.overrides import TorchFunctionMode
 
 from optim.buffers import ALIGN
 from optim.stage3 import is_called, stage3_units
-from optim.zero import DEFAULT_UNIT_NUMEL, default_resident_numel
+from optim.zero import DEFAULT_BUCKET_NUMEL, DEFAULT_UNIT_NUMEL, default_resident_numel
+from parallel.marks import NO_MARKS, ParamMarks, param_marks
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import stage_of
 from parallel.tensor import ShapeGroup
@@ -45,10 +54,40 @@ class _NoInit(TorchFunctionMode):
 
 
 Size = tuple[int, int]  # (numel, numel with each parameter aligned to ALIGN elements)
+Key = tuple[bool, tuple[int, ...], tuple[int, ...]]  # what a bucket's parameters share (`_bucket_key`)
+Parts = dict[Key, Size]  # a unit's parameters by bucket key
 
 
-def _size(params: list[torch.Tensor]) -> Size:
-    return sum(p.numel() for p in params), sum(-(-p.numel() // ALIGN) * ALIGN for p in params)
+def _bucket_key(p: torch.Tensor, marks: dict[torch.Tensor, ParamMarks]) -> Key:
+    """What `ZeroOptimizer._build_buckets` keeps apart inside one root module: the param group
+    (the Trainer's, `research.trainer.weight_decay_groups`: matrices decay, vectors do not)
+    and the groups the parameter is replicated and tied over."""
+    m = marks.get(p, NO_MARKS)
+    return p.dim() >= 2, tuple(map(id, m.replicated)), tuple(map(id, m.tied))
+
+
+def _parts(params: list[torch.Tensor], marks: dict[torch.Tensor, ParamMarks]) -> Parts:
+    """(numel, aligned numel) of `params` by bucket key."""
+    parts: Parts = {}
+    for p in params:
+        key = _bucket_key(p, marks)
+        numel, aligned = parts.get(key, (0, 0))
+        parts[key] = (numel + p.numel(), aligned + -(-p.numel() // ALIGN) * ALIGN)
+    return parts
+
+
+def _size(parts: Parts) -> Size:
+    return sum(n for n, _ in parts.values()), sum(a for _, a in parts.values())
+
+
+def _merged(*weighted: tuple[Parts, int]) -> Parts:
+    """The sum over (parts, times) of `times` copies of `parts`."""
+    out: Parts = {}
+    for parts, times in weighted:
+        for key, (numel, aligned) in parts.items():
+            have = out.get(key, (0, 0))
+            out[key] = (have[0] + times * numel, have[1] + times * aligned)
+    return out
 
 
 def rank_chunks(model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int) -> nn.ModuleList:
@@ -62,18 +101,21 @@ def rank_chunks(model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank
 
 @dataclass(frozen=True)
 class _ChunkUnits:
-    """The stage-3 units of a chunk built with one block: the block's own units, the block's
-    unclaimed part of the chunk's root unit, the rest of the root unit, the other units."""
+    """The stage-3 units of a chunk built with one block, by bucket key: the units before the
+    block and after it (post-order), the block's own, the block's unclaimed part of the
+    chunk's root unit, the rest of the root unit."""
 
-    block: tuple[Size, ...]
-    root_block: Size
-    root_rest: Size
-    other: tuple[Size, ...]
+    before: tuple[Parts, ...]
+    block: tuple[Parts, ...]
+    after: tuple[Parts, ...]
+    root_block: Parts
+    root_rest: Parts
 
-    def with_layers(self, n: int) -> list[Size]:
-        """The units of the same chunk with n blocks."""
-        root = (self.root_rest[0] + n * self.root_block[0], self.root_rest[1] + n * self.root_block[1])
-        return [*self.other, *self.block * n] + ([root] if root[0] else [])
+    def with_layers(self, n: int) -> list[Parts]:
+        """The units of the same chunk with n blocks, in the order forward uses them: the root
+        unit first (its forward hook fires first), then post-order."""
+        root = _merged((self.root_rest, 1), (self.root_block, n))
+        return ([root] if root else []) + [*self.before, *self.block * n, *self.after]
 
 
 def _classify(chunks: nn.ModuleList, unit_numel: int) -> list[_ChunkUnits]:
@@ -85,31 +127,35 @@ def _classify(chunks: nn.ModuleList, unit_numel: int) -> list[_ChunkUnits]:
         owner.update({id(m): (id(chunk), True) for block in chunk.blocks.values() for m in block.modules()})
         for m in chunk.modules():
             owner.setdefault(id(m), (id(chunk), False))
-    parts = {id(chunk): ([], [], [], []) for chunk in chunks}  # block, root_block, root_rest, other
+    marks = param_marks(chunks)
+    found = {id(chunk): ([], [], [], [], []) for chunk in chunks}  # before, block, after, root_block, root_rest
     for module, params in stage3_units(chunks, set(chunks.parameters()), unit_numel):
         chunk, in_block = owner[id(module)]
-        block, root_block, root_rest, other = parts[chunk]
+        before, block, after, root_block, root_rest = found[chunk]
         if in_block:
-            block.append(_size(params))
+            block.append(_parts(params, marks))
         elif id(module) == chunk:
             held = {id(p) for b in module.blocks.values() for p in b.parameters()}
             root_block += [p for p in params if id(p) in held]
             root_rest += [p for p in params if id(p) not in held]
         else:
-            other.append(_size(params))
-    return [_ChunkUnits(tuple(b), _size(rb), _size(rr), tuple(o)) for b, rb, rr, o in parts.values()]
+            (after if block else before).append(_parts(params, marks))
+    return [
+        _ChunkUnits(tuple(b), tuple(k), tuple(a), _parts(rb, marks), _parts(rr, marks))
+        for b, k, a, rb, rr in found.values()
+    ]
 
 
 _CHUNK_UNITS: dict[tuple, list[_ChunkUnits]] = {}
 
 
-def unit_sizes(
-    model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int, unit_numel: int = DEFAULT_UNIT_NUMEL
-) -> list[Size]:
-    """(numel, aligned numel) of the stage-3 units of pipeline rank `pp_rank`, which together
-    hold all its parameters: those of `rank_chunks`, each chunk's block repeated once per
-    layer `layer_ranges` gives it. The one-block units are memoized by what the chunks'
-    structure depends on: the model less its depth, tp, each chunk's place (first / last)."""
+def _chunk_units(
+    model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int, unit_numel: int
+) -> list[list[Parts]]:
+    """Per chunk of pipeline rank `pp_rank`, its stage-3 units in the order forward uses them:
+    those of `rank_chunks`, each chunk's block repeated once per layer `layer_ranges` gives
+    it. The one-block units are memoized by what the chunks' structure depends on: the model
+    less its depth, tp, each chunk's place (first / last)."""
     stages = pp * virtual_stages
     ranges = layer_ranges(model.n_layers, stages)
     chunk_stages = [stage_of(pp_rank, c, pp) for c in range(virtual_stages)]
@@ -117,7 +163,77 @@ def unit_sizes(
     key = (*(v for k, v in vars(model).items() if k != "n_layers"), tp, places, unit_numel)
     if key not in _CHUNK_UNITS:
         _CHUNK_UNITS[key] = _classify(rank_chunks(model, tp, pp, virtual_stages, pp_rank), unit_numel)
-    return [u for c, stage in zip(_CHUNK_UNITS[key], chunk_stages) for u in c.with_layers(len(ranges[stage]))]
+    return [c.with_layers(len(ranges[stage])) for c, stage in zip(_CHUNK_UNITS[key], chunk_stages)]
+
+
+def unit_sizes(
+    model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int, unit_numel: int = DEFAULT_UNIT_NUMEL
+) -> list[Size]:
+    """(numel, aligned numel) of the stage-3 units of pipeline rank `pp_rank`, which together
+    hold all its parameters (`_chunk_units`)."""
+    return [_size(u) for units in _chunk_units(model, tp, pp, virtual_stages, pp_rank, unit_numel) for u in units]
+
+
+class Slot(NamedTuple):
+    """A stretch of a pass that one collective of each data-parallel family serves: a stage-3
+    unit that is gathered with the resident units forward uses after it, or a stages 0-2
+    bucket. `numel`: its parameters; `gathered`: those all-gathered (the gathered unit's;
+    a bucket's all, after the step); `gathers` / `reductions`: the collectives (one per
+    bucket) that gather / reduce them."""
+
+    numel: int
+    gathered: int
+    gathers: int
+    reductions: int
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A chunk's slots in the order forward uses them: (slot, how many), the first and last,
+    and their sum (`total`)."""
+
+    first: Slot
+    last: Slot
+    slots: tuple[tuple[Slot, int], ...]
+    length: int
+    total: Slot
+
+    @classmethod
+    def of(cls, slots: list[Slot]) -> Pass:
+        """The pass over `slots`, given in forward order."""
+        return cls(slots[0], slots[-1], tuple(Counter(slots).items()), len(slots), Slot(*map(sum, zip(*slots))))
+
+
+def _unit_slots(units: list[Parts], resident: int) -> list[Slot]:
+    """Each unit that stage 3 gathers (numel ≥ `resident`) with the resident units after it;
+    the resident units before the first (all of them, when none is gathered) join the first."""
+    slots: list[Slot] = []
+    for unit in units:
+        numel, buckets = _size(unit)[0], len(unit)
+        gathered = numel >= resident
+        if not slots or (gathered and slots[-1].gathered):
+            slots.append(Slot(0, 0, 0, 0))
+        last = slots[-1]
+        slots[-1] = Slot(
+            last.numel + numel,
+            last.gathered + numel * gathered,
+            last.gathers + buckets * gathered,
+            last.reductions + buckets,
+        )
+    return slots
+
+
+def _bucket_slots(units: list[Parts], bucket_numel: int) -> list[Slot]:
+    """A chunk's buckets at stages 0-2: each bucket key's parameters in ⌈numel / bucket_numel⌉
+    buckets of equal size (`optim.buffers.assign_buckets` packs whole parameters: a few
+    more); the vectors' first, as their buckets complete last in backward."""
+    slots = []
+    vectors_first = sorted(_merged(*((u, 1) for u in units)).items(), key=lambda part: part[0][0])
+    for _, (numel, _) in vectors_first:
+        count = -(-numel // bucket_numel)
+        small, extra = divmod(numel, count)
+        slots += [Slot(small + 1, small + 1, 1, 1)] * extra + [Slot(small, small, 1, 1)] * (count - extra)
+    return slots
 
 
 @dataclass(frozen=True)
@@ -128,6 +244,8 @@ class RankParams:
     aligned: int  # each parameter aligned to ALIGN elements: what the buckets hold
     resident: int  # aligned numel in stage-3 units below the resident size (kept whole)
     largest_units: int  # aligned numel of the two largest sharded stage-3 units (gathered at once)
+    unit_passes: tuple[Pass, ...]  # stage 3: each chunk's units as slots
+    bucket_passes: tuple[Pass, ...]  # stages 0-2: each chunk's gradient buckets as slots
 
 
 _RANK_PARAMS: dict[tuple, RankParams] = {}
@@ -139,7 +257,8 @@ def rank_params(
     """`RankParams` of pipeline rank `pp_rank` (memoized)."""
     key = (*vars(model).values(), tp, pp, virtual_stages, pp_rank, unit_numel)
     if key not in _RANK_PARAMS:
-        units = unit_sizes(model, tp, pp, virtual_stages, pp_rank, unit_numel)
+        chunks = _chunk_units(model, tp, pp, virtual_stages, pp_rank, unit_numel)
+        units = [_size(u) for c in chunks for u in c]
         resident = default_resident_numel(unit_numel)
         sharded = sorted((a for raw, a in units if raw >= resident), reverse=True)
         _RANK_PARAMS[key] = RankParams(
@@ -147,5 +266,7 @@ def rank_params(
             aligned=sum(a for _, a in units),
             resident=sum(a for raw, a in units if raw < resident),
             largest_units=sum(sharded[:2]),
+            unit_passes=tuple(Pass.of(_unit_slots(c, resident)) for c in chunks),
+            bucket_passes=tuple(Pass.of(_bucket_slots(c, DEFAULT_BUCKET_NUMEL)) for c in chunks),
         )
     return _RANK_PARAMS[key]

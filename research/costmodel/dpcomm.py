@@ -1,0 +1,302 @@
+"""Data-parallel communication of a step: what each collective sends and where, what it
+costs, and how much of it compute hides. Legend in `research.costmodel`.
+
+Bytes per collective and rank on Ψ parameters (`dp_traffic`); N = dp_shard ranks per shard
+group (k of them per node, over n = ⌈N/k⌉ nodes), R = dp/N replicas, B = qwZ block,
+q = qgZ bits/8 + 4/2048 (the fp32 scales):
+
+    family         | when         | bytes per collective                            | passes per step
+    gather_fwd     | stage 3      | PΨ(N-1)/N; qwZ: (1 + 4/B)Ψ(N-1)/N               | m forward (hpZ: 1)
+    gather_bwd     | stage 3      | as gather_fwd                                   | m backward (hpZ: 0)
+    gather_hpz     | stage 3, hpZ | PΨ(k-1)/k in the node, from the 1/k slices the  | m - 1 forward, m backward
+                   |              |   first gather left (kept until the step)       |
+    gather_step    | stages 1-2   | as gather_fwd, after the optimizer step         | 1
+    reduce         | stage 0      | all-reduce 2GΨ(N-1)/N                           | 1 backward (every: m)
+                   | stages 1-3   | reduce-scatter GΨ(N-1)/N; qgZ (stages 2-3): an  |
+                   |              |   all-to-all of qΨ(k-1)/k in the node, then     |
+                   |              |   q(Ψ/k)(n-1)/n across nodes                    |
+    replicate      | R > 1        | all-reduce 2G(Ψ/N)(R-1)/R (stage 0: 2GΨ(R-1)/R) | as reduce
+    tied_embedding | pp > 1, tied | all-reduce of GVh/t between the first and last  | 1
+                   |              |   pipeline stage                                |
+
+Where the bytes go (`Cluster.ring_bytes`): a ring inside a node is all NVLink; across nodes
+NCCL runs k rings through k NICs, so a rank sends 1/k of it over its network share
+(`Cluster.inter_node_bandwidth`) and the rest over NVLink, both at once: the slower sets the
+time. qgZ's two hops run one after the other.
+
+Seconds of one collective (`Traffic.seconds`), alpha-beta plus quantization kernels:
+
+    c = max(intra / NVLink, inter / network)   (qgZ: the sum)
+      + α_intra·s_intra + α_inter·s_inter      (`Cluster.latency`, per call)
+      + K / HBM
+
+Steps s (`Cluster.ring_steps`): a ring all-gather / reduce-scatter over N ranks on n nodes
+takes N-1 steps, n-1 of them between nodes; an all-reduce twice that; an all-to-all N-1.
+qwZ gathers the int8 values and the fp32 scales in two all-gathers, qgZ exchanges them in
+two all-to-alls per hop (k-1 steps in the node, n-1 across). Calls: one per bucket
+(`research.costmodel.params`): stage 3 gathers and reduces each unit's buckets, stages 0-2
+reduce (and 1-2 gather) each bucket. Kernels K (HBM bytes): qwZ quantizes the rank's shard
+(reads P, writes 1 + 4/B bytes per element of Ψ/N) and dequantizes the gathered unit (the
+reverse, Ψ elements): (P + 1 + 4/B)(Ψ/N + Ψ); qgZ quantizes what each hop sends and
+dequantizes what arrives: (G + q)·2Ψ in the node, (G + q)·2Ψ/k across. They run between a
+collective's transfers and are counted in its time; that they slow the compute they run
+beside is not counted.
+
+Overlap. A pass is one chunk's forward or backward of one micro-batch, over its slots s
+(`params.Slot`: a stage-3 unit with the resident units after it, or a bucket), each with
+a window of compute w_s = W·Ψ_s/Ψ (W: the rank's forward or backward compute of a
+micro-batch, Ψ_s: the slot's parameters, Ψ: the rank's). Per family and pass:
+
+    exposed = c_whole + Σ_{s ≠ whole} max(0, c_s - w_s)
+
+Stage 3 gathers one unit ahead (`optim.stage3`'s prefetch), so a gather hides under one
+unit's compute, and the first gather of a pass (forward: the chunk's first slot; backward:
+its last) has nothing before it: exposed whole. A reduction starts once its unit's (or
+bucket's) gradients are complete and hides under the next one's compute; the last of the
+backward (the first slot) is exposed whole. Each collective is paired with its own slot's
+window: neighbours in a GPT's repeated blocks are alike. In a backward that reduces, the
+reduction hides under what the gather left of the window, and the replica all-reduce under
+what both left (`_in_turn`). Reductions run in the last backward of each chunk (grad_sync
+every: in every backward); stages 1-2's gather after the step and the tied-embedding
+all-reduce after the last backward are exposed whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import Counter
+from dataclasses import dataclass
+
+from optim.grads import QGZ_BLOCK
+from research.costmodel.hardware import Cluster, ranks_per_node
+from research.costmodel.layout import DTYPE_BYTES, Layout
+from research.costmodel.params import Pass, RankParams, Slot
+from research.model import GPTConfig
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One collective of one rank: bytes over NVLink (`intra`) and the network (`inter`), at
+    once (a ring) or one hop after the other (`phased`: qgZ); its (in-node, cross-node) steps
+    per call, α each; the HBM bytes its quantization kernels move (`kernel_bytes`)."""
+
+    intra: float
+    inter: float
+    phased: bool = False
+    steps: tuple[int, int] = (0, 0)
+    kernel_bytes: float = 0.0
+
+    def transfer_seconds(self, cluster: Cluster) -> float:
+        intra, inter = cluster.seconds(self.intra, self.inter)
+        return intra + inter if self.phased else max(intra, inter)
+
+    def latency(self, cluster: Cluster) -> float:
+        return cluster.latency(*self.steps)
+
+    def kernel_seconds(self, cluster: Cluster) -> float:
+        return self.kernel_bytes / cluster.gpu.hbm_bandwidth
+
+    def seconds(self, cluster: Cluster) -> float:
+        """c = transfer + α·steps + kernels (module docstring)."""
+        return self.transfer_seconds(cluster) + self.latency(cluster) + self.kernel_seconds(cluster)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One family of a step's collectives, per rank: bytes and transfer seconds over NVLink and
+    over the network, seconds of latency (α·steps) and of quantization kernels, the family's
+    busy time and the part of it not hidden under compute."""
+
+    name: str
+    intra_bytes: float
+    inter_bytes: float
+    intra_seconds: float
+    inter_seconds: float
+    latency: float
+    kernels: float
+    seconds: float
+    exposed: float
+
+
+def ring(cluster: Cluster, size: int, stride: int, volume: float, rounds: int = 1, calls: int = 1) -> Traffic:
+    """`calls` ring collectives of `rounds` rounds (all-reduce: 2) over `size` ranks `stride`
+    apart, sending `volume` bytes per rank in all."""
+    intra_steps, inter_steps = cluster.ring_steps(size, stride, rounds)
+    return Traffic(*cluster.ring_bytes(size, stride, volume), steps=(calls * intra_steps, calls * inter_steps))
+
+
+def _gather(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
+    """The all-gather of `psi` parameters over the shard group; qwZ: int8 values and fp32
+    scales (two all-gathers), quantized before and dequantized after."""
+    N, P = layout.shard, DTYPE_BYTES[layout.precision]
+    if layout.qwz_block is None:
+        return ring(cluster, N, layout.tp, P * psi * (N - 1) / N)
+    per = 1 + 4 / layout.qwz_block
+    gathered = ring(cluster, N, layout.tp, per * psi * (N - 1) / N, calls=2)
+    return dataclasses.replace(gathered, kernel_bytes=(P + per) * (psi / N + psi))
+
+
+def _qgz_reduce(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
+    """qgZ's reduce-scatter of `psi` gradients: an all-to-all of q-byte blocks inside the node,
+    then one across nodes, values and scales each; every hop quantizes and dequantizes."""
+    G, q = DTYPE_BYTES[layout.reduce_dtype], layout.qgz_bits / 8 + 4 / QGZ_BLOCK
+    k = ranks_per_node(layout.shard, layout.tp, cluster.gpus_per_node)
+    nodes = -(-layout.shard // k)
+    kernels = 2 * (G + q) * (psi * (k > 1) + psi / k * (nodes > 1))
+    return Traffic(
+        q * psi * (k - 1) / k, q * psi / k * (nodes - 1) / nodes, True, (2 * (k - 1), 2 * (nodes - 1)), kernels
+    )
+
+
+def dp_traffic(layout: Layout, cluster: Cluster, psi: float) -> dict[str, Traffic]:
+    """`Traffic` of one collective of each data-parallel family of `layout` on `psi`
+    parameters (the table in the module docstring)."""
+    P, G = DTYPE_BYTES[layout.precision], DTYPE_BYTES[layout.reduce_dtype]
+    N, R, t, sharded = layout.shard, layout.replicas, layout.tp, layout.sharding
+    out = {}
+    if sharded.parameters:
+        out["gather_fwd"] = out["gather_bwd"] = _gather(layout, cluster, psi)
+        if layout.hpz:
+            k = ranks_per_node(N, t, cluster.gpus_per_node)
+            out["gather_hpz"] = ring(cluster, k, t, P * psi * (k - 1) / k)
+    elif sharded.optimizer_state:
+        out["gather_step"] = _gather(layout, cluster, psi)
+    if layout.qgz_bits and sharded.gradients:
+        out["reduce"] = _qgz_reduce(layout, cluster, psi)
+    elif sharded.optimizer_state:
+        out["reduce"] = ring(cluster, N, t, G * psi * (N - 1) / N)
+    else:
+        out["reduce"] = ring(cluster, N, t, 2 * G * psi * (N - 1) / N, rounds=2)
+    if R > 1:
+        kept = psi / N if sharded.optimizer_state else psi
+        out["replicate"] = ring(cluster, R, N * t, 2 * G * kept * (R - 1) / R, rounds=2)
+    return out
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """One family's collectives in a pass, one per slot: of the slot's gathered parameters
+    (`gathers`) or of all of them; the one of the slot at the pass's `whole` end ("first" or
+    "last" in forward order) is exposed whole. `traffic` is per parameter."""
+
+    name: str
+    traffic: Traffic
+    gathers: bool
+    whole: str
+    per_param: float  # seconds per parameter: transfer and kernels
+    per_call: float  # seconds per call: latency
+
+    @classmethod
+    def of(cls, name: str, traffic: Traffic, whole: str, cluster: Cluster) -> _Stream:
+        per_param = traffic.transfer_seconds(cluster) + traffic.kernel_seconds(cluster)
+        return cls(name, traffic, name.startswith("gather"), whole, per_param, traffic.latency(cluster))
+
+    def load(self, slot: Slot) -> tuple[int, int]:
+        """(parameters, calls) of this stream's collective of `slot`."""
+        return (slot.gathered, slot.gathers) if self.gathers else (slot.numel, slot.reductions)
+
+    def seconds(self, slot: Slot) -> float:
+        """Busy seconds of this stream's collective of `slot`: c_s (module docstring)."""
+        numel, calls = self.load(slot)
+        return self.per_param * numel + self.per_call * calls
+
+
+def _in_turn(window: float, busy: list[float]) -> list[float]:
+    """Exposed seconds of collectives that hide in turn under one window of compute, each
+    under what those before it left: max(0, c_j - max(0, w - Σ_{i<j} c_i))."""
+    exposed = []
+    for c in busy:
+        exposed.append(max(0.0, c - window))
+        window = max(0.0, window - c)
+    return exposed
+
+
+@functools.cache
+def _instances(p: Pass) -> tuple[tuple[Slot, int, tuple[str, ...]], ...]:
+    """The slots of a pass once each as (slot, how many, ends): the first and last apart."""
+    ends = [(p.first, ("first", "last") if p.length == 1 else ("first",))]
+    ends += [(p.last, ("last",))] if p.length > 1 else []
+    counts = dict(p.slots)
+    for slot, _ in ends:
+        counts[slot] -= 1
+    return (*((slot, n, ()) for slot, n in counts.items() if n), *((slot, 1, end) for slot, end in ends))
+
+
+def _exposed(p: Pass, window: float, streams: list[_Stream]) -> list[float]:
+    """Exposed seconds per stream of one pass over `p`, compute `window` seconds per
+    parameter (module docstring)."""
+    exposed = [0.0] * len(streams)
+    for slot, count, ends in _instances(p):
+        busy = [s.seconds(slot) for s in streams]
+        whole = [s.whole in ends for s in streams]
+        hidden = _in_turn(window * slot.numel, [0.0 if w else c for c, w in zip(busy, whole)])
+        for j, (c, w, e) in enumerate(zip(busy, whole, hidden)):
+            exposed[j] += count * (c if w else e)
+    return exposed
+
+
+def _run_pass(p: Pass, window: float, streams: list[_Stream], times: int, cluster: Cluster, tally: dict) -> None:
+    """Add `times` passes over `p` to `tally`: per family [NVLink bytes, network bytes,
+    latency, kernels, busy, exposed]."""
+    for s, exposed in zip(streams, _exposed(p, window, streams)):
+        numel, calls = s.load(p.total)
+        x, row = s.traffic, tally.setdefault(s.name, [0.0] * 6)
+        spent = (numel * x.intra, numel * x.inter, calls * s.per_call, numel * x.kernel_seconds(cluster))
+        for i, value in enumerate((*spent, s.seconds(p.total), exposed)):
+            row[i] += times * value
+
+
+def _schedule(layout: Layout, streams: dict[str, _Stream], fwd: float, bwd: float) -> list[tuple]:
+    """(passes per step, compute seconds per parameter, streams) of `layout`'s step."""
+    m = layout.micro_batches
+    syncs = m if layout.grad_sync == "every" else 1
+    reductions = [streams[n] for n in ("reduce", "replicate") if n in streams]
+    if not layout.sharding.parameters:
+        step = [(1, 0.0, [streams["gather_step"]])] if "gather_step" in streams else []
+        return [(syncs, bwd, reductions), *step]
+    if layout.hpz:
+        forward = [(1, fwd, [streams["gather_fwd"]]), (m - 1, fwd, [streams["gather_hpz"]])]
+    else:
+        forward = [(m, fwd, [streams["gather_fwd"]])]
+    backward = streams["gather_hpz_bwd" if layout.hpz else "gather_bwd"]
+    return [*forward, (m - syncs, bwd, [backward]), (syncs, bwd, [backward, *reductions])]
+
+
+def dp_collectives(
+    layout: Layout, cluster: Cluster, rank: RankParams, compute_f: float, compute_b: float
+) -> tuple[Collective, ...]:
+    """The data-parallel families of a step of `rank` with their overlap (module docstring):
+    passes over its units (stage 3) or buckets (stages 0-2), forward and backward compute
+    `compute_f` and `compute_b` seconds per micro-batch."""
+    per_param = dp_traffic(layout, cluster, 1.0)
+    streams = {
+        name: _Stream.of(name, x, "last" if name == "gather_bwd" else "first", cluster) for name, x in per_param.items()
+    }
+    if "gather_hpz" in per_param:
+        streams["gather_hpz_bwd"] = _Stream.of("gather_hpz", per_param["gather_hpz"], "last", cluster)
+    passes = Counter(rank.unit_passes if layout.sharding.parameters else rank.bucket_passes)
+    tally: dict[str, list[float]] = {}
+    for times, window, used in _schedule(layout, streams, compute_f / rank.numel, compute_b / rank.numel):
+        for p, alike in passes.items() if times else ():
+            _run_pass(p, window, used, times * alike, cluster, tally)
+    return tuple(_collective(name, row, cluster) for name, row in tally.items())
+
+
+def _collective(name: str, row: list[float], cluster: Cluster) -> Collective:
+    """The family `name` from its tally row (`_run_pass`)."""
+    intra, inter, latency, kernels, busy, exposed = row
+    return Collective(name, intra, inter, *cluster.seconds(intra, inter), latency, kernels, busy, exposed)
+
+
+def tied_embedding(model: GPTConfig, layout: Layout, cluster: Cluster) -> Collective | None:
+    """The all-reduce of the tied embedding's gradient, GVh/t bytes, between the first and last
+    pipeline stage ((p-1)·dp·t ranks apart) after the last backward: exposed whole."""
+    if layout.pp == 1 or not model.tie_embeddings:
+        return None
+    volume = DTYPE_BYTES[layout.reduce_dtype] * model.padded_vocab / layout.tp * model.d_model
+    x = ring(cluster, 2, (layout.pp - 1) * layout.dp * layout.tp, volume, rounds=2)
+    busy = x.seconds(cluster)
+    return Collective(
+        "tied_embedding", x.intra, x.inter, *cluster.seconds(x.intra, x.inter), x.latency(cluster), 0.0, busy, busy
+    )
