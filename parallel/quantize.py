@@ -8,7 +8,8 @@ so the error per element is at most s_j / 2 = max|block| / (2Q) (an all-zero blo
 s_j = 0 and is exact). int4 values are packed two to a byte (low nibble first, as two's
 complement nibbles).
 
-Bytes on the wire per element: 1 (int8) or 1/2 (int4), plus 4 per block for the fp32 scale.
+Bytes on the wire per element: 1 (int8) or 1/2 (int4), plus 4 per block for the fp32 scale;
+the collectives send both in one call, each rank's piece padded to whole 4-byte words.
 """
 
 from __future__ import annotations
@@ -93,15 +94,35 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return padded.view(rows, block)
 
 
+def _pack(q: Quantized, rows: int) -> torch.Tensor:
+    """`q`, made of `rows` rows of whole blocks, as [rows, bytes] uint8: each row's fp32 scales,
+    then its values, padded to whole 4-byte words so that the scales stay aligned wherever the
+    row lands. One collective then carries values and scales (one latency, not two)."""
+    scale = q.scale.view(rows, -1).view(torch.uint8)
+    data = q.data.view(rows, -1).view(torch.uint8)
+    pad = -(scale.shape[1] + data.shape[1]) % 4
+    return torch.cat([scale, data, data.new_zeros(rows, pad)], dim=1)
+
+
+def _unpack(packed: torch.Tensor, block: int, bits: int) -> Quantized:
+    """The rows of `packed` (`_pack`'s layout) as one fp32 Quantized: a row of b blocks holds
+    b·(4 + block·bits/8) bytes and less than one block's of padding."""
+    rows, width = packed.shape
+    blocks = width // (4 + block * bits // 8)
+    scale = packed[:, : 4 * blocks].contiguous().view(torch.float32).reshape(-1)
+    data = packed[:, 4 * blocks : 4 * blocks + blocks * block * bits // 8].contiguous()
+    data = data.reshape(-1) if bits == 4 else data.view(torch.int8).reshape(-1)
+    return Quantized(data, scale, rows * blocks * block, block, bits, torch.float32)
+
+
 @dataclass
 class QuantizedGather:
-    """An all-gather of equal flat shards as quantized blocks and their scales, in flight:
+    """An all-gather of equal flat shards as packed quantized blocks (`_pack`), in flight:
     `finish(out)` waits and writes the dequantized concatenation into `out`."""
 
     works: list
-    data: torch.Tensor
-    scale: torch.Tensor
-    like: Quantized
+    gathered: torch.Tensor  # [world, bytes of one packed shard]
+    like: Quantized  # this rank's quantized shard
 
     def wait(self) -> None:
         for w in self.works:
@@ -113,25 +134,20 @@ class QuantizedGather:
         """Dequantize piece r of the gathered data into piece r of `out`, except piece `keep`
         (this rank's own, when `out` already holds it exactly)."""
         self.wait()
-        like = self.like
-        pieces = zip(
-            out.view(-1, like.numel), self.data.view(-1, like.data.numel()), self.scale.view(-1, like.scale.numel())
-        )
-        for r, (piece, d, s) in enumerate(pieces):
+        like, numel = self.like, self.like.numel
+        values = dequantize(_unpack(self.gathered, like.block, like.bits)).view(self.gathered.shape[0], -1)
+        for r, piece in enumerate(out.view(-1, numel)):
             if r != keep:
-                piece.copy_(dequantize(Quantized(d, s, like.numel, like.block, like.bits, like.dtype)))
+                piece.copy_(values[r, :numel])
 
 
 def all_gather_quantized(shard: torch.Tensor, block: int, group: dist.ProcessGroup | None) -> QuantizedGather:
-    """Start the all-gathers of `shard` quantized to int8 blocks (data, then scales) over `group`."""
+    """Start the all-gather of `shard` quantized to int8 blocks, values and scales packed in one."""
     q = quantize(shard, block)
-    world = dist.get_world_size(group)
-    data, scale = q.data.new_empty(world * q.data.numel()), q.scale.new_empty(world * q.scale.numel())
-    works = [
-        comm.all_gather_into_tensor(data, q.data, group=group, async_op=True),
-        comm.all_gather_into_tensor(scale, q.scale, group=group, async_op=True),
-    ]
-    return QuantizedGather(works, data, scale, q)
+    packed = _pack(q, 1)
+    gathered = packed.new_empty(dist.get_world_size(group), packed.shape[1])
+    work = comm.all_gather_into_tensor(gathered.view(-1), packed.view(-1), group=group, async_op=True)
+    return QuantizedGather([work], gathered, q)
 
 
 def reduce_scatter_quantized(
@@ -160,16 +176,14 @@ def reduce_scatter_quantized(
 
 def _exchange(rows: torch.Tensor, group: dist.ProcessGroup | None, bits: int, block: int) -> Iterator[list]:
     """Σ_r (row i of rank r's `rows`) on group rank i: each row quantized on its own blocks,
-    one all-to-all of the values and one of the scales, summed in fp32 after dequantizing."""
+    values and scales packed (`_pack`) into one all-to-all, summed in fp32 after dequantizing."""
     n, width = rows.shape
     padded_width = -(-width // block) * block
     padded = rows.new_zeros((n, padded_width), dtype=torch.float32)
     padded[:, :width] = rows
     q = quantize(padded, block, bits)
-    data, scale = torch.empty_like(q.data), torch.empty_like(q.scale)
-    yield [
-        comm.all_to_all_single(data, q.data, group=group, async_op=True),
-        comm.all_to_all_single(scale, q.scale, group=group, async_op=True),
-    ]
-    arrived = dequantize(Quantized(data, scale, n * padded_width, block, bits, torch.float32))
-    return arrived.view(n, padded_width)[:, :width].sum(0)
+    packed = _pack(q, n)
+    arrived = torch.empty_like(packed)
+    yield [comm.all_to_all_single(arrived.view(-1), packed.view(-1), group=group, async_op=True)]
+    values = dequantize(_unpack(arrived, block, bits))
+    return values.view(n, padded_width)[:, :width].sum(0)

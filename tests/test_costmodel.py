@@ -667,9 +667,9 @@ def test_ring_steps_and_latency() -> None:
 
 def test_dp_steps_and_kernels_follow_the_formulas() -> None:
     """Per collective on 4 nodes of 8 GPUs, tp 2, dp 16 (N = 16: k = 4 per node, n = 4):
-    ring steps (N - n, n - 1); qwZ two all-gathers (values, scales) and HBM bytes
-    (P + 1 + 4/B)(Ψ/N + Ψ); hpZ k - 1 steps in the node; qgZ two all-to-alls per hop,
-    2(k - 1) and 2(n - 1) steps, and (G + q)·2Ψ(1 + 1/k) bytes of kernels; all-reduces
+    ring steps (N - n, n - 1); qwZ one all-gather (values and scales packed) and HBM bytes
+    (P + 1 + 4/B)(Ψ/N + Ψ); hpZ k - 1 steps in the node; qgZ one all-to-all per hop,
+    k - 1 and n - 1 steps, and (G + q)·2Ψ(1 + 1/k) bytes of kernels; all-reduces
     (stage 0, replicas) twice the steps."""
     cluster, psi = Cluster(GPUS["h100"], 32), 1000.0
 
@@ -683,11 +683,11 @@ def test_dp_steps_and_kernels_follow_the_formulas() -> None:
         "reduce": ((12, 3), 0.0),
     }
     zeropp = traffic(qwz_block=2048, hpz=True, qgz_bits=4)
-    assert zeropp["gather_fwd"].steps == (24, 6)
+    assert zeropp["gather_fwd"].steps == (12, 3)
     assert zeropp["gather_fwd"].kernel_bytes == pytest.approx((2 + 1 + 4 / 2048) * (psi / 16 + psi))
     assert zeropp["gather_hpz"].steps == (3, 0)
     q = 0.5 + 4 / 2048
-    assert zeropp["reduce"].steps == (6, 6)
+    assert zeropp["reduce"].steps == (3, 3)
     assert zeropp["reduce"].kernel_bytes == pytest.approx((4 + q) * 2 * psi * (1 + 1 / 4))
     hybrid = traffic(zero=0, dp_shard=8)  # 8 ranks × tp 2: 4 on each of 2 nodes; 2 replicas 2 nodes apart
     assert (hybrid["reduce"].steps, hybrid["replicate"].steps) == ((2 * 6, 2 * 1), (0, 2 * 1))
@@ -724,13 +724,13 @@ TINY = GPTConfig(vocab_size=128, n_layers=3, n_heads=2, d_model=32, max_seq_len=
 def test_calls_per_step_are_the_runtimes(stage: int, qwz_block: int | None) -> None:
     """The collectives the step-time model charges latency for are those ZeroOptimizer issues:
     stage 3 gathers each unit's buckets before each forward and backward (qwZ: values and
-    scales apart) and reduce-scatters every unit's buckets once (grad_sync last); stages 1-2
+    scales packed in one call) and reduce-scatters every unit's buckets once (grad_sync last); stages 1-2
     reduce and then gather each bucket once."""
     m, unit_numel = 2, 1024
     real = run_distributed(_calls_of_a_step, 1, stage, m, unit_numel, qwz_block)[0]
     rank = costmodel.rank_params(TINY, 1, 1, 1, 0, unit_numel)
     passes = rank.unit_passes if stage == 3 else rank.bucket_passes
-    gathers = sum(n * slot.gathers for p in passes for slot, n in p.slots) * (2 if qwz_block else 1)
+    gathers = sum(n * slot.gathers for p in passes for slot, n in p.slots)
     reductions = sum(n * slot.reductions for p in passes for slot, n in p.slots)
     assert real == {
         "all_gather_into_tensor": gathers * (2 * m if stage == 3 else 1),
@@ -872,21 +872,21 @@ def test_zeropp_gain_against_the_paper() -> None:
     """Wang et al. 2023 (and the DeepSpeed ZeRO++ blog), 384 V100s, against the model with
     ring latency (NCCL's 3.4 / 14 µs per step), per-unit overlap and quantization kernels:
     - 1K tokens per GPU, 100 Gb/s per node: up to 2.2× ZeRO-3's throughput (about 2× on
-      average over model sizes). Predicted 2.51×, asserted within 2.3-2.7×: the model
-      over-predicts the best published gain by 14%.
-    - 1K, 400 Gb/s (4 × 100 Gb/s IB): 1.28-1.36×. Predicted 1.24×, asserted within
-      1.15-1.33×: 3% under the published range (1.10× without latency and per-unit overlap).
-    - 2K, 400 Gb/s: 1.24-1.29×. Predicted 0.98×, asserted within 0.9-1.1×: the model
-      disagrees; ZeRO-3's traffic hides under twice the compute, and ZeRO++'s forward gather
-      pays twice ZeRO-3's latency (qwZ gathers values and scales in separate calls).
+      average over model sizes). Predicted 2.88×, asserted within 2.6-3.1×: the model
+      over-predicts the best published gain by 31% (it counts no congestion, and zero3d
+      packs qwZ's values and scales into one call where DeepSpeed makes two).
+    - 1K, 400 Gb/s (4 × 100 Gb/s IB): 1.28-1.36×. Predicted 1.49×, asserted within
+      1.35-1.6×: 10% over the published range (1.10× without latency and per-unit overlap).
+    - 2K, 400 Gb/s: 1.24-1.29×. Predicted 1.04×, asserted within 0.95-1.15×: the model
+      disagrees; ZeRO-3's traffic hides under twice the compute.
     - ZeRO++ at 200 Gb/s matches ZeRO-3 at 800 Gb/s (the blog's Figure 8, 18B and 138B):
-      predicted 26% slower, asserted 15-40% slower: the model disagrees, for the same reason."""
-    assert 2.3 < _zeropp_gain(100)[2] < 2.7
-    assert 1.15 < _zeropp_gain(400)[2] < 1.33
-    assert 0.9 < _zeropp_gain(400, seq_len=2048)[2] < 1.1
+      predicted 7% slower, asserted 0-15% slower."""
+    assert 2.6 < _zeropp_gain(100)[2] < 3.1
+    assert 1.35 < _zeropp_gain(400)[2] < 1.6
+    assert 0.95 < _zeropp_gain(400, seq_len=2048)[2] < 1.15
     _, zeropp_200, _ = _zeropp_gain(200)
     zero3_800, _, _ = _zeropp_gain(800)
-    assert 1.15 < zeropp_200 / zero3_800 < 1.40
+    assert 1.0 < zeropp_200 / zero3_800 < 1.15
 
 
 def test_hybrid_and_hpz_memory() -> None:

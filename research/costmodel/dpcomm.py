@@ -32,8 +32,8 @@ Seconds of one collective (`Traffic.seconds`), alpha-beta plus quantization kern
 
 Steps s (`Cluster.ring_steps`): a ring all-gather / reduce-scatter over N ranks on n nodes
 takes N-1 steps, n-1 of them between nodes; an all-reduce twice that; an all-to-all N-1.
-qwZ gathers the int8 values and the fp32 scales in two all-gathers, qgZ exchanges them in
-two all-to-alls per hop (k-1 steps in the node, n-1 across). Calls: one per bucket
+qwZ gathers the int8 values and the fp32 scales packed in one all-gather, qgZ exchanges them
+in one all-to-all per hop (k-1 steps in the node, n-1 across). Calls: one per bucket
 (`research.costmodel.params`): stage 3 gathers and reduces each unit's buckets, stages 0-2
 reduce (and 1-2 gather) each bucket. Kernels K (HBM bytes): qwZ quantizes the rank's shard
 (reads P, writes 1 + 4/B bytes per element of Ψ/N) and dequantizes the gathered unit (the
@@ -128,24 +128,24 @@ def ring(cluster: Cluster, size: int, stride: int, volume: float, rounds: int = 
 
 def _gather(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
     """The all-gather of `psi` parameters over the shard group; qwZ: int8 values and fp32
-    scales (two all-gathers), quantized before and dequantized after."""
+    scales (packed in one all-gather), quantized before and dequantized after."""
     N, P = layout.shard, DTYPE_BYTES[layout.precision]
     if layout.qwz_block is None:
         return ring(cluster, N, layout.tp, P * psi * (N - 1) / N)
     per = 1 + 4 / layout.qwz_block
-    gathered = ring(cluster, N, layout.tp, per * psi * (N - 1) / N, calls=2)
+    gathered = ring(cluster, N, layout.tp, per * psi * (N - 1) / N)
     return dataclasses.replace(gathered, kernel_bytes=(P + per) * (psi / N + psi))
 
 
 def _qgz_reduce(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
     """qgZ's reduce-scatter of `psi` gradients: an all-to-all of q-byte blocks inside the node,
-    then one across nodes, values and scales each; every hop quantizes and dequantizes."""
+    then one across nodes, values and scales packed together; every hop quantizes and dequantizes."""
     G, q = DTYPE_BYTES[layout.reduce_dtype], layout.qgz_bits / 8 + 4 / QGZ_BLOCK
     k = ranks_per_node(layout.shard, layout.tp, cluster.gpus_per_node)
     nodes = -(-layout.shard // k)
     kernels = 2 * (G + q) * (psi * (k > 1) + psi / k * (nodes > 1))
     return Traffic(
-        q * psi * (k - 1) / k, q * psi / k * (nodes - 1) / nodes, True, (2 * (k - 1), 2 * (nodes - 1)), kernels
+        q * psi * (k - 1) / k, q * psi / k * (nodes - 1) / nodes, True, (k - 1, nodes - 1), kernels
     )
 
 
