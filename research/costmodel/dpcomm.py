@@ -144,9 +144,7 @@ def _qgz_reduce(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
     k = ranks_per_node(layout.shard, layout.tp, cluster.gpus_per_node)
     nodes = -(-layout.shard // k)
     kernels = 2 * (G + q) * (psi * (k > 1) + psi / k * (nodes > 1))
-    return Traffic(
-        q * psi * (k - 1) / k, q * psi / k * (nodes - 1) / nodes, True, (k - 1, nodes - 1), kernels
-    )
+    return Traffic(q * psi * (k - 1) / k, q * psi / k * (nodes - 1) / nodes, True, (k - 1, nodes - 1), kernels)
 
 
 def dp_traffic(layout: Layout, cluster: Cluster, psi: float) -> dict[str, Traffic]:
