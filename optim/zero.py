@@ -150,7 +150,6 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         check_zero_pp(stage, hpz, qgz_bits, node_groups, process_group)
         self.qwz_block, self.hpz, self.qgz_bits = qwz_block, hpz, qgz_bits
         self.overlap_param_gather, self.find_unused_parameters = overlap_param_gather, find_unused_parameters
-        self._param_gathers: dict[FlatBucket, Callable[[], None]] = {}  # bucket -> finish its gather
         self.model, self.optimizer_class, self.stage = model, optimizer_class, stage
         self.sharding = Sharding.of_zero_stage(stage)
         self._set_groups(process_group, replicate_group, node_groups, model_parallel_group)
@@ -227,6 +226,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             else None
         )
         self._scopes: dict[torch.nn.Module, list[int]] = {}  # sync_only: module -> its bucket indices
+        self._param_gathers: dict[FlatBucket, Callable[[], None]] = {}  # bucket -> finish its gather
         gatherer = self._gatherer
         self._reducer = GradReducer(
             self.buckets,
