@@ -121,13 +121,17 @@ ZEROPP = {
         *("--qwz-block", "64", "--hpz", "--qgz-bits", "8"),
         *("--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--micro-batches", "4"),
     ],
-    # on 4 ranks: pp 2 × dp 2 with the zero-bubble and the 1F1B schedules
+    # on 4 ranks: pp 2 × dp 2 with the zero-bubble, 1F1B and GPipe schedules
     "pp2-dp2-zb-h1-zero2-qwz-qgz": [
         *("--pp", "2", "--zero", "2", "--schedule", "zb-h1", "--micro-batches", "4"),
         *("--qwz-block", "64", "--qgz-bits", "8"),
     ],
     "pp2-dp2-1f1b-zero3-zeropp-every": [
         *("--pp", "2", "--zero", "3", "--schedule", "1f1b", "--micro-batches", "4", "--grad-sync", "every"),
+        *("--qwz-block", "64", "--hpz", "--qgz-bits", "8"),
+    ],
+    "pp2-dp2-gpipe-zero3-zeropp": [
+        *("--pp", "2", "--zero", "3", "--schedule", "gpipe", "--micro-batches", "4"),
         *("--qwz-block", "64", "--hpz", "--qgz-bits", "8"),
     ],
 }
@@ -309,8 +313,8 @@ def test_bf16_and_fp16_runs_track_fp32(runs, variant: str) -> None:
 def test_zeropp_runs_track_fp32(runs, variant: str) -> None:
     """int8 parameter all-gathers (blocks of 64), hpZ's secondary partition and int8 gradient
     all-to-alls, with tp 2, SP and the interleaved pipeline on 8 ranks, and with pp 2 × dp 2
-    under zero-bubble and 1F1B (reducing every micro-batch) on 4, track the exact losses over
-    20 steps within 1e-2 relative."""
+    under zero-bubble, 1F1B (reducing every micro-batch) and GPipe on 4,
+    track the exact losses over 20 steps within 1e-2 relative."""
     _, losses = runs
     torch.testing.assert_close(torch.tensor(losses[variant]), torch.tensor(losses["single"]), rtol=1e-2, atol=0)
     assert losses[variant] != losses["single"]  # the gathers really were quantized
