@@ -252,6 +252,12 @@ class FlatBucket:
             self.opt_param.copy_(self.master)
 
 
+def bucket_key(group: object, root: int | None, marks: ParamMarks) -> tuple:
+    """What the parameters of one bucket share: the param group, the root module (a pipeline
+    rank's chunk) and the groups they are replicated and tied over."""
+    return group, root, tuple(map(id, marks.replicated)), tuple(map(id, marks.tied))
+
+
 def assign_buckets(
     params: list[torch.nn.Parameter], key: Callable[[torch.nn.Parameter], object], bucket_numel: int
 ) -> list[list[torch.nn.Parameter]]:

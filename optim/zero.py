@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from optim import clip, fused
-from optim.buffers import FlatBucket, arrival_key, assign_buckets
+from optim.buffers import FlatBucket, arrival_key, assign_buckets, bucket_key
 from optim.grad_lifecycle import NOT_TRAINED, GradLifecycle
 from optim.grad_placeholder import GradPlaceholder
 from optim.grads import GradReducer, QuantizedReduction
@@ -289,8 +289,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         marks_of = {p: ParamMarks(replicated=m.replicated, tied=m.tied) for p, m in param_marks(self.model).items()}
 
         def key(p: torch.nn.Parameter) -> tuple:
-            m = marks_of.get(p, NO_MARKS)
-            return (group_of[p], root_of.get(p), tuple(id(g) for g in m.replicated), tuple(id(g) for g in m.tied))
+            return bucket_key(group_of[p], root_of.get(p), marks_of.get(p, NO_MARKS))
 
         def make(params: list, sharding: Sharding) -> FlatBucket:
             return FlatBucket(

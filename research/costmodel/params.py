@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from optim.buffers import ALIGN
+from optim.buffers import ALIGN, bucket_key
 from optim.stage3 import is_called, stage3_units
 from optim.zero import DEFAULT_BUCKET_NUMEL, DEFAULT_UNIT_NUMEL, default_resident_numel
 from parallel.marks import NO_MARKS, ParamMarks, param_marks
@@ -54,16 +54,14 @@ class _NoInit(TorchFunctionMode):
 
 
 Size = tuple[int, int]  # (numel, numel with each parameter aligned to ALIGN elements)
-Key = tuple[bool, tuple[int, ...], tuple[int, ...]]  # what a bucket's parameters share (`_bucket_key`)
+Key = tuple  # what a bucket's parameters share (`_bucket_key`)
 Parts = dict[Key, Size]  # a unit's parameters by bucket key
 
 
 def _bucket_key(p: torch.Tensor, marks: dict[torch.Tensor, ParamMarks]) -> Key:
-    """What `ZeroOptimizer._build_buckets` keeps apart inside one root module: the param group
-    (the Trainer's, `research.trainer.weight_decay_groups`: matrices decay, vectors do not)
-    and the groups the parameter is replicated and tied over."""
-    m = marks.get(p, NO_MARKS)
-    return p.dim() >= 2, tuple(map(id, m.replicated)), tuple(map(id, m.tied))
+    """`optim.buffers.bucket_key` inside one root module, with the Trainer's param group
+    (`research.trainer.weight_decay_groups`: matrices decay, vectors do not)."""
+    return bucket_key(p.dim() >= 2, None, marks.get(p, NO_MARKS))
 
 
 def _parts(params: list[torch.Tensor], marks: dict[torch.Tensor, ParamMarks]) -> Parts:
