@@ -6,8 +6,6 @@ buckets whose parameters are stepped alike and once per run of ranges otherwise.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,8 +14,7 @@ import torch.distributed as dist
 from optim import fused
 from optim.buffers import FlatBucket
 from optim.stage3 import ParamGatherer
-from parallel import comm
-from parallel.quantize import all_gather_quantized
+from parallel.quantize import ShardGather, all_gather_shards
 
 
 class ShardUpdate:
@@ -33,7 +30,7 @@ class ShardUpdate:
     qwz_block: int | None
     _gatherer: ParamGatherer | None
     overlap_param_gather: bool
-    _param_gathers: dict[FlatBucket, Callable[[], None]]
+    _param_gathers: dict[FlatBucket, ShardGather]
     _param_steps: list[list[int]]
 
     def _runs(self, k: int) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -151,21 +148,16 @@ class ShardUpdate:
         self.wait_params()
         for b in self.buckets:
             if b.sharding.optimizer_state and not b.sharding.parameters:
-                if self.qwz_block is not None:
-                    gather = all_gather_quantized(b.param_shard, self.qwz_block, self.group)
-                    self._param_gathers[b] = functools.partial(gather.finish, b.param_buffer, keep=self.rank)
-                else:
-                    work = comm.all_gather_into_tensor(b.param_buffer, b.param_shard, group=self.group, async_op=True)
-                    self._param_gathers[b] = work.wait if work is not None else lambda: None
+                self._param_gathers[b] = all_gather_shards(b.param_buffer, b.param_shard, self.group, self.qwz_block)
         if not self.overlap_param_gather:
             self.wait_params()
 
     def wait_params(self, buckets: list[FlatBucket] | None = None) -> None:
         """Finish the parameter all-gathers still in flight (of `buckets`; None: all)."""
         for b in list(self._param_gathers) if buckets is None else buckets:
-            finish = self._param_gathers.pop(b, None)
-            if finish is not None:
-                finish()
+            gather = self._param_gathers.pop(b, None)
+            if gather is not None:
+                gather.finish(keep=self.rank)
 
 
 def _clone_state(state: dict[str, Any]) -> dict[str, Any]:

@@ -41,8 +41,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from optim.buffers import FlatBucket
-from parallel import comm
-from parallel.quantize import QuantizedGather, all_gather_quantized
+from parallel.quantize import ShardGather, all_gather_shards
 
 
 def is_called(module: torch.nn.Module) -> bool:
@@ -96,8 +95,7 @@ class Unit:
 
     buckets: list[FlatBucket]
     full: list[torch.Tensor] | None = None
-    work: list[dist.Work | None] = field(default_factory=list)
-    arriving: list[QuantizedGather] = field(default_factory=list)  # qwZ: one per bucket
+    gathers: list[ShardGather] = field(default_factory=list)  # in flight, one per bucket
     secondary: list[torch.Tensor] | None = None  # hpZ: this rank's 1/k slice of each bucket
     users: int = 0
     buckets_done: int = 0
@@ -151,17 +149,14 @@ class ParamGatherer:
     def _start_gather(self, unit: Unit) -> None:
         if unit.full is not None:
             return
-        unit.full, unit.work, unit.arriving = [], [], []
-        for i, b in enumerate(unit.buckets):
-            full = torch.empty(b.numel, dtype=b.param_dtype, device=b.param_shard.device)
-            if unit.secondary is not None:
-                work = comm.all_gather_into_tensor(full, unit.secondary[i], group=self.hpz_group, async_op=True)
-                unit.work.append(work)
-            elif self.qwz_block is None:
-                unit.work.append(comm.all_gather_into_tensor(full, b.param_shard, group=self.group, async_op=True))
-            else:
-                unit.arriving.append(all_gather_quantized(b.param_shard, self.qwz_block, self.group))
-            unit.full.append(full)
+        unit.full = [torch.empty(b.numel, dtype=b.param_dtype, device=b.param_shard.device) for b in unit.buckets]
+        if unit.secondary is not None:
+            unit.gathers = [all_gather_shards(*pair, self.hpz_group) for pair in zip(unit.full, unit.secondary)]
+        else:
+            unit.gathers = [
+                all_gather_shards(full, b.param_shard, self.group, self.qwz_block)
+                for full, b in zip(unit.full, unit.buckets)
+            ]
 
     def _ensure(self, unit: Unit, phase: str) -> None:
         """Gather `unit` now (waiting for a prefetch in flight) and prefetch its successor."""
@@ -170,15 +165,12 @@ class ParamGatherer:
         if first_use:
             order.append(unit)
         self._start_gather(unit)
-        if unit.work or unit.arriving:
-            for w in unit.work:
-                if w is not None:
-                    w.wait()
-            for full, gather in zip(unit.full, unit.arriving):
-                gather.finish(full)
+        if unit.gathers:
+            for gather in unit.gathers:
+                gather.finish()
             for b, full in zip(unit.buckets, unit.full):
                 b.bind_params(full)
-            unit.work, unit.arriving = [], []
+            unit.gathers = []
         following = self._next[phase].get(unit) if first_use else None
         if following is not None:
             self._start_gather(following)
@@ -186,17 +178,14 @@ class ParamGatherer:
     def _release(self, unit: Unit) -> None:
         if unit.full is None:
             return
-        if self.hpz_group is not None and unit.secondary is None and not unit.work and not unit.arriving:
+        if self.hpz_group is not None and unit.secondary is None and not unit.gathers:
             k, j = dist.get_world_size(self.hpz_group), dist.get_rank(self.hpz_group)
             unit.secondary = [full.chunk(k)[j].clone() for full in unit.full]
-        for w in unit.work:
-            if w is not None:
-                w.wait()
-        for gather in unit.arriving:
+        for gather in unit.gathers:
             gather.wait()
         for b in unit.buckets:
             b.release_params()
-        unit.full, unit.work, unit.arriving = None, [], []
+        unit.full, unit.gathers = None, []
 
     def _release_idle(self) -> None:
         """End of the root forward: free units gathered but not in use (unused prefetches)."""

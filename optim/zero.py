@@ -51,6 +51,7 @@ from optim.zero_setup import (
 from optim.zero_state import ShardedStateDicts
 from parallel import comm
 from parallel.marks import NO_MARKS, ParamMarks, param_marks
+from parallel.quantize import ShardGather
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DEFAULT_UNIT_NUMEL", "ZeroOptimizer", "default_resident_numel"]
 
@@ -226,7 +227,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             else None
         )
         self._scopes: dict[torch.nn.Module, list[int]] = {}  # sync_only: module -> its bucket indices
-        self._param_gathers: dict[FlatBucket, Callable[[], None]] = {}  # bucket -> finish its gather
+        self._param_gathers: dict[FlatBucket, ShardGather] = {}  # bucket -> its parameter all-gather in flight
         gatherer = self._gatherer
         self._reducer = GradReducer(
             self.buckets,

@@ -116,13 +116,16 @@ def _unpack(packed: torch.Tensor, block: int, bits: int) -> Quantized:
 
 
 @dataclass
-class QuantizedGather:
-    """An all-gather of equal flat shards as packed quantized blocks (`_pack`), in flight:
-    `finish(out)` waits and writes the dequantized concatenation into `out`."""
+class ShardGather:
+    """An all-gather of equal flat shards into `out`, in flight: exact, or as packed quantized
+    blocks (`_pack`) when `like` (this rank's quantized shard) is set. `finish(keep)` waits and
+    then writes the dequantized pieces into `out`, except piece `keep` (this rank's own, when
+    `out` already holds it exactly); `wait()` only waits."""
 
+    out: torch.Tensor
     works: list
-    gathered: torch.Tensor  # [world, bytes of one packed shard]
-    like: Quantized  # this rank's quantized shard
+    gathered: torch.Tensor | None = None  # quantized: [world, bytes of one packed shard]
+    like: Quantized | None = None
 
     def wait(self) -> None:
         for w in self.works:
@@ -130,24 +133,29 @@ class QuantizedGather:
                 w.wait()
         self.works = []
 
-    def finish(self, out: torch.Tensor, keep: int | None = None) -> None:
-        """Dequantize piece r of the gathered data into piece r of `out`, except piece `keep`
-        (this rank's own, when `out` already holds it exactly)."""
+    def finish(self, keep: int | None = None) -> None:
         self.wait()
-        like, numel = self.like, self.like.numel
-        values = dequantize(_unpack(self.gathered, like.block, like.bits)).view(self.gathered.shape[0], -1)
-        for r, piece in enumerate(out.view(-1, numel)):
+        if self.like is None:
+            return
+        numel = self.like.numel
+        values = dequantize(_unpack(self.gathered, self.like.block, self.like.bits)).view(self.gathered.shape[0], -1)
+        for r, piece in enumerate(self.out.view(-1, numel)):
             if r != keep:
                 piece.copy_(values[r, :numel])
 
 
-def all_gather_quantized(shard: torch.Tensor, block: int, group: dist.ProcessGroup | None) -> QuantizedGather:
-    """Start the all-gather of `shard` quantized to int8 blocks, values and scales packed in one."""
+def all_gather_shards(
+    out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, block: int | None = None
+) -> ShardGather:
+    """Start gathering every rank's `shard` into `out`, their concatenation: exactly, or with a
+    `block` as int8 blocks with fp32 scales (ZeRO++ qwZ), values and scales packed in one call."""
+    if block is None:
+        return ShardGather(out, [comm.all_gather_into_tensor(out, shard, group=group, async_op=True)])
     q = quantize(shard, block)
     packed = _pack(q, 1)
     gathered = packed.new_empty(dist.get_world_size(group), packed.shape[1])
     work = comm.all_gather_into_tensor(gathered.view(-1), packed.view(-1), group=group, async_op=True)
-    return QuantizedGather([work], gathered, q)
+    return ShardGather(out, [work], gathered, q)
 
 
 def reduce_scatter_quantized(
