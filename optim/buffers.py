@@ -165,12 +165,16 @@ class FlatBucket:
             self._written[i] = True
         self.got[i] = True
 
-    def grad_pieces(self, i: int, region: tuple[int, int]) -> list[torch.Tensor]:
-        """Views of `grad_shard` holding parameter i's part of the flat range `region`
-        (`shard_range`: what this rank owns; `opt_range`: what its step updates)."""
-        lo, hi = region
-        base = lo - self.opt_range[0]
-        return [self.grad_shard[base + at : base + at + e - s] for j, s, e, at in self.ranges_of(lo, hi) if j == i]
+    def piece(self, tensor: torch.Tensor, i: int, region: tuple[int, int]) -> tuple[int, torch.Tensor]:
+        """Parameter i's part of the flat range `region` (`shard_range`: what this rank owns;
+        `opt_range`: what its step updates) in `tensor`, which is laid out like `grad_shard`
+        over `opt_range`: (where the part starts in the parameter's flattening, its view,
+        empty when the range misses the parameter)."""
+        off = self.offsets[i]
+        start = min(max(region[0], off), off + self.shapes[i].numel())
+        end = max(min(region[1], off + self.shapes[i].numel()), start)
+        base = self.opt_range[0]
+        return start - off, tensor[start - base : end - base]
 
     def clear_grad(self, i: int) -> None:
         """Zero parameter i's gradient wherever this rank holds it (its slot in the full buffer,
@@ -178,8 +182,7 @@ class FlatBucket:
         if self.grad_buffer is not None:
             off = self.offsets[i]
             self.grad_buffer[off : off + self.shapes[i].numel()].zero_()
-        for piece in self.grad_pieces(i, self.opt_range):
-            piece.zero_()
+        self.piece(self.grad_shard, i, self.opt_range)[1].zero_()
 
     def _prepare_grad_buffer(self) -> None:
         if self.grad_buffer is None:

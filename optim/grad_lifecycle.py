@@ -173,33 +173,28 @@ class GradLifecycle:
 
     # ---- param.grad placeholders (optim.grad_placeholder) --------------------------------
     def _grad_norm_of(self, k: int, i: int, norm_type: float) -> torch.Tensor:
-        """‖ḡ‖_p of parameter i of bucket k, unscaled, over all shards: one all-reduce gives
-        every parameter's norm, reused until the gradients change."""
+        """‖ḡ‖_p of parameter i of bucket k, unscaled, over all shards: ‖ḡ‖_p^p summed over the
+        owned parts (the largest part's norm for p = ∞) in one all-reduce that gives every
+        parameter's norm, reused until the gradients change."""
         if self._param_norms is None or self._param_norms[0] != norm_type:
             self._finish_grads()
-            device = self.buckets[0].grad_shard.device
-            local = torch.zeros(len(self._all_params), dtype=torch.float64, device=device)
-            at = 0
-            for b in self.buckets:
-                for j in range(len(b.params)):
-                    for piece in b.grad_pieces(j, b.shard_range):
-                        part = torch.linalg.vector_norm(piece, norm_type, dtype=torch.float32).double()
-                        local[at] = (
-                            torch.maximum(local[at], part) if norm_type == float("inf") else local[at] + part**norm_type
-                        )
-                    at += 1
-            op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+            inf = norm_type == float("inf")
+            parts = [b.piece(b.grad_shard, j, b.shard_range)[1] for b in self.buckets for j in range(len(b.params))]
+            local = torch.zeros(len(parts), dtype=torch.float64, device=self.buckets[0].grad_shard.device)
+            for at, part in enumerate(parts):
+                if part.numel():
+                    local[at] = torch.linalg.vector_norm(part, norm_type, dtype=torch.float32).double()
+            local = local if inf else local**norm_type
             if self.world > 1:
-                comm.all_reduce(local, op=op, group=self.group)
-            norms = local if norm_type == float("inf") else local ** (1.0 / norm_type)
+                comm.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.group)
+            norms = local if inf else local ** (1.0 / norm_type)
             self._param_norms = (norm_type, (norms * self._unscale).float())
         return self._param_norms[1][self._first_index[k] + i]
 
     def _scale_grad_of(self, k: int, i: int, factor: torch.Tensor | float) -> None:
         self._finish_grads()
         b = self.buckets[k]
-        for piece in b.grad_pieces(i, b.opt_range):
-            piece.mul_(factor)
+        b.piece(b.grad_shard, i, b.opt_range)[1].mul_(factor)
         self._param_norms = self._norm = None
 
     def _zero_grad_of(self, k: int, i: int) -> None:

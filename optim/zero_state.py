@@ -95,14 +95,12 @@ class ShardedStateDicts:
 
     def _sharded_views(self, bucket: FlatBucket, shard: torch.Tensor) -> dict[str, Any]:
         """name -> sharded tensor whose local pieces view `shard` (master-shaped)."""
-        lo, hi = bucket.shard_range
-        base = lo - bucket.opt_range[0]
         all_ranges = [{i: (s, e) for i, s, e, _ in bucket.shard_ranges(r)} for r in range(self.world)]
         out = {}
         for i, p in enumerate(bucket.params):
-            pieces = [(s, shard[base + at : base + at + e - s]) for j, s, e, at in bucket.ranges_of(lo, hi) if j == i]
+            piece = bucket.piece(shard, i, bucket.shard_range)
             ranges = [[rs[i]] if i in rs else [] for rs in all_ranges]
-            out[self.names[p]] = sharded_state.sharded_tensor_from_flat(bucket.shapes[i], pieces, ranges, self.group)
+            out[self.names[p]] = sharded_state.sharded_tensor_from_flat(bucket.shapes[i], [piece], ranges, self.group)
         return out
 
     def _materialize_state(self) -> None:
