@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -78,6 +78,16 @@ class _Hyper:
     def bias_correction2_sqrt(self) -> float:
         """(1 - beta2^t) ** 0.5."""
         return (1 - self.beta2**self.step) ** 0.5
+
+
+class _Shards(NamedTuple):
+    """The lists a step works on, one entry per shard."""
+
+    masters: list[Tensor]
+    grads: list[Tensor]
+    exp_avgs: list[Tensor]
+    exp_avg_sqs: list[Tensor]
+    params_out: list[Tensor | None]
 
 
 # ---- backend discovery ---------------------------------------------------------------------
@@ -169,25 +179,19 @@ def adam_step_(
         raise ValueError(f"unknown Adam backend {backend!r}; known: {', '.join(BACKENDS)}.")
     if step < 1:
         raise ValueError(f"step={step} must be >= 1 (it is incremented before the update).")
-    _check_shards(masters, grads, exp_avgs, exp_avg_sqs, params_out)
+    shards = _Shards(masters, grads, exp_avgs, exp_avg_sqs, params_out)
+    _check_shards(shards)
     if not masters:
         return
     scalars = (float(x) for x in (lr, beta1, beta2, eps, weight_decay))
-    hyper = _Hyper(*scalars, adamw=bool(adamw), step=int(step), grad_scale=float(grad_scale))
-    _STEPS[backend](masters, grads, exp_avgs, exp_avg_sqs, params_out, hyper)
+    _STEPS[backend](shards, _Hyper(*scalars, adamw=bool(adamw), step=int(step), grad_scale=float(grad_scale)))
 
 
-def _check_shards(
-    masters: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    params_out: list[Tensor | None],
-) -> None:
+def _check_shards(s: _Shards) -> None:
     """Same-length lists of contiguous same-size shards; masters and Adam state in fp32."""
-    if not len(masters) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(params_out):
+    if len({len(tensors) for tensors in s}) != 1:
         raise ValueError("masters, grads, exp_avgs, exp_avg_sqs and params_out must have the same length.")
-    for master, grad, exp_avg, exp_avg_sq, out in zip(masters, grads, exp_avgs, exp_avg_sqs, params_out):
+    for master, grad, exp_avg, exp_avg_sq, out in zip(*s):
         if any(t.dtype != torch.float32 for t in (master, exp_avg, exp_avg_sq)):
             raise ValueError("master shards, exp_avg and exp_avg_sq must be float32.")
         shards = [t for t in (master, grad, exp_avg, exp_avg_sq, out) if t is not None]
@@ -195,64 +199,50 @@ def _check_shards(
             raise ValueError("master, grad, exp_avg, exp_avg_sq and output shards must be contiguous and of one size.")
 
 
-def _fp32_grads(grads: list[Tensor], grad_scale: float) -> list[Tensor]:
+def _fp32_grads(s: _Shards, h: _Hyper) -> list[Tensor]:
     """float32(g) * grad_scale; the caller's tensors are returned (never modified) for fp32 g and scale 1."""
-    grads32 = [g.float() for g in grads]
-    return grads32 if grad_scale == 1.0 else torch._foreach_mul(grads32, grad_scale)
+    grads32 = [g.float() for g in s.grads]
+    return grads32 if h.grad_scale == 1.0 else torch._foreach_mul(grads32, h.grad_scale)
 
 
-def _copy_out(masters: list[Tensor], params_out: list[Tensor | None]) -> None:
+def _copy_out(s: _Shards) -> None:
     """out <- master.to(out.dtype) (round to nearest even)."""
-    for master, out in zip(masters, params_out):
+    for master, out in zip(s.masters, s.params_out):
         if out is not None:
             out.copy_(master)
 
 
-def _torch_step(
-    masters: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    params_out: list[Tensor | None],
-    h: _Hyper,
-) -> None:
+def _torch_step(s: _Shards, h: _Hyper) -> None:
     """The op sequence of torch.optim.adam._multi_tensor_adam (non-capturable), so results
     are bitwise those of torch.optim.Adam(W) with .grad = float32(g) * grad_scale."""
-    grads32 = _fp32_grads(grads, h.grad_scale)
+    grads32 = _fp32_grads(s, h)
     if h.weight_decay != 0:
         if h.adamw:
-            torch._foreach_mul_(masters, h.decay)
+            torch._foreach_mul_(s.masters, h.decay)
         else:
-            grads32 = torch._foreach_add(grads32, masters, alpha=h.weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads32, 1 - h.beta1)
-    torch._foreach_mul_(exp_avg_sqs, h.beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads32, grads32, 1 - h.beta2)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
+            grads32 = torch._foreach_add(grads32, s.masters, alpha=h.weight_decay)
+    torch._foreach_lerp_(s.exp_avgs, grads32, 1 - h.beta1)
+    torch._foreach_mul_(s.exp_avg_sqs, h.beta2)
+    torch._foreach_addcmul_(s.exp_avg_sqs, grads32, grads32, 1 - h.beta2)
+    denom = torch._foreach_sqrt(s.exp_avg_sqs)
     torch._foreach_div_(denom, [h.bias_correction2_sqrt] * len(denom))
     torch._foreach_add_(denom, h.eps)
-    torch._foreach_addcdiv_(masters, exp_avgs, denom, [h.neg_step_size] * len(denom))
-    _copy_out(masters, params_out)
+    torch._foreach_addcdiv_(s.masters, s.exp_avgs, denom, [h.neg_step_size] * len(denom))
+    _copy_out(s)
 
 
-def _torch_fused_step(
-    masters: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    params_out: list[Tensor | None],
-    h: _Hyper,
-) -> None:
+def _torch_fused_step(s: _Shards, h: _Hyper) -> None:
     """torch._fused_adam(w)_ on float32(g) * grad_scale. Its own grad_scale argument is not
     used: it divides by the scale and overwrites the caller's grads with the result."""
     fused = torch._fused_adamw_ if h.adamw else torch._fused_adam_
-    step = torch.tensor(float(h.step), device=masters[0].device)
+    step = torch.tensor(float(h.step), device=s.masters[0].device)
     fused(
-        masters,
-        _fp32_grads(grads, h.grad_scale),
-        exp_avgs,
-        exp_avg_sqs,
+        s.masters,
+        _fp32_grads(s, h),
+        s.exp_avgs,
+        s.exp_avg_sqs,
         [],
-        [step] * len(masters),
+        [step] * len(s.masters),
         lr=h.lr,
         beta1=h.beta1,
         beta2=h.beta2,
@@ -261,17 +251,10 @@ def _torch_fused_step(
         amsgrad=False,
         maximize=False,
     )
-    _copy_out(masters, params_out)
+    _copy_out(s)
 
 
-def _apex_step(
-    masters: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    params_out: list[Tensor | None],
-    h: _Hyper,
-) -> None:
+def _apex_step(s: _Shards, h: _Hyper) -> None:
     """amp_C.multi_tensor_adam(chunk, noop, [g, p, m, v], lr, beta1, beta2, eps, step, mode,
     bias_correction, wd) with mode 1 = AdamW, 0 = L2; it needs one dtype across the four
     lists, so g is float32(g) * grad_scale."""
@@ -279,11 +262,11 @@ def _apex_step(
     if kernels is None:
         raise ValueError("Adam backend 'apex' needs NVIDIA apex built with its CUDA extensions (amp_C).")
     multi_tensor_applier, amp_C = kernels
-    noop_flag = torch.zeros(1, dtype=torch.int32, device=masters[0].device)
+    noop_flag = torch.zeros(1, dtype=torch.int32, device=s.masters[0].device)
     multi_tensor_applier(
         amp_C.multi_tensor_adam,
         noop_flag,
-        [_fp32_grads(grads, h.grad_scale), masters, exp_avgs, exp_avg_sqs],
+        [_fp32_grads(s, h), s.masters, s.exp_avgs, s.exp_avg_sqs],
         h.lr,
         h.beta1,
         h.beta2,
@@ -293,22 +276,15 @@ def _apex_step(
         1,
         h.weight_decay,
     )
-    _copy_out(masters, params_out)
+    _copy_out(s)
 
 
-def _triton_step(
-    masters: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    params_out: list[Tensor | None],
-    h: _Hyper,
-) -> None:
+def _triton_step(s: _Shards, h: _Hyper) -> None:
     """One `_adam_kernel` launch per shard."""
     if triton is None:
         raise ValueError("Adam backend 'triton' needs triton installed.")
     lerp_weight = 1 - h.beta1
-    for master, grad, exp_avg, exp_avg_sq, out in zip(masters, grads, exp_avgs, exp_avg_sqs, params_out):
+    for master, grad, exp_avg, exp_avg_sq, out in zip(*s):
         n = master.numel()
         if n == 0:
             continue
