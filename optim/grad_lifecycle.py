@@ -48,6 +48,10 @@ UNUSED = (
     "every trained parameter on every rank; pass find_unused_parameters=True (--find-unused-parameters), or freeze it "
     "before building the optimizer"
 )
+HAND_SET = (
+    "param.grad of {name!r} was assigned by hand; ZeroOptimizer takes gradients only from backward(), so compute "
+    "them with loss.backward() and clear them with opt.zero_grad()"
+)
 WRAPPED = (
     "the model runs inside DistributedDataParallel, but ZeroOptimizer reduces gradients itself: train the bare model "
     "(do not wrap it in DDP; for Lightning and HF Trainer use optim.integrations)"
@@ -89,15 +93,26 @@ class GradLifecycle:
                     b.got[i] = False
 
     def _share_got(self, tied: bool) -> None:
-        """Which parameters have a gradient on any rank of the group (and, with `tied`, of
-        their tie groups: only at the step, which every pipeline stage reaches), as DDP finds
-        them: one max all-reduce of a flag per parameter. Every rank then marks them as
-        having a gradient and shows its placeholder in `.grad`. A `.grad` assigned by hand on
-        any rank (the last flag) raises on every rank."""
+        """Which parameters have a gradient: on any rank of the group (and, with `tied`, of
+        their tie groups: only at the step, which every pipeline stage reaches) when
+        searching for unused parameters; every one, on this rank, otherwise. Every rank then
+        shows each one's placeholder in `.grad`. A `.grad` assigned by hand (on any rank,
+        when searching) raises on every rank that knows of it."""
         self._check_grads()
-        if not self.find_unused_parameters:
-            self._expect_every_grad()
-            return
+        hand_set = self._agree_on_got(tied) if self.find_unused_parameters else self._hand_set
+        self._hand_set = 0
+        if hand_set:
+            raise RuntimeError(HAND_SET.format(name=self.names[self._all_params[hand_set - 1]]))
+        for k, b in enumerate(self.buckets):
+            for i, p in enumerate(b.params):
+                if not (b.got[i] or self.find_unused_parameters):
+                    raise RuntimeError(UNUSED.format(name=self.names[p]))
+                if b.got[i] and p.grad is None:
+                    p.grad = self._placeholders[k][i]
+
+    def _agree_on_got(self, tied: bool) -> int:
+        """As DDP finds unused parameters: one max all-reduce of a flag per parameter, whose last
+        entry carries `_hand_set`; returns the agreed `_hand_set` (1 + a flat index, 0: none)."""
         flags = torch.tensor(
             [g for b in self.buckets for g in b.got] + [self._hand_set],
             dtype=torch.int32,
@@ -106,7 +121,6 @@ class GradLifecycle:
         for group in self._dp_groups:
             if dist.get_world_size(group) > 1:
                 comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        self._refuse_hand_set(int(flags[-1]))
         for k, b in enumerate(self.buckets):
             for group in b.marks.tied if tied else ():
                 start = self._first_index[k]
@@ -115,30 +129,7 @@ class GradLifecycle:
         for k, b in enumerate(self.buckets):
             start = self._first_index[k]
             b.got = [bool(f) for f in everyone[start : start + len(b.params)]]
-            for i, p in enumerate(b.params):
-                if b.got[i] and p.grad is None:
-                    p.grad = self._placeholders[k][i]
-
-    def _expect_every_grad(self) -> None:
-        """find_unused_parameters=False: with no flags shared, every trained parameter must have
-        its gradient on this rank; then each shows its placeholder in `.grad`."""
-        self._refuse_hand_set(self._hand_set)
-        for k, b in enumerate(self.buckets):
-            for i, p in enumerate(b.params):
-                if not b.got[i]:
-                    raise RuntimeError(UNUSED.format(name=self.names[p]))
-                if p.grad is None:
-                    p.grad = self._placeholders[k][i]
-
-    def _refuse_hand_set(self, hand_set: int) -> None:
-        """Raise if a `.grad` was assigned by hand (`hand_set`: 1 + its flat index; 0: none)."""
-        self._hand_set = 0
-        if hand_set:
-            name = self.names[self._all_params[hand_set - 1]]
-            raise RuntimeError(
-                f"param.grad of {name!r} was assigned by hand; ZeroOptimizer takes gradients only from "
-                "backward(), so compute them with loss.backward() and clear them with opt.zero_grad()"
-            )
+        return everyone[-1]
 
     def _backward_end(self, synced: bool) -> None:
         """After every backward: stage 3 frees what it gathered; a backward that reduced every
