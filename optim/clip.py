@@ -5,7 +5,7 @@
 Every element of every bucket is owned by exactly one data-parallel rank (its shard),
 so summing each rank's owned part over the data-parallel group counts it once. Across
 model-parallel ranks (tensor / pipeline) each rank holds different parameters, except
-those marked replicated with `parallel.marks.mark_replicated(module, name, group)` (norms
+those marked replicated with `parallel.comm.mark_replicated(module, name, group)` (norms
 and row-parallel biases under TP, tied embeddings across pipeline stages): their bucket
 counts only on the rank that is rank 0 of every group it is replicated over (w_e ∈ {0, 1}).
 """

@@ -21,7 +21,7 @@ Hybrid sharding (`replicate_group`): the group is one replica's shard group; eac
 reduction there is followed by an all-reduce, across the replicas, of the part this rank
 keeps (its shard; the whole buffer at stage 0), so ḡ = (1/(N·R)) Σ over all N·R ranks.
 ZeRO++ qgZ (`QuantizedReduction`, stages 2-3): the reduce-scatter becomes quantized
-all-to-alls inside the node and then across nodes (`parallel.quantize`) into a fresh shard,
+all-to-alls inside the node and then across nodes (`optim.quantize`) into a fresh shard,
 which is then added to the gradients the shard already holds (no carry through the buffer,
 so earlier reductions of the step are never quantized again).
 
@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 from optim.buffers import FlatBucket
+from optim.quantize import reduce_scatter_quantized
 from parallel import comm
-from parallel.quantize import reduce_scatter_quantized
 
 MAX_IN_FLIGHT = 2
 QGZ_BLOCK = 2048  # elements per quantization block of qgZ

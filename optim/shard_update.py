@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from optim import fused
 from optim.buffers import FlatBucket
+from optim.quantize import ShardGather, all_gather_shards
 from optim.stage3 import ParamGatherer
-from parallel.quantize import ShardGather, all_gather_shards
 
 
 class ShardUpdate:

@@ -13,7 +13,7 @@ nor an ancestor (a tied output head using the embedding's weight) gathers that u
 around its own forward and backward as well.
 
 Quantized gathering (ZeRO++ qwZ, Wang et al. 2023). With `qwz_block`, each rank sends its
-shard as int8 with one fp32 scale per block (`parallel.quantize`) and the unit is dequantized
+shard as int8 with one fp32 scale per block (`optim.quantize`) and the unit is dequantized
 on arrival: the compute copy of the parameters carries at most max|block|/254 of error per
 element, while the fp32 masters, the update and every checkpoint stay exact.
 
@@ -41,7 +41,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from optim.buffers import FlatBucket
-from parallel.quantize import ShardGather, all_gather_shards
+from optim.quantize import ShardGather, all_gather_shards
 
 
 def is_called(module: torch.nn.Module) -> bool:

@@ -33,6 +33,7 @@ from optim.buffers import FlatBucket, arrival_key, assign_buckets, bucket_key
 from optim.grad_lifecycle import NOT_TRAINED, GradLifecycle
 from optim.grad_placeholder import GradPlaceholder
 from optim.grads import GradReducer, QuantizedReduction
+from optim.quantize import ShardGather
 from optim.scaler import DynamicLossScaler
 from optim.shard_update import ShardUpdate
 from optim.sharding import SHARD_GRADIENTS, SHARD_PARAMETERS, Sharding
@@ -50,8 +51,7 @@ from optim.zero_setup import (
 )
 from optim.zero_state import ShardedStateDicts
 from parallel import comm
-from parallel.marks import NO_MARKS, ParamMarks, param_marks
-from parallel.quantize import ShardGather
+from parallel.comm import NO_MARKS, ParamMarks, param_marks
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DEFAULT_UNIT_NUMEL", "ZeroOptimizer", "default_resident_numel"]
 
@@ -88,7 +88,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             grad norms and fp16 overflow flags are summed over it after the DP group.
         loss_scaler: dynamic loss scaler for fp16 (created by default for fp16).
         qwz_block: stages 1-3: all-gather parameters as int8 with one fp32 scale per block of
-            this many elements (ZeRO++ qwZ; `parallel.quantize`); None gathers them exactly.
+            this many elements (ZeRO++ qwZ; `optim.quantize`); None gathers them exactly.
         node_groups: (the ranks of `process_group` on this node, those at this rank's place
             in each node), `ParallelDims.dp_shard_node_groups`; None: the shard group is
             one node. Used by hpZ and qgZ.
@@ -97,7 +97,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             (ZeRO++ hpZ; `optim.stage3`).
         qgz_bits: stages 2-3: reduce-scatter gradients as 8- or 4-bit blocks through an
             all-to-all inside the node, then one across nodes, summed in fp32 (ZeRO++ qgZ;
-            `parallel.quantize.reduce_scatter_quantized`); None reduces them exactly.
+            `optim.quantize.reduce_scatter_quantized`); None reduces them exactly.
         overlap_param_gather: stages 1-2: `step()` returns with the all-gathers of the updated
             parameters in flight; each bucket's is waited for just before the first forward
             of a module holding its parameters, or before anything else reads them (the

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
-from parallel import marks
+from parallel import comm
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import stage_of
 from parallel.random import get_rng_tracker
@@ -176,7 +176,7 @@ def _mark_replicated(module: nn.Module, name: str, group: dist.ProcessGroup | No
     if sequence_parallel:
         sequence_parallel_grad_sync(module, name, group)
     else:
-        marks.mark_replicated(module, name, group)
+        comm.mark_replicated(module, name, group)
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -433,5 +433,5 @@ def pipeline_chunks(
             holders[1].embed = holders[0].embed
             holders[1].head.weight = holders[0].embed.weight
         elif holders:
-            marks.mark_tied(holders[0].embed, "weight", embedding_group)
+            comm.mark_tied(holders[0].embed, "weight", embedding_group)
     return chunks

@@ -1,4 +1,4 @@
-"""parallel/quantize.py: block-wise int8 / int4 quantization stays within its error bound,
+"""optim/quantize.py: block-wise int8 / int4 quantization stays within its error bound,
 is exact on its grid, packs int4 two to a byte and keeps shapes, padding and dtypes."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from optim.quantize import dequantize, max_error, quantize, reduce_scatter_quantized
 from parallel import comm
-from parallel.quantize import dequantize, max_error, quantize, reduce_scatter_quantized
 from tests.dist_utils import run_distributed
 
 

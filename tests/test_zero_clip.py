@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from optim import ZeroOptimizer
-from parallel import marks
+from parallel import comm
 from tests.dist_utils import run_distributed
 from tests.models import batches, make_model
 
@@ -29,7 +29,7 @@ def norm_with_marks(stage: int) -> float:
     model = make_model()
     for name, p in model.named_parameters():
         if p.ndim == 1:
-            marks.mark_replicated(model, name, mp)
+            comm.mark_replicated(model, name, mp)
     opt = ZeroOptimizer(
         model,
         torch.optim.AdamW,

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from parallel import comm, marks
+from parallel import comm
 from parallel.tensor.mappings import (
     copy_to_tp,
     gather_from_sp,
@@ -105,12 +105,12 @@ def sequence_parallel_grad_sync(module: nn.Module, name: str, group: Group) -> N
       that consumes the gradient);
     - it always runs before every ``register_post_accumulate_grad_hook`` (ZeroOptimizer's),
       whatever the order of registration.
-    Marks the parameter (``parallel.marks.mark_sequence_parallel``, which also marks it
+    Marks the parameter (``parallel.comm.mark_sequence_parallel``, which also marks it
     replicated over ``group``). A tensor hook lives with its Parameter object, which
     ``copy.deepcopy`` does not copy, so a forward pre-hook on ``module`` (which is copied)
     registers it on any marked parameter that lacks it. Idempotent; a no-op hook at tp == 1.
     """
-    marks.mark_sequence_parallel(module, name, group)
+    comm.mark_sequence_parallel(module, name, group)
     if not module.__dict__.get("_sequence_parallel_hooked"):
         module.__dict__["_sequence_parallel_hooked"] = True
         module.register_forward_pre_hook(_register_grad_sync_hooks)
@@ -177,9 +177,9 @@ class ColumnParallelLinear(_TPModule):
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.weight = _sharded_weight((out_features, in_features), 0, group, init_method)
         self.bias = nn.Parameter(torch.zeros(out_local)) if bias else None
-        marks.mark_partitioned(self, "weight", 0)
+        comm.mark_partitioned(self, "weight", 0)
         if bias:
-            marks.mark_partitioned(self, "bias", 0)
+            comm.mark_partitioned(self, "bias", 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
@@ -218,9 +218,9 @@ class RowParallelLinear(_TPModule):
         self.sequence_parallel = sequence_parallel
         self.weight = _sharded_weight((out_features, in_features), 1, group, init_method)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        marks.mark_partitioned(self, "weight", 1)
+        comm.mark_partitioned(self, "weight", 1)
         if bias:  # replicated over TP; under SP its gradient is summed over TP
-            marks.mark_replicated(self, "bias", group)
+            comm.mark_replicated(self, "bias", group)
             if sequence_parallel:
                 sequence_parallel_grad_sync(self, "bias", group)
 
@@ -261,7 +261,7 @@ class VocabParallelEmbedding(_TPModule):
         self.vocab_start = tp_rank(group) * v_local
         self.vocab_end = self.vocab_start + v_local
         self.weight = _sharded_weight((num_embeddings, embedding_dim), 0, group, init_method)
-        marks.mark_partitioned(self, "weight", 0)
+        comm.mark_partitioned(self, "weight", 0)
 
     def forward(self, ids_sb: torch.Tensor) -> torch.Tensor:
         if tp_size(self.group) == 1:

@@ -19,7 +19,7 @@ fused_step    `fused_step_bandwidth.measure` on a 1B-element shard (2e5 on the C
               fused Adam step backends and AdamW(fused=True), effective GB/s as a fraction of
               the copy bandwidth measured by `environment`. Goal: >= 85 % for the backend
               ZeroOptimizer picks.
-quantize      ZeRO++'s block quantizer (`parallel.quantize`, blocks of 2048) on 2^28 bf16
+quantize      ZeRO++'s block quantizer (`optim.quantize`, blocks of 2048) on 2^28 bf16
               elements (2^16 on the CPU): quantize and dequantize at int8 and int4, GB/s of
               the bytes each moves as a fraction of the copy bandwidth, which the planner
               assumes for them. Goal: >= 50 % for the slowest.

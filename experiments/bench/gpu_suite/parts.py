@@ -22,7 +22,7 @@ from experiments.bench import fused_step_bandwidth, gpu_mfu
 from experiments.bench.common import median, timed
 from experiments.bench.gpu_suite.runner import ROOT, Context
 from optim import ZeroOptimizer, fused
-from parallel import quantize as quant
+from optim import quantize as quant
 from research import data, metrics
 from research.config import RunConfig
 from research.config import parse_args as parse_run_args
@@ -237,7 +237,7 @@ QUANT_BLOCK = 2048  # ZeRO++'s block, the one the planner costs
 
 
 def quantize(ctx: Context) -> dict[str, Any]:
-    """ZeRO++'s block quantizer (`parallel.quantize`) on a bf16 tensor: median times of
+    """ZeRO++'s block quantizer (`optim.quantize`) on a bf16 tensor: median times of
     quantize and dequantize at int8 and int4, as GB/s of the bytes each must move (bf16 in
     and q-bit values + fp32 scales out, or the reverse) and as a fraction of the copy
     bandwidth `environment` measured: the planner costs them as passes at that bandwidth."""
