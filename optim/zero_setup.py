@@ -34,8 +34,7 @@ def validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, param_dty
             f"{optimizer_class.__name__} is not elementwise (its update of one element depends on others), "
             "so it is not exact on flat shards; use an elementwise optimizer such as AdamW, SGD or Adagrad"
         )
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-        raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+    check_stage(stage, "stage")
     if qwz_block is not None and (
         stage == 0 or isinstance(qwz_block, bool) or not isinstance(qwz_block, int) or qwz_block <= 0
     ):
@@ -54,6 +53,12 @@ def validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, param_dty
         )
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameter (every parameter has requires_grad=False)")
+
+
+def check_stage(stage: Any, name: str) -> None:
+    """ZeRO stage 0, 1, 2 or 3 (the argument called `name`)."""
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"{name}={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
 
 
 def check_zero_pp(

@@ -37,6 +37,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
+from optim.integrations import LAYOUT_OPTIONS, check_zero_options
 from optim.zero import ZeroOptimizer
 
 # Trainer's internal steps that ZeroTrainer replaces (transformers 5.23); a version without one
@@ -51,7 +52,6 @@ TRAINER_HOOKS = (
 )
 ZERO_OPTIMIZER_DIR = "zero_optimizer"  # inside checkpoint-N/: the optimizer's DCP checkpoint
 ELEMENTWISE_OPTIMS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop")
-ZERO_KWARGS = ("param_dtype", "reduce_dtype", "bucket_numel", "unit_numel", "resident_numel", "step_backend")
 UNSUPPORTED_ARGS = {
     "fp16": "torch.amp's GradScaler cannot see ZeroOptimizer's gradients; use bf16=True",
     "fp16_full_eval": "casting the model for evaluation detaches it from the optimizer's buffers; leave it off",
@@ -73,7 +73,7 @@ class ZeroTrainer(Trainer):
     (any elementwise optimizer class), over Trainer's weight-decay / no-decay groups; plus
 
         zero_stage: ZeRO stage 0, 1, 2 or 3.
-        zero_kwargs: ZeroOptimizer's layout and precision options (`ZERO_KWARGS`:
+        zero_kwargs: ZeroOptimizer's layout and precision options (`optim.integrations.LAYOUT_OPTIONS`:
             param_dtype None or torch.bfloat16, reduce_dtype, bucket_numel, unit_numel,
             resident_numel, step_backend).
 
@@ -90,7 +90,13 @@ class ZeroTrainer(Trainer):
     def __init__(
         self, *args: Any, zero_stage: int = 2, zero_kwargs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
-        _check_zero_options(zero_stage, zero_kwargs or {})
+        check_zero_options(
+            zero_stage,
+            zero_kwargs or {},
+            LAYOUT_OPTIONS,
+            names=("ZeroTrainer", "zero_stage", "zero_kwargs"),
+            instead="TrainingArguments",
+        )
         self.zero_stage = zero_stage
         self.zero_kwargs = dict(zero_kwargs or {})
         super().__init__(*args, **kwargs)
@@ -229,23 +235,6 @@ class _AcceleratedZero(AcceleratedOptimizer):
 
     def __init__(self, optimizer: ZeroOptimizer) -> None:
         super().__init__(optimizer, device_placement=False)
-
-
-def _check_zero_options(stage: Any, zero_kwargs: dict[str, Any]) -> None:
-    """zero_stage and zero_kwargs, checked before Trainer starts anything."""
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-        raise ValueError(f"zero_stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-    unknown = sorted(set(zero_kwargs) - set(ZERO_KWARGS))
-    if unknown:
-        raise ValueError(
-            f"zero_kwargs {unknown} are not options ZeroTrainer passes to ZeroOptimizer ({', '.join(ZERO_KWARGS)}); "
-            "the optimizer's hyperparameters come from TrainingArguments"
-        )
-    if zero_kwargs.get("param_dtype") == torch.float16:
-        raise ValueError(
-            "zero_kwargs param_dtype=torch.float16 needs a loss-scaled backward, which Trainer does not run; "
-            "use torch.bfloat16"
-        )
 
 
 def _require_trainer_hooks() -> None:

@@ -47,6 +47,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.constants import default_pg_timeout
 
+from optim.integrations import LAYOUT_OPTIONS, check_zero_options
 from optim.zero import ZeroOptimizer
 
 try:
@@ -62,15 +63,7 @@ except ImportError:
 __all__ = ["ZeroPrecision", "ZeroStrategy"]
 
 # ZeroOptimizer options the strategy passes on; hyperparameters belong to configure_optimizers.
-ZERO_OPTIONS = (
-    "param_dtype",
-    "reduce_dtype",
-    "bucket_numel",
-    "unit_numel",
-    "resident_numel",
-    "step_backend",
-    "find_unused_parameters",
-)
+ZERO_OPTIONS = (*LAYOUT_OPTIONS, "find_unused_parameters")
 META = "meta.pt"
 CLIP_BY_VALUE = (
     "ZeroStrategy clips gradients only by their global norm (ZeroOptimizer.clip_grad_norm_); "
@@ -126,7 +119,13 @@ class ZeroStrategy(pl.strategies.DDPStrategy):
         start_method: str = "popen",
         **zero_kwargs: Any,
     ) -> None:
-        _check_options(stage, zero_kwargs)
+        check_zero_options(
+            stage,
+            zero_kwargs,
+            ZERO_OPTIONS,
+            names=("ZeroStrategy", "stage", "ZeroStrategy keyword arguments"),
+            instead="the optimizer configure_optimizers returns",
+        )
         super().__init__(
             cluster_environment=cluster_environment,
             precision_plugin=precision_plugin,
@@ -334,21 +333,6 @@ class ZeroStrategy(pl.strategies.DDPStrategy):
 
 
 # ---- helpers ----------------------------------------------------------------------------------
-def _check_options(stage: Any, zero_kwargs: dict[str, Any]) -> None:
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-        raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-    for name in zero_kwargs:
-        if name not in ZERO_OPTIONS:
-            raise TypeError(
-                f"ZeroStrategy got {name}=, which is not one of its ZeroOptimizer options ({', '.join(ZERO_OPTIONS)}); "
-                "optimizer hyperparameters go to the optimizer configure_optimizers returns"
-            )
-    if zero_kwargs.get("param_dtype") == torch.float16:
-        raise ValueError(
-            "param_dtype=torch.float16 needs a loss scale that Lightning's backward does not apply; use torch.bfloat16"
-        )
-
-
 def _zero_precision(plugin: pl.plugins.precision.Precision) -> ZeroPrecision:
     """The ZeroPrecision equivalent of the precision plugin Lightning chose for the Trainer."""
     if isinstance(plugin, ZeroPrecision):
