@@ -1,4 +1,4 @@
-"""parallel.comm marks: written where the model is built survive copy.deepcopy, and a
+"""The marks of parallel.comm, written where the model is built, survive copy.deepcopy, and a
 deep-copied GPT trains as the original (its sequence-parallel gradient hooks come back)."""
 
 from __future__ import annotations
