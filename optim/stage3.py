@@ -151,7 +151,9 @@ class ParamGatherer:
             return
         unit.full = [torch.empty(b.numel, dtype=b.param_dtype, device=b.param_shard.device) for b in unit.buckets]
         if unit.secondary is not None:
-            unit.gathers = [all_gather_shards(*pair, self.hpz_group) for pair in zip(unit.full, unit.secondary)]
+            unit.gathers = [
+                all_gather_shards(full, slice_, self.hpz_group) for full, slice_ in zip(unit.full, unit.secondary)
+            ]
         else:
             unit.gathers = [
                 all_gather_shards(full, b.param_shard, self.group, self.qwz_block)

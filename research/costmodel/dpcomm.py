@@ -295,6 +295,4 @@ def tied_embedding(model: GPTConfig, layout: Layout, cluster: Cluster) -> Collec
     volume = DTYPE_BYTES[layout.reduce_dtype] * model.padded_vocab / layout.tp * model.d_model
     x = ring(cluster, 2, (layout.pp - 1) * layout.dp * layout.tp, volume, rounds=2)
     busy = x.seconds(cluster)
-    return Collective(
-        "tied_embedding", x.intra, x.inter, *cluster.seconds(x.intra, x.inter), x.latency(cluster), 0.0, busy, busy
-    )
+    return _collective("tied_embedding", [x.intra, x.inter, x.latency(cluster), 0.0, busy, busy], cluster)
