@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.nn.parallel import DistributedDataParallel
 
+from optim.integrations import WRAPPED_BY, wrapped_by
 from parallel import comm
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ HAND_SET = (
 )
 WRAPPED = (
     "the model runs inside DistributedDataParallel, but ZeroOptimizer reduces gradients itself: train the bare model "
-    "(do not wrap it in DDP; for Lightning and HF Trainer use optim.integrations)"
+    "(do not wrap it in DDP; for accelerate, Lightning and the HF Trainer use optim.integrations)"
 )
 
 
@@ -76,6 +77,7 @@ class GradLifecycle:
     _all_params: list[torch.nn.Parameter]
     _dp_groups: list[dist.ProcessGroup | None]
     find_unused_parameters: bool
+    stage: int
 
     def _check_grads(self, arriving: tuple[int, int] | None = None) -> None:
         """`.grad` set to None since the last backward (model.zero_grad()) clears that
@@ -99,7 +101,8 @@ class GradLifecycle:
         shows each one's placeholder in `.grad`. A `.grad` assigned by hand (on any rank,
         when searching) raises on every rank that knows of it."""
         self._check_grads()
-        hand_set = self._agree_on_got(tied) if self.find_unused_parameters else self._hand_set
+        with comm.doing("the agreement on which parameters have a gradient"):
+            hand_set = self._agree_on_got(tied) if self.find_unused_parameters else self._hand_set
         self._hand_set = 0
         if hand_set:
             raise RuntimeError(HAND_SET.format(name=self.names[self._all_params[hand_set - 1]]))
@@ -144,8 +147,10 @@ class GradLifecycle:
     def _check_model(self, module: torch.nn.Module, args: tuple) -> None:
         """Forward pre-hook: refuse a DDP wrapper, compilation at stage 3 and parameters moved
         or cast since construction, before they can train silently wrong."""
-        if DistributedDataParallel._get_active_ddp_module() is not None:
-            raise RuntimeError(WRAPPED)
+        ddp = DistributedDataParallel._get_active_ddp_module()
+        if ddp is not None:
+            framework = wrapped_by(ddp)
+            raise RuntimeError(WRAPPED_BY[framework].format(stage=self.stage) if framework else WRAPPED)
         if self.sharding.parameters and (torch.compiler.is_compiling() or get_eval_frame_callback() is not None):
             raise RuntimeError(COMPILED)
         for k, b in enumerate(self.buckets):

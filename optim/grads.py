@@ -66,7 +66,9 @@ class GradReducer:
     gradients whose `.grad` the user cleared; `on_bucket_done(i)` runs once
     all parameters of bucket i have their gradient in a backward (stage 3 frees the gathered
     parameters there); `on_backward_end(synced)` runs last, `synced` telling whether the
-    backward reduced every bucket.
+    backward reduced every bucket. `sync_requested()`, asked at the first gradient of each
+    backward, False makes that backward accumulate only, as inside `no_sync()` (DDP's
+    `require_backward_grad_sync` flag, which training scripts set on micro-steps).
     """
 
     def __init__(
@@ -79,13 +81,16 @@ class GradReducer:
         on_backward_start: Callable[[int, int], None] | None = None,
         on_bucket_done: Callable[[int], None] | None = None,
         on_backward_end: Callable[[bool], None] | None = None,
+        sync_requested: Callable[[], bool] = lambda: True,
     ) -> None:
         self.buckets = buckets
         self.placeholders = placeholders
         self.group = group
         self.replicate_group = replicate_group
         self.quantized = quantized
-        self.sync = True
+        self.sync = True  # False inside no_sync()
+        self._sync_requested = sync_requested  # False: this backward only accumulates, as under no_sync()
+        self._syncing = True  # whether the backward in progress reduces
         self.unsynced: set[int] = set()  # buckets holding gradients accumulated under no_sync, not reduced yet
         self._scope = list(range(len(buckets)))  # the buckets a synced backward launches, in order
         self._in_scope = set(self._scope)
@@ -129,6 +134,7 @@ class GradReducer:
     def _on_grad(self, b: int, i: int, param: torch.Tensor) -> None:
         if not self._callback_queued:
             self._callback_queued = True
+            self._syncing = self.sync and self._sync_requested()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             if self._on_backward_start is not None:
                 self._on_backward_start(b, i)
@@ -141,7 +147,7 @@ class GradReducer:
         bucket.accumulate(i, grad, self._scale)
         param.grad = self.placeholders[b][i]
         self._ready[b] += 1
-        if not self.sync:
+        if not self._syncing:
             self.unsynced.add(b)
         elif b not in self._in_scope:
             raise RuntimeError(
@@ -151,7 +157,7 @@ class GradReducer:
         if self._ready[b] == len(bucket.params):
             if self._on_bucket_done is not None:
                 self._on_bucket_done(b)
-            if self.sync:
+            if self._syncing:
                 self._launch_in_order()
 
     def _launch_in_order(self, everything: bool = False) -> None:
@@ -184,7 +190,8 @@ class GradReducer:
     def _launch(self, bucket: FlatBucket) -> None:
         self._retire(keep=MAX_IN_FLIGHT - 1)
         steps = self._reduction(bucket)
-        self._works.append((steps, next(steps), bucket))
+        with comm.doing("a gradient reduction inside backward"):
+            self._works.append((steps, next(steps), bucket))
 
     def _reduction(self, bucket: FlatBucket) -> Iterator[list[dist.Work | None]]:
         """The collectives of one bucket's reduction, each yielded once issued: all-reduce
@@ -208,13 +215,13 @@ class GradReducer:
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
-        if self.sync:
+        if self._syncing:
             self._launch_in_order(everything=True)
             self._retire(keep=0)
             self._next = 0
         self._ready = [0] * len(self.buckets)
         if self._on_backward_end is not None:
-            self._on_backward_end(self.sync and len(self._scope) == len(self.buckets))
+            self._on_backward_end(self._syncing and len(self._scope) == len(self.buckets))
 
     def remove(self) -> None:
         for h in self._handles:

@@ -15,6 +15,7 @@ from optim import fused
 from optim.buffers import FlatBucket
 from optim.quantize import ShardGather, all_gather_shards
 from optim.stage3 import ParamGatherer
+from parallel import comm
 
 
 class ShardUpdate:
@@ -146,9 +147,12 @@ class ShardUpdate:
         if self._gatherer is not None:
             self._gatherer.forget_secondary()
         self.wait_params()
-        for b in self.buckets:
-            if b.sharding.optimizer_state and not b.sharding.parameters:
-                self._param_gathers[b] = all_gather_shards(b.param_buffer, b.param_shard, self.group, self.qwz_block)
+        with comm.doing("the parameter all-gather after step()"):
+            for b in self.buckets:
+                if b.sharding.optimizer_state and not b.sharding.parameters:
+                    self._param_gathers[b] = all_gather_shards(
+                        b.param_buffer, b.param_shard, self.group, self.qwz_block
+                    )
         if not self.overlap_param_gather:
             self.wait_params()
 

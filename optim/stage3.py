@@ -24,6 +24,14 @@ change at the next step; every later gather of the unit in the step (backward, t
 micro-batches) all-gathers those slices inside the node instead of the shards across
 nodes, for 2Ψ/k more bytes per rank (bf16).
 
+Ranks in step. Every rank must gather the same units in the same order, and a rank that
+skips a forward (an evaluation on rank 0 only) would otherwise have its gathers matched with
+another rank's gathers of other units. So each root forward first checks in on a side group
+(`check_in`: every rank says whether it runs a training forward or one without gradients,
+and how many check-ins it made): ranks that differ raise on every rank, naming what each is
+in, before any parameter moves; a rank that never arrives leaves the others waiting for the
+collective watchdog (`parallel.comm.watch`), which names it.
+
 Prefetch. The order in which units were first gathered in the previous forward and the
 previous backward is recorded; the first gather of unit u in a pass also starts the
 asynchronous gather of the unit that followed u last time. If the order changed, the prefetched unit is freed
@@ -42,6 +50,36 @@ from torch.utils._pytree import tree_flatten
 
 from optim.buffers import FlatBucket
 from optim.quantize import ShardGather, all_gather_shards
+from parallel import comm
+
+# what a rank checks in for (`check_in`), as the sentence names it
+TRAINING_FORWARD, EVAL_FORWARD, MODEL_STATE_DICT = range(1, 4)
+CHECK_INS = {
+    TRAINING_FORWARD: "a training forward",
+    EVAL_FORWARD: "a forward without gradients (an evaluation)",
+    MODEL_STATE_DICT: "model.state_dict()",
+}
+OUT_OF_STEP = (
+    "at ZeRO stage 3 every rank must run the same forwards and model state-dict calls in the same order, since "
+    "each gathers parameters from all of them, but {who}: evaluate and call model.state_dict() on every rank, "
+    "or save on one rank from opt.full_state_dict() (a collective) or with torch.distributed.checkpoint"
+)
+
+
+def check_in(side: dist.ProcessGroup, what: int, count: int) -> None:
+    """Every rank of `side` says what it is about to do (a key of CHECK_INS) and how many
+    check-ins it made before; if they differ, raise OUT_OF_STEP on every rank."""
+    world = dist.get_world_size(side)
+    everyone = torch.empty(2 * world, dtype=torch.int64)
+    with comm.doing(f"the stage-3 check-in of {CHECK_INS[what]}"):
+        comm.all_gather_into_tensor(everyone, torch.tensor([what, count]), group=side)
+    said = [tuple(pair) for pair in everyone.view(world, 2).tolist()]
+    if len(set(said)) > 1:
+        who = "; ".join(
+            f"rank {dist.get_global_rank(side, r)} is in {CHECK_INS.get(w, '?')}, its check-in #{n + 1}"
+            for r, (w, n) in enumerate(said)
+        )
+        raise RuntimeError(OUT_OF_STEP.format(who=who))
 
 
 def is_called(module: torch.nn.Module) -> bool:
@@ -111,8 +149,10 @@ class ParamGatherer:
         group: dist.ProcessGroup | None,
         qwz_block: int | None = None,
         hpz_group: dist.ProcessGroup | None = None,
+        side: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = group
+        self.side, self.check_ins = side, 0  # `check_in` (None: one rank)
         self.qwz_block = qwz_block
         self.hpz_group = hpz_group
         self.units = [Unit(buckets) for _, buckets in units]
@@ -166,6 +206,11 @@ class ParamGatherer:
         first_use = unit not in order
         if first_use:
             order.append(unit)
+        without_grad = " without gradients" if phase == "forward" and not torch.is_grad_enabled() else ""
+        with comm.doing(f"a stage-3 parameter gather inside {phase}{without_grad}"):
+            self._ensure_gathered(unit, phase, first_use)
+
+    def _ensure_gathered(self, unit: Unit, phase: str, first_use: bool) -> None:
         self._start_gather(unit)
         if unit.gathers:
             for gather in unit.gathers:
@@ -199,7 +244,14 @@ class ParamGatherer:
     # ---- hooks --------------------------------------------------------------------------
     def _on_root_forward(self, module: torch.nn.Module, args: tuple) -> None:
         if not _in_backward():
+            self.check_in(TRAINING_FORWARD if torch.is_grad_enabled() else EVAL_FORWARD)
             self._finish_pass("forward")
+
+    def check_in(self, what: int) -> None:
+        """`check_in` on the side group (nothing on one rank)."""
+        if self.side is not None:
+            check_in(self.side, what, self.check_ins)
+            self.check_ins += 1
 
     def _pre_forward(self, needed: list[Unit]) -> None:
         for unit in needed:

@@ -33,6 +33,7 @@ from optim.buffers import FlatBucket, arrival_key, assign_buckets, bucket_key
 from optim.grad_lifecycle import NOT_TRAINED, GradLifecycle
 from optim.grad_placeholder import GradPlaceholder
 from optim.grads import GradReducer, QuantizedReduction
+from optim.model_state import ModelStateHooks
 from optim.quantize import ShardGather
 from optim.scaler import DynamicLossScaler
 from optim.shard_update import ShardUpdate
@@ -40,7 +41,9 @@ from optim.sharding import SHARD_GRADIENTS, SHARD_PARAMETERS, Sharding
 from optim.stage3 import ParamGatherer, roots, stage3_units
 from optim.zero_setup import (
     DEFAULT_BUCKET_NUMEL,
+    DEFAULT_COMM_TIMEOUT_S,
     DEFAULT_UNIT_NUMEL,
+    OUT_OF_STEP_ADVICE,
     check_same_model_on_all_ranks,
     check_zero_pp,
     default_resident_numel,
@@ -110,6 +113,10 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             False: DDP's default promise that every trained parameter gets a gradient in
             every step on every rank; both all-reduces are skipped, and a parameter without a
             gradient raises on the rank that misses it.
+        comm_timeout_s: the collective watchdog (`parallel.comm.watch`): a collective that waits
+            this long for a rank that never issued it (or issued another in its place) ends
+            every rank with one sentence naming each rank and the call it is in, in any
+            training loop. None: no watchdog.
         **optimizer_kwargs: passed to `optimizer_class` (lr, weight_decay, betas, ...).
 
     `grad_peak_bytes`: the most gradient bytes this rank has held since construction. At
@@ -145,6 +152,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         qgz_bits: int | None = None,
         overlap_param_gather: bool = False,
         find_unused_parameters: bool = True,
+        comm_timeout_s: float | None = DEFAULT_COMM_TIMEOUT_S,
         **optimizer_kwargs: Any,
     ) -> None:
         validate(model, optimizer_class, stage, param_dtype, qwz_block)
@@ -169,6 +177,8 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         self.scaler = loss_scaler or (DynamicLossScaler() if self.param_dtype == torch.float16 else None)
         self.last_step_skipped = False  # the last step() found an fp16 overflow and changed nothing
         self._register_hooks(units)
+        if comm_timeout_s is not None and dist.get_world_size() > 1:
+            comm.watch(comm_timeout_s, OUT_OF_STEP_ADVICE)
         self._end_step()
         self._grad_bytes = self.grad_peak_bytes = self.memory_breakdown()["grads"]
         self._constructed = True
@@ -222,13 +232,27 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         if self.overlap_param_gather:
             self._register_param_waits()
         self._gatherer = (
-            ParamGatherer(self.model, units, self.group, self.qwz_block, self.node_groups[0] if self.hpz else None)
+            ParamGatherer(
+                self.model,
+                units,
+                self.group,
+                self.qwz_block,
+                self.node_groups[0] if self.hpz else None,
+                comm.side_group(self.group) if self.world > 1 else None,
+            )
             if self.sharding.parameters
             else None
         )
+        gatherer = self._gatherer
+        self._model_state = ModelStateHooks(
+            self.model,
+            self.buckets,
+            self.group,
+            gatherer.check_in if gatherer else lambda what: None,
+            gatherer.forget_secondary if gatherer else lambda: None,
+        )
         self._scopes: dict[torch.nn.Module, list[int]] = {}  # sync_only: module -> its bucket indices
         self._param_gathers: dict[FlatBucket, ShardGather] = {}  # bucket -> its parameter all-gather in flight
-        gatherer = self._gatherer
         self._reducer = GradReducer(
             self.buckets,
             self.group,
@@ -238,6 +262,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             on_backward_start=lambda k, i: self._check_grads(arriving=(k, i)),
             on_bucket_done=(lambda i: gatherer.bucket_done(self.buckets[i])) if gatherer else None,
             on_backward_end=self._backward_end,
+            sync_requested=lambda: getattr(self.model, "require_backward_grad_sync", True),
         )
 
     def _register_param_waits(self) -> None:
@@ -352,7 +377,9 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally without communicating; the
-        first backward after it reduces everything. Stages 2-3 then hold full-size
+        first backward after it reduces everything. Setting `model.require_backward_grad_sync
+        = False` (DDP's flag, as nanoGPT-style scripts do on micro-steps) does the same for
+        each backward run while it is False. Stages 2-3 then hold full-size
         gradient buckets until that backward."""
         with self._reducer.no_sync():
             yield
@@ -384,7 +411,8 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         if self._norm is None:
             self._finish_grads()
             groups = [self.group] + ([self.model_parallel_group] if self.model_parallel_group is not None else [])
-            self._norm = clip.global_grad_norm(self.buckets, groups, self._unscale)
+            with comm.doing("the global gradient norm"):
+                self._norm = clip.global_grad_norm(self.buckets, groups, self._unscale)
         return self._norm
 
     @property
@@ -401,7 +429,8 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             return
         if self._reducer.unsynced:
             raise RuntimeError(
-                "gradients accumulated under no_sync() were never reduced: run the last backward before step() outside no_sync()"
+                "gradients accumulated under no_sync() (or model.require_backward_grad_sync = False) were never "
+                "reduced: run the last backward before step() with gradient synchronisation on"
             )
         for name, p in self.model.named_parameters():
             if p.grad is not None and p not in self._trained:

@@ -15,6 +15,12 @@ NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "Muon", "LAMB", "Lamb", "FusedLAMB", "S
 PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_BUCKET_NUMEL = 2**24
 DEFAULT_UNIT_NUMEL = 2**22
+DEFAULT_COMM_TIMEOUT_S = 300.0
+OUT_OF_STEP_ADVICE = (
+    "Every rank must make the same training calls in the same order: at ZeRO stage 3 each forward, backward and "
+    "model.state_dict() gathers from all ranks, so evaluate and save on every rank; if a rank is only slow, raise "
+    "ZeroOptimizer(comm_timeout_s=...)"
+)
 
 
 def default_resident_numel(unit_numel: int) -> int:

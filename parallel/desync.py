@@ -16,7 +16,7 @@ last few collectives of every rank); the others print one line; all exit with st
 gloo raises a timed-out collective as a RuntimeError on the waiting rank, which is what
 this catches. NCCL's watchdog aborts the process itself (see torch's
 TORCH_NCCL_DUMP_ON_TIMEOUT flight recorder); the published records still tell which
-rank stalled, through `collect()`.
+rank stalled, through `comm.collect()`.
 """
 
 from __future__ import annotations
@@ -115,28 +115,6 @@ def _publish_until(store: dist.Store, rank: int, stop: threading.Event) -> None:
             published = record
 
 
-def collect(store: dist.Store, world: int) -> dict[int, dict[str, Any]]:
-    """Every rank's last published record (ranks that never published are left out)."""
-    out = {}
-    for r in range(world):
-        key = f"rank_{r}"
-        if store.check([key]):
-            out[r] = json.loads(store.get(key))
-    return out
-
-
-def missing_ranks(mine: dict[str, Any], records: dict[int, dict[str, Any]]) -> tuple[dict[str, Any] | None, list[int]]:
-    """(the oldest of my recent collectives that some member of its channel has not issued,
-    those members) or (None, []) when every member issued all of them. A member that never
-    published counts as not arrived."""
-    for entry in mine["last"]:
-        members = _members(entry["channel"])
-        behind = [r for r in members if records.get(r, {}).get("issued", {}).get(entry["channel"], 0) < entry["seq"]]
-        if behind:
-            return entry, behind
-    return None, []
-
-
 def stalled_ranks(behind: list[int], records: dict[int, dict[str, Any]]) -> tuple[list[int], dict[int, int]]:
     """Follow the waits from the ranks that did not arrive: a rank that itself waits for
     another in an earlier collective is blocked, not stalled. Returns (the ranks at the ends
@@ -150,7 +128,7 @@ def stalled_ranks(behind: list[int], records: dict[int, dict[str, Any]]) -> tupl
         if r in seen:
             continue
         seen.add(r)
-        _, waits_for = missing_ranks(records[r], records) if r in records else (None, [])
+        _, waits_for = comm.missing_ranks(records[r], records) if r in records else (None, [])
         waits_for = [w for w in waits_for if w != r]
         if waits_for:
             blocked[r] = waits_for[0]
@@ -160,13 +138,10 @@ def stalled_ranks(behind: list[int], records: dict[int, dict[str, Any]]) -> tupl
     return (sorted(stalled), blocked) if stalled else (behind, {})
 
 
-def _members(channel: str) -> list[int]:
-    return [int(r) for r in re.split(r",|->", channel)]
-
-
 def _describe(entry: dict[str, Any], now: float) -> str:
+    what = f"{entry['what']}: " if entry.get("what") else ""
     return (
-        f"{entry['op']} #{entry['seq']} on {entry['group']} [{entry['channel']}] "
+        f"{what}{entry['op']} #{entry['seq']} on {entry['group']} [{entry['channel']}] "
         f"({entry['bytes']} B, {now - entry['time']:.1f} s ago)"
     )
 
@@ -178,7 +153,7 @@ def report(
     now = time.time() if now is None else now
     mine = records.get(rank, comm.recent())
     waited = f" after {timeout_s:g} s" if timeout_s else ""
-    entry, behind = missing_ranks(mine, records)
+    entry, behind = comm.missing_ranks(mine, records)
     blocked: dict[int, int] = {}
     if entry is None:
         head = (
@@ -194,7 +169,7 @@ def report(
             for r in behind
         ]
         last += [
-            f"rank {r} waits for rank {w} in {_describe(missing_ranks(records[r], records)[0], now)}"
+            f"rank {r} waits for rank {w} in {_describe(comm.missing_ranks(records[r], records)[0], now)}"
             for r, w in sorted(blocked.items())
         ]
         head = (
@@ -223,7 +198,7 @@ def _report_and_exit(store: dist.Store, rank: int, world: int, timeout_s: float 
     def gather() -> None:
         store.set(f"rank_{rank}", json.dumps(comm.recent()))
         result["first"] = store.add("timeouts", 1) == 1
-        result["records"] = collect(store, world)
+        result["records"] = comm.collect(store, range(world))
 
     worker = threading.Thread(target=gather, daemon=True)
     worker.start()

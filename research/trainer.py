@@ -119,6 +119,8 @@ def build_optimizer(
         qgz_bits=par.qgz_bits,
         overlap_param_gather=par.overlap_param_gather,
         find_unused_parameters=par.find_unused_parameters,
+        # --comm-timeout's desync report speaks first; the watchdog covers what it cannot see
+        **({"comm_timeout_s": par.comm_timeout + 30} if par.comm_timeout else {}),
         lr=tr.lr,
         betas=(tr.beta1, tr.beta2),
         eps=tr.eps,

@@ -15,6 +15,10 @@ REGISTRARS = {
     "register_prehook",
     "register_multi_grad_hook",
     "queue_callback",
+    "register_state_dict_pre_hook",
+    "register_state_dict_post_hook",
+    "register_load_state_dict_pre_hook",
+    "register_load_state_dict_post_hook",
 }
 
 

@@ -58,7 +58,7 @@ def test_the_report_names_the_rank_behind_and_what_it_issued_last() -> None:
         3: {"last": [_entry("all_reduce", "dp", "0,1,2,3", 7)], "issued": {"0,1,2,3": 7}},
         2: {"last": [_entry("broadcast", "tp", "2,3", 4, t=90.0)], "issued": {"0,1,2,3": 6, "2,3": 4}},
     }
-    entry, behind = desync.missing_ranks(records[0], records)
+    entry, behind = comm.missing_ranks(records[0], records)
     assert entry["seq"] == 7 and behind == [2]
     text = desync.report(0, records, 4, 5.0, now=105.0)
     head = text.splitlines()[0]
@@ -85,7 +85,7 @@ def test_a_rank_blocked_behind_the_stalled_one_is_not_blamed() -> None:
 
 def test_a_rank_that_never_published_is_reported_missing() -> None:
     records = {0: {"last": [_entry("barrier", "world", "0,1", 1)], "issued": {"0,1": 1}}}
-    _, behind = desync.missing_ranks(records[0], records)
+    _, behind = comm.missing_ranks(records[0], records)
     assert behind == [1]
     assert "rank 1 never reported" in desync.report(0, records, 2, None)
     assert "  rank 1: nothing published" in desync.report(0, records, 2, None)
@@ -96,13 +96,13 @@ def test_p2p_pairs_are_matched_by_direction() -> None:
         0: {"last": [_entry("isend", "pp", "0->1", 3)], "issued": {"0->1": 3}},
         1: {"last": [_entry("irecv", "pp", "0->1", 2)], "issued": {"0->1": 2, "1->0": 5}},
     }
-    entry, behind = desync.missing_ranks(records[0], records)
+    entry, behind = comm.missing_ranks(records[0], records)
     assert entry["op"] == "isend" and behind == [1]
 
 
 def test_when_every_rank_arrived_the_report_says_the_order_differs() -> None:
     records = {r: {"last": [_entry("all_reduce", "dp", "0,1", 2)], "issued": {"0,1": 2}} for r in (0, 1)}
-    assert desync.missing_ranks(records[0], records) == (None, [])
+    assert comm.missing_ranks(records[0], records) == (None, [])
     assert "waiting in different collectives" in desync.report(0, records, 2, 3.0)
 
 

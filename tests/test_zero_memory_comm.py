@@ -75,9 +75,14 @@ def measure_comm(stage: int) -> dict:
     return {
         "padded": sum(b.numel for b in opt.buckets),
         "log": log.as_dict(),
-        "bytes": log.total_bytes(),
+        "bytes": log.total_bytes("world"),
         "params": sum(len(b.params) for b in opt.buckets),
     }
+
+
+def check_in_stats(world: int) -> dict:
+    """Stage 3's check-in on its side group, once per forward: 2 int64 per rank, gathered."""
+    return {"all_gather_into_tensor": {"calls": 1, "bytes": 16 * (world - 1), "payload_bytes": 16 * world}}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -85,12 +90,13 @@ def measure_comm(stage: int) -> dict:
 def test_comm_bytes_match_theory(stage: int, world: int) -> None:
     """2Ψ (3Ψ at stage 3) of gradients and parameters, plus which parameters have a gradient:
     an int32 flag per parameter and one for a hand-set .grad, max-all-reduced after backward
-    and at the step."""
+    and at the step; stage 3 also checks in once per forward, on a side group."""
     for m in run_distributed(measure_comm, world, stage):
         B, N = 4 * m["padded"], world
         factor = 3 if stage == 3 else 2
         flags = 2 * 2 * 4 * (m["params"] + 1) * (N - 1) // N
         assert m["bytes"] == factor * B * (N - 1) // N + flags, m["log"]
+        assert m["log"].get("world-side") == (check_in_stats(world) if stage == 3 else None)
         ops = set(m["log"]["world"])
         assert ops == (
             {"all_reduce"} if stage == 0 else {"reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"}
@@ -110,7 +116,7 @@ def measure_tied_stage3_comm() -> dict:
     return {
         "padded": sum(b.numel for b in opt.buckets),
         "tied": tied,
-        "bytes": log.total_bytes(op="all_gather_into_tensor") + log.total_bytes(op="reduce_scatter_tensor"),
+        "bytes": log.total_bytes("world", "all_gather_into_tensor") + log.total_bytes("world", "reduce_scatter_tensor"),
         "log": log.as_dict(),
     }
 
@@ -121,3 +127,4 @@ def test_stage3_prefetch_wastes_nothing_with_tied_weights(world: int) -> None:
     is gathered twice, even though the head is a second user of the embedding's unit."""
     for m in run_distributed(measure_tied_stage3_comm, world):
         assert m["bytes"] == (3 * m["padded"] + m["tied"]) * 4 * (world - 1) // world, m["log"]
+        assert m["log"]["world-side"] == check_in_stats(world)
