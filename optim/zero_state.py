@@ -34,6 +34,10 @@ class ShardedStateDicts:
     _torch_order: list[list[torch.nn.Parameter]]
     wait_params: Callable[..., None]
 
+    def param_shapes(self) -> dict[torch.nn.Parameter, torch.Size]:
+        """Each trained parameter's shape, also at stage 3, where it is empty between uses."""
+        return {p: shape for b in self.buckets for p, shape in zip(b.params, b.shapes)}
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded weights with the keys and shapes of `model.state_dict()`: trainable
         parameters from the fp32 masters (in their original dtype), the rest as they are.
@@ -131,8 +135,8 @@ class ShardedStateDicts:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state dict filled by `torch.distributed.checkpoint.load` (or one returned
         by `state_dict()` under the same layout, also through torch.save / torch.load on every
-        rank, or a plain torch.optim state dict of the same model), then republish the
-        parameters. A collective: a state dict that does not fit raises on every rank."""
+        rank, the same with every tensor whole, or a plain torch.optim state dict of the same
+        model), then republish the parameters. A collective: a state dict that does not fit raises on every rank."""
         self._materialize_state()
         if state_formats.RANK_LOCAL in state_dict:
             state_formats.check_rank_local(state_dict, self._layout(), self.group)
@@ -174,10 +178,16 @@ class ShardedStateDicts:
                 "opt.state_dict() returns, filled by dcp.load or saved by torch.save on every rank, or a torch.optim "
                 "state dict of the same model"
             )
-        for name in (self.names[p] for b in self.buckets for p in b.params):
+        for name, shape in ((self.names[p], s) for b in self.buckets for p, s in zip(b.params, b.shapes)):
             if name not in sd["params"] or name not in sd["state"]:
                 return (
                     f"the optimizer state dict has no parameter {name!r}: it was saved for another model or optimizer"
+                )
+            whole = sd["params"][name]
+            if not hasattr(whole, "local_shards") and tuple(whole.shape) != tuple(shape):
+                return (
+                    f"the optimizer state dict holds {name!r} of shape {tuple(whole.shape)}, but the parameter's shape "
+                    f"is {tuple(shape)}: it was saved for another model"
                 )
         return None
 
@@ -203,9 +213,7 @@ class ShardedStateDicts:
     def _load_torch_format(self, sd: dict[str, Any]) -> None:
         """A torch.optim state dict of the same model: each parameter's state, numbered as a
         torch optimizer with the same param groups numbers it, copied into its owned part."""
-        shape_of = {
-            p: shape for b in self.buckets for p, shape in zip(b.params, b.shapes)
-        }  # true shapes, also at stage 3
+        shape_of = self.param_shapes()
         order = [[(self.names[p], shape_of[p]) for p in group] for group in self._torch_order]
         problem = state_formats.torch_format_problem(sd, order)
         keys = {key for b in self.buckets for key in self.state[b.master]}
@@ -243,9 +251,13 @@ class ShardedStateDicts:
 
 
 def _copy_into(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
-    """Copy loaded values into the optimizer's own views, unless they are the same storage."""
+    """Copy loaded values into the optimizer's own views, unless they are the same storage; a
+    whole tensor (a full state dict, as accelerate's save_state writes) gives each view its part."""
     for key, target in mine.items():
         source = theirs[key]
+        if hasattr(target, "local_shards") and not hasattr(source, "local_shards"):
+            sharded_state.fill_from_full(target, source)
+            continue
         for dst, src in zip(_local_tensors(target), _local_tensors(source)):
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)

@@ -55,12 +55,14 @@ def canonical_name(name: str) -> str:
     return name.split(".", 1)[1]
 
 
-def full_shapes(model: nn.Module, names: dict[torch.nn.Parameter, str], tp: int) -> dict[str, list[int]]:
-    """Canonical name -> shape in the tp = 1 model, of each parameter in `names`."""
+def full_shapes(model: nn.Module, opt: ZeroOptimizer, tp: int) -> dict[str, list[int]]:
+    """Canonical name -> shape in the tp = 1 model, of each parameter `opt` names: from the
+    optimizer's record of the parameters' shapes (a stage-3 parameter is empty between uses)."""
     marks_of = param_marks(model)
+    trained = opt.param_shapes()
     shapes = {}
-    for p, name in names.items():
-        shape, dim = list(p.shape), marks_of.get(p, NO_MARKS).partition_dim
+    for p, name in opt.names.items():
+        shape, dim = list(trained.get(p, p.shape)), marks_of.get(p, NO_MARKS).partition_dim
         if dim is not None:
             shape[dim] *= tp
         shapes[canonical_name(name)] = shape

@@ -175,7 +175,7 @@ class Trainer:
 
     # ---- checkpoints ----------------------------------------------------------------------
     def _expected_shapes(self) -> dict[str, list[int]]:
-        return checkpoint.full_shapes(self.model, self.opt.names, self.dims.tp)
+        return checkpoint.full_shapes(self.model, self.opt, self.dims.tp)
 
     def _resume(self, where: str) -> None:
         path = checkpoint.resolve(where)
