@@ -70,11 +70,9 @@ class ModelStateHooks:
                 module.register_state_dict_pre_hook(self._begin),
                 module.register_state_dict_post_hook(partial(ModelStateHooks._fill, self)),
             ]
-            if any(p in self.where for p in module.parameters(recurse=False)):
-                self._handles.append(module.register_load_state_dict_pre_hook(self._load))
         for module in model.modules():
-            if any(p in self.resident for p in module.parameters(recurse=False)):
-                self._handles.append(module.register_load_state_dict_post_hook(self._refresh_masters))
+            if any(p in self.where or p in self.resident for p in module.parameters(recurse=False)):
+                self._handles.append(module.register_load_state_dict_pre_hook(self._load))
 
     def _begin(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
         """Pre-hook. `keep_vars=True` asks for the parameter objects themselves: left as they are."""
@@ -102,30 +100,24 @@ class ModelStateHooks:
         return self._full[id(bucket)]
 
     def _load(self, module: torch.nn.Module, state_dict: dict, prefix: str, *args: object) -> None:
-        """Load pre-hook: copy this rank's part of each full tensor into the shards, and hand
-        torch an empty tensor in its place (the parameter is empty between uses)."""
+        """Load pre-hook: copy this rank's part of each full tensor into the fp32 master (and,
+        at stage 3, into the compute shard, handing torch an empty tensor for the parameter,
+        which is empty between uses); torch then loads the gathered parameters as usual."""
         for name, p in module.named_parameters(recurse=False):
             key = prefix + name
-            if p not in self.where or key not in state_dict:
+            if key not in state_dict or not (p in self.where or p in self.resident):
                 continue
-            b, i = self.where[p]
+            b, i = self.where.get(p) or self.resident[p]
             value = state_dict[key]
             if value.numel() == 0 and b.shapes[i].numel() > 0:
                 raise RuntimeError(PLACEHOLDER.format(name=key, shape=tuple(b.shapes[i])))
             if value.shape != b.shapes[i]:
                 raise RuntimeError(SHAPE.format(name=key, got=tuple(value.shape), shape=tuple(b.shapes[i])))
             flat = value.detach().reshape(-1)
-            for shard in {b.master.data_ptr(): b.master, b.param_shard.data_ptr(): b.param_shard}.values():
-                start, part = b.piece(shard, i, b.shard_range)
+            shards = [b.master, b.param_shard] if p in self.where else [b.master]
+            for shard in {t.data_ptr(): t for t in shards}.values():
+                start, part = b.piece(shard, i, b.shard_range if p in self.where else b.opt_range)
                 part.copy_(flat[start : start + part.numel()])
-            state_dict[key] = torch.empty(0, dtype=p.dtype, device=p.device)
+            if p in self.where:
+                state_dict[key] = torch.empty(0, dtype=p.dtype, device=p.device)
         self.on_load()
-
-    def _refresh_masters(self, module: torch.nn.Module, incompatible_keys: object) -> None:
-        """Load post-hook (gathered parameters, stages 0-2): the module's parameters were
-        loaded in place; copy this rank's part of each into the fp32 master."""
-        for p in module.parameters(recurse=False):
-            if p in self.resident and p.numel():
-                b, i = self.resident[p]
-                start, part = b.piece(b.master, i, b.opt_range)
-                part.copy_(p.detach().reshape(-1)[start : start + part.numel()])

@@ -157,11 +157,13 @@ def test_stage3_with_eval_and_state_dict_on_every_rank_matches_ddp(ddp: list[dic
         assert_matches(ours[rank], ddp[rank], rank)
 
 
-def resume(stage: int, ckpt: str, placeholder: bool) -> dict:
+def resume(stage: int, ckpt: str, placeholder: bool, param_dtype: torch.dtype | None = None) -> dict:
     """A fresh model and optimizer load the saved full weights (or a stage-3 model's own
     per-rank parameters, empty tensors) as nanoGPT resumes; the full weights after the load."""
     model = gpt(seed=5)
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, param_groups=no_decay_groups(model), **UNITS)
+    opt = ZeroOptimizer(
+        model, torch.optim.AdamW, stage=stage, param_groups=no_decay_groups(model), param_dtype=param_dtype, **UNITS
+    )
     state = torch.load(ckpt)["model"]
     if placeholder:
         state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
@@ -172,16 +174,19 @@ def resume(stage: int, ckpt: str, placeholder: bool) -> dict:
     return {"model": model.state_dict(), "masters": opt.full_state_dict()}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage,dtype", [(2, None), (3, None), (1, torch.bfloat16), (3, torch.bfloat16)])
 def test_a_saved_checkpoint_resumes_into_stage3_and_placeholders_are_refused(
-    stage: int, ddp: list[dict], tmp_path: Path
+    stage: int, dtype: torch.dtype | None, ddp: list[dict], tmp_path: Path
 ) -> None:
+    """The fp32 masters take the saved values exactly, also under mixed precision, where the
+    model's parameters are bf16 copies (a frozen parameter has no master: it is held in bf16)."""
     ckpt = tmp_path / "ckpt.pt"
     torch.save({"model": ddp[0]["saved"]}, ckpt)
-    for out in run_distributed(resume, 2, stage, str(ckpt), False):
+    for out in run_distributed(resume, 2, stage, str(ckpt), False, dtype):
         for key, value in ddp[0]["saved"].items():
-            torch.testing.assert_close(out["model"][key], value, rtol=0, atol=0)
-            torch.testing.assert_close(out["masters"][key], value, rtol=0, atol=0)
+            torch.testing.assert_close(out["model"][key], value.to(dtype or value.dtype), rtol=0, atol=0)
+            held = value if key != "frozen.weight" else value.to(dtype or value.dtype).float()  # no master
+            torch.testing.assert_close(out["masters"][key], held, rtol=0, atol=0)
     if stage == 3:
         for out in run_distributed(resume, 2, stage, str(ckpt), True):
             assert "saved from a ZeRO stage-3 model's freed parameters" in out["error"]
