@@ -244,6 +244,23 @@ def resolve(path: str) -> str:
     raise CheckpointError(f"--load={path} holds no checkpoint (no {META}, no {LATEST} file, no step_* folder)")
 
 
+def latest(root: str) -> str | None:
+    """`--resume`: the newest complete checkpoint under `root` (as `resolve` finds it), or
+    None when `root` does not exist yet or holds none (an interrupted first save included)."""
+    if not os.path.isdir(root):
+        return None
+    try:
+        return resolve(root)
+    except CheckpointError:
+        return None
+
+
+def say(message: str) -> None:
+    """One line on stdout, from rank 0 only."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
 def _warn(message: str) -> None:
     """One line on stderr, from rank 0 only."""
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -123,13 +123,22 @@ class LogConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Saving every `save_every` steps (and at the end) under `save`; `load` resumes;
-    `export` writes the final weights as one full-precision file (.safetensors or .pt)."""
+    """Saving every `save_every` steps (and at the end) under `save`; `load` resumes (and
+    fails when there is nothing to load); `resume` is the one flag of a job that may be
+    restarted: it loads the root's latest checkpoint when there is one, starts fresh when
+    there is none, and saves there; `export` writes the final weights as one full-precision
+    file (.safetensors or .pt)."""
 
     save: str | None = None
     save_every: int = 0
     load: str | None = None
+    resume: str | None = None
     export: str | None = None
+
+    @property
+    def root(self) -> str | None:
+        """Where checkpoints are saved: `save`, or `resume`'s root."""
+        return self.save or self.resume
 
 
 @dataclass
@@ -229,7 +238,8 @@ HELP = {
     "wandb_name": "wandb run name",
     "save": "checkpoint root: ROOT/step_N/ and ROOT/latest",
     "save_every": "save every N steps (0: only at the end)",
-    "load": "resume from a checkpoint folder or root (its latest)",
+    "load": "resume from a checkpoint folder or root (its latest); an error when it holds none",
+    "resume": "a restartable job's one flag: load ROOT's latest checkpoint if it has one, else start fresh; save to ROOT",
     "export": "write the final weights as one .safetensors/.pt file (needs --save)",
 }
 _CLASSES = {
@@ -567,10 +577,17 @@ def validate(cfg: RunConfig, world_size: int) -> None:
 
 
 def _validate_checkpoint(ck: CheckpointConfig) -> None:
-    """--save-every and --export need --save; an export is .safetensors or .pt; --load exists."""
-    if ck.save_every and not ck.save:
-        raise ConfigError(f"--save-every={ck.save_every} needs --save DIR")
-    if ck.export and not ck.save:
+    """--save-every and --export need --save (or --resume); an export is .safetensors or .pt;
+    --load exists; --resume goes alone."""
+    if ck.resume and ck.load:
+        raise ConfigError(
+            f"--resume={ck.resume} loads its own latest checkpoint; drop --load={ck.load} (or drop --resume for a strict load)"
+        )
+    if ck.resume and ck.save and ck.save != ck.resume:
+        raise ConfigError(f"--resume={ck.resume} saves there too; drop --save={ck.save}")
+    if ck.save_every and not ck.root:
+        raise ConfigError(f"--save-every={ck.save_every} needs --save DIR (or --resume ROOT)")
+    if ck.export and not ck.root:
         raise ConfigError(f"--export={ck.export} needs --save DIR (the export is written from the final checkpoint)")
     if ck.export and not ck.export.endswith((".safetensors", ".pt")):
         raise ConfigError(f"--export={ck.export} must end in .safetensors or .pt")

@@ -172,6 +172,15 @@ class Trainer:
         self.start_step = 0
         if cfg.checkpoint.load:
             self._resume(cfg.checkpoint.load)
+        elif cfg.checkpoint.resume:
+            found = checkpoint.latest(cfg.checkpoint.resume)
+            if found is not None:
+                self._resume(found)
+            checkpoint.say(
+                f"--resume: resuming from {found} at step {self.start_step}"
+                if found is not None
+                else f"--resume: {cfg.checkpoint.resume} holds no checkpoint yet; starting at step 0"
+            )
 
     # ---- checkpoints ----------------------------------------------------------------------
     def _expected_shapes(self) -> dict[str, list[int]]:
@@ -216,7 +225,7 @@ class Trainer:
             "model": dataclasses.asdict(cfg.model),
             "config": cfg.to_dict(),
         }
-        return checkpoint.save(cfg.checkpoint.save, step, self.model, self.opt, self.dims, meta)
+        return checkpoint.save(cfg.checkpoint.root, step, self.model, self.opt, self.dims, meta)
 
     # ---- one step -------------------------------------------------------------------------
     def _step(self, step: int) -> tuple[torch.Tensor | None, torch.Tensor, float]:
@@ -299,7 +308,7 @@ class Trainer:
                 "or fp32, or resume from an earlier checkpoint"
             )
         every = ck.save_every
-        if ck.save and ((every and (step + 1) % every == 0) or step + 1 == tr.steps):
+        if ck.root and ((every and (step + 1) % every == 0) or step + 1 == tr.steps):
             if nonfinite:
                 console.warn(f"step {step + 1}: the loss is {loss}: checkpoint not saved")
             else:
@@ -310,7 +319,7 @@ class Trainer:
         """Rank 0: the export (if asked), summary.json and the wandb summary."""
         cfg = self.cfg
         if cfg.checkpoint.export:
-            checkpoint.export(cfg.checkpoint.save, cfg.checkpoint.export)
+            checkpoint.export(cfg.checkpoint.root, cfg.checkpoint.export)
         metrics.write_json(os.path.join(cfg.log.out, "summary.json"), summary)
         run.summary({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
 

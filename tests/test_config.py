@@ -191,6 +191,8 @@ def test_help_lists_every_key_with_its_default() -> None:
         (["--export", "w.safetensors"], 1, "--export=w.safetensors needs --save DIR"),
         (["--tokenizer", "nope.json"], 1, "--tokenizer 'nope.json' is neither"),
         (["--load", "no/such/ckpt"], 1, "--load=no/such/ckpt is not a directory"),
+        (["--resume", "r", "--load", "r"], 1, "--resume=r loads its own latest checkpoint; drop --load=r"),
+        (["--resume", "r", "--save", "s"], 1, "--resume=r saves there too; drop --save=s"),
         (["--d-model", "30", "--n-heads", "4"], 1, "d_model=30 is not divisible by n_heads=4"),
     ],
 )
@@ -492,3 +494,21 @@ def test_the_command_prints_one_error_line_and_exits_2(tmp_path, argv: list[str]
     assert "Traceback" not in proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [message.format(yaml=bad)]
     assert proc.stderr.strip().splitlines()[-1] == message.format(yaml=bad)
+
+
+def test_resume_saves_to_its_root() -> None:
+    cfg = parse_args(["--resume", "runs/job", "--save-every", "5", "--export", "w.pt"], 1)
+    assert cfg.checkpoint.root == "runs/job" and cfg.checkpoint.load is None
+
+
+def test_resume_finds_the_latest_complete_checkpoint_or_none(tmp_path) -> None:
+    from research import checkpoint
+
+    root = tmp_path / "job"
+    assert checkpoint.latest(str(root)) is None  # not made yet
+    (root / "step_00000005.tmp").mkdir(parents=True)
+    assert checkpoint.latest(str(root)) is None  # only an interrupted save
+    for step in (5, 10):
+        (root / f"step_{step:08d}").mkdir()
+        (root / f"step_{step:08d}" / checkpoint.META).write_text("{}")
+    assert checkpoint.latest(str(root)) == str(root / "step_00000010")

@@ -176,12 +176,13 @@ def launch_two(base: str) -> dict[str, list[float]]:
     out["resume-exact"] = (
         first + train(base, "resume", "--steps", str(STEPS), "--load", ckpt, *LAYOUTS["pp2-1f1b"])[10:]
     )
-    # ZeRO-3 with units small enough that parameters are really freed between uses
+    # ZeRO-3 with units small enough that parameters are really freed between uses, run as a
+    # restartable job: the same --resume command starts it fresh, then continues it
     zero3 = ["--zero", "3", "--unit-numel", "3000"]
     out["dp2-zero3-units"] = train(base, "dp2-zero3-units", "--steps", str(STEPS), *zero3)
-    ckpt3 = os.path.join(base, "resume-zero3", "ckpt")
-    first3 = train(base, "resume-zero3", "--steps", "10", "--lr-decay-steps", str(STEPS), "--save", ckpt3, *zero3)
-    out["resume-zero3"] = first3 + train(base, "resume-zero3", "--steps", str(STEPS), "--load", ckpt3, *zero3)[10:]
+    job = ["--resume", os.path.join(base, "resume-zero3", "ckpt"), "--save-every", "5", *zero3]
+    first3 = train(base, "resume-zero3", "--steps", "10", "--lr-decay-steps", str(STEPS), *job)
+    out["resume-zero3"] = first3 + train(base, "resume-zero3", "--steps", str(STEPS), *job)[10:]
     return out
 
 
@@ -337,8 +338,9 @@ def test_resume_continues_exactly(runs) -> None:
 
 
 def test_a_zero3_run_resumes_into_zero3(runs) -> None:
-    """Saved and loaded at ZeRO-3 with several units (parameters empty between uses): the
-    expected shapes come from the optimizer's record, not from the empty parameters."""
+    """Saved and loaded at ZeRO-3 with several units (parameters empty between uses; the
+    expected shapes come from the optimizer's record), by one --resume command run twice:
+    fresh at first, then from the step-10 checkpoint."""
     _, losses = runs
     assert losses["resume-zero3"] == losses["dp2-zero3-units"]
     torch.testing.assert_close(
