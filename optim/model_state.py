@@ -2,9 +2,12 @@
 fp32 masters apart from the model's parameters and, at stage 3, each gathered unit's
 parameters as 1/N shards, leaving the parameters themselves empty between uses.
 
-At every stage `model.load_state_dict()` also updates the fp32 masters (where they are
-not the parameters' own storage), so the next step goes on from the loaded weights. At
-stage 3:
+At every stage `model.state_dict()` gives each trained parameter a tensor of its own (a
+tied weight one tensor under all its names): the parameters view the optimizer's flat
+buffers, and savers that keep one tensor per storage (safetensors' save_model,
+`save_pretrained`, accelerate's save_model) would otherwise drop weights or refuse.
+`model.load_state_dict()` also updates the fp32 masters (where they are not the parameters'
+own storage), so the next step goes on from the loaded weights. At stage 3:
 
     model.state_dict()       every parameter in full (compute dtype, as at stages 0-2): the
                              stage-3 buckets are all-gathered, so it is a collective; every
@@ -17,8 +20,8 @@ stage 3:
 only (a checkpoint saved on rank 0 alone) raises on every rank or, if the other ranks never
 reach a collective, is named by the collective watchdog, instead of gathering from the
 wrong collectives.
-Hooks sit on every module whose subtree holds a gathered parameter, so a submodule's
-`state_dict()` is full too; the buckets are gathered once per outermost call.
+Hooks sit on every module whose subtree holds a trained parameter, so a submodule's
+`state_dict()` is the same; the buckets are gathered once per outermost call.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class ModelStateHooks:
         on_load: Callable[[], None],
     ) -> None:
         self.group, self.check_in, self.on_load = group, check_in, on_load
+        self.trained = {p for b in buckets for p in b.params}
         self.where = {p: (b, i) for b in buckets if b.sharding.parameters for i, p in enumerate(b.params)}
         self.resident = {
             p: (b, i)
@@ -62,9 +66,10 @@ class ModelStateHooks:
         }
         self._keep_vars: list[bool] = []  # per state_dict() call in progress: its keep_vars
         self._full: dict[int, torch.Tensor] = {}  # id(bucket) -> its gathered flat params
+        self._own: dict[torch.nn.Parameter, torch.Tensor] = {}  # parameter -> its tensor in this call
         self._handles = []
         for module in model.modules():
-            if not any(p in self.where for p in module.parameters()):
+            if not any(p in self.trained for p in module.parameters()):
                 continue
             self._handles += [
                 module.register_state_dict_pre_hook(self._begin),
@@ -81,15 +86,23 @@ class ModelStateHooks:
         self._keep_vars.append(keep_vars)
 
     def _fill(self, module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-        """Post-hook: the module's own gathered parameters in full; the outermost call then
-        forgets the gathered buckets."""
+        """Post-hook: the module's own trained parameters, each a tensor of its own (in full
+        at stage 3); the outermost call then forgets the gathered buckets."""
         if not self._keep_vars.pop():
             for name, p in module.named_parameters(recurse=False):
-                if p in self.where and prefix + name in state_dict:
-                    b, i = self.where[p]
-                    state_dict[prefix + name] = b.param_view(self._gathered(b), i)
+                if p in self.trained and prefix + name in state_dict:
+                    state_dict[prefix + name] = self._own_tensor(p, state_dict[prefix + name])
         if not self._keep_vars:
             self._full.clear()
+            self._own.clear()
+
+    def _own_tensor(self, p: torch.nn.Parameter, held: torch.Tensor) -> torch.Tensor:
+        if p not in self._own:
+            if p in self.where:
+                b, i = self.where[p]
+                held = b.param_view(self._gathered(b), i)
+            self._own[p] = held.clone()
+        return self._own[p]
 
     def _gathered(self, bucket: FlatBucket) -> torch.Tensor:
         if id(bucket) not in self._full:

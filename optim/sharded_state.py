@@ -9,6 +9,10 @@ stores boxes by (offsets, sizes) and, on load, copies the overlap of each saved
 box with each requested box, so a checkpoint saved under one layout loads under
 any other without conversion.
 
+``full_tensor`` gathers such a tensor whole on every rank and ``fill_from_full`` copies a
+whole tensor's boxes into the local shards: a full, rank-independent state dict (accelerate's
+save_state writes one from rank 0) is built and loaded with them.
+
 ``ShardedTensor`` warns that it is deprecated in favour of ``DTensor`` (torch 2.13),
 but a DTensor placement (even-chunk ``Shard(dim)`` per mesh dim) cannot describe an
 arbitrary flat range, and DCP still saves and loads ``ShardedTensor`` natively.
@@ -29,6 +33,8 @@ from torch.distributed._shard.sharded_tensor import (
     ShardMetadata,
     TensorProperties,
 )
+
+from parallel import comm
 
 Box = tuple[list[int], list[int]]
 
@@ -134,7 +140,64 @@ def sharded_tensor_from_flat(
     pinned = any(t.is_pinned() for _, t in local_pieces)
     props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False, pin_memory=pinned)
     st_meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(shape), tensor_properties=props)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, st_meta, process_group=group)
+    st = ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, st_meta, process_group=group)
+    st.__class__ = MovableShardedTensor  # torch builds a plain ShardedTensor whatever the class asked
+    return st
+
+
+class MovableShardedTensor(ShardedTensor):
+    """A ``ShardedTensor`` that ``.to()`` the CPU it is already on returns unchanged. torch's own
+    ``.to("cpu:0")`` (accelerate's device on a multi-CPU run, moving optimizer state "to the
+    device") sees another device than ``cpu``, copies nothing yet stamps ``cpu:0`` on the
+    shards, and fails its own placement check."""
+
+    def to(self, *args: object, **kwargs: object) -> ShardedTensor:  # type: ignore[override]
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        on_cpu = all(s.tensor.device.type == "cpu" for s in self.local_shards())
+        same_dtype = dtype in (None, self.dtype) and not kwargs.get("copy", False)
+        if device is not None and device.type == "cpu" and on_cpu and same_dtype:
+            return self
+        return super().to(*args, **kwargs)
+
+
+def full_tensor(st: ShardedTensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The whole tensor ``st`` shards over ``group``, on every rank (a collective: one
+    all-gather of each rank's local shards, packed and padded to the largest rank's)."""
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    metas = st.metadata().shards_metadata
+    held = [[m for m in metas if dist.get_group_rank(group, m.placement.rank()) == r] for r in range(world)]
+    sizes = [sum(math.prod(m.shard_sizes) for m in ms) for ms in held]
+    mine = {tuple(s.metadata.shard_offsets): s.tensor for s in st.local_shards()}
+    device = next(iter(mine.values())).device if mine else torch.device("cpu")
+    packed = torch.zeros(max(sizes), dtype=st.dtype, device=device)
+    at = 0
+    for m in held[dist.get_rank(group)]:
+        n = math.prod(m.shard_sizes)
+        packed[at : at + n] = mine[tuple(m.shard_offsets)].reshape(-1)
+        at += n
+    everyone = torch.empty(world * packed.numel(), dtype=st.dtype, device=device)
+    comm.all_gather_into_tensor(everyone, packed, group=group)
+    full = torch.empty(st.size(), dtype=st.dtype, device=device)
+    for r, ms in enumerate(held):
+        at = r * packed.numel()
+        for m in ms:
+            n = math.prod(m.shard_sizes)
+            if n:
+                full[_box(m)] = everyone[at : at + n].view(m.shard_sizes)
+            at += n
+    return full
+
+
+def fill_from_full(st: ShardedTensor, full: torch.Tensor) -> None:
+    """Copy into each of ``st``'s local shards its box of ``full`` (the whole tensor)."""
+    for shard in st.local_shards():
+        if shard.tensor.numel():
+            shard.tensor.copy_(full[_box(shard.metadata)])
+
+
+def _box(meta: ShardMetadata) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(meta.shard_offsets, meta.shard_sizes))
 
 
 def _check_pieces(

@@ -97,7 +97,7 @@ class ManualLit(LitTiny):
             self.lr_schedulers().step()
 
 
-def make_trainer(strategy: ZeroStrategy, root: Path, devices: int = WORLD, **overrides: Any) -> pl.Trainer:
+def make_trainer(strategy: ZeroStrategy | str, root: Path, devices: int = WORLD, **overrides: Any) -> pl.Trainer:
     """The tests' Trainer: fp32 on the CPU, deterministic, quiet; 10 steps of accumulation 2
     clipped to norm 1.0 unless `overrides` say otherwise."""
     options = {
@@ -298,6 +298,12 @@ MISUSE = {
     "not a checkpoint": (
         lambda root: make_trainer(ZeroStrategy(2), root, devices=1).fit(LitTiny(), ckpt_path=str(root)),
         "is not a ZeroStrategy checkpoint",
+    ),
+    "Lightning's own DDP strategy": (
+        lambda root: make_trainer("ddp", root, devices=1, max_steps=1).fit(OwnZero(3)),
+        r"^RuntimeError: Lightning's DDP strategy wrapped the LightningModule in DistributedDataParallel, but "
+        r"ZeroOptimizer reduces gradients itself: train with pl\.Trainer\(strategy=optim\.integrations\.lightning\."
+        r"ZeroStrategy\(stage=3\)\)$",
     ),
 }
 

@@ -238,3 +238,30 @@ def test_the_watchdog_names_a_rank_that_never_arrives(tmp_path: Path) -> None:
     assert "rank 1 did not arrive: its last collective is" in said[0], said
     assert "stopped by the collective watchdog" in said[1] or not said[1], said
     assert "evaluate and save on every rank" in said[0]
+
+
+def saved_by_safetensors(stage: int, path: str) -> dict:
+    """safetensors' save_model (one tensor per storage; it refuses tensors that share one)."""
+    from safetensors.torch import load_file, save_model
+
+    model = gpt()
+    model.head.weight = model.emb.weight  # a tied weight: saved once, as torch does
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, **UNITS)
+    model(*get_batch("train", 0, 0, dist.get_rank())).backward()
+    opt.step()
+    state = model.state_dict()
+    path = f"{path}.{dist.get_rank()}"
+    save_model(model, path)  # on every rank: it calls model.state_dict(), a collective at stage 3
+    return {"file": load_file(path), "state": state, "full": opt.full_state_dict()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_savers_that_keep_one_tensor_per_storage_save_every_weight(stage: int, tmp_path: Path) -> None:
+    """The parameters view the optimizer's flat buffers; model.state_dict() gives each its own
+    tensor, so safetensors (and save_pretrained, accelerate's save_model) keep every weight."""
+    for out in run_distributed(saved_by_safetensors, 2, stage, str(tmp_path / "m.safetensors")):
+        assert out["state"]["head.weight"] is out["state"]["emb.weight"]
+        for key, value in out["full"].items():
+            torch.testing.assert_close(out["state"][key], value, rtol=0, atol=0)
+            if key != "head.weight":
+                torch.testing.assert_close(out["file"][key], value, rtol=0, atol=0)

@@ -1,8 +1,11 @@
-"""Adapters that put ZeroOptimizer into other trainers: `lightning.ZeroStrategy` and
-`hf.ZeroTrainer`. Each imports its framework lazily, so `optim` never requires it."""
+"""Adapters that put ZeroOptimizer into other trainers: `lightning.ZeroStrategy`,
+`hf.ZeroTrainer` and `accelerate.prepare`. Each imports its framework lazily, so `optim` never
+requires it. `wrapped_by` and WRAPPED_BY name the adapter to a user whose framework wrapped the
+model in DDP (ZeroOptimizer's model check raises that sentence)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -33,3 +36,41 @@ def check_zero_options(
             f"{options_name} param_dtype=torch.float16 needs a loss-scaled backward, which {adapter} does not run; "
             "use torch.bfloat16"
         )
+
+
+# A model wrapped in DistributedDataParallel by a framework, which ZeroOptimizer refuses: what
+# made the wrap, and the one-line fix in the framework's own terms ({stage}: the optimizer's).
+WRAPPED_BY = {
+    "accelerate": (
+        "accelerator.prepare() wrapped the model in DistributedDataParallel, but ZeroOptimizer reduces gradients "
+        "itself: prepare with optim.integrations.accelerate.prepare(accelerator, model, optimizer, ...) in place "
+        "of accelerator.prepare(model, optimizer, ...)"
+    ),
+    "lightning": (
+        "Lightning's DDP strategy wrapped the LightningModule in DistributedDataParallel, but ZeroOptimizer reduces "
+        "gradients itself: train with pl.Trainer(strategy=optim.integrations.lightning.ZeroStrategy(stage={stage}))"
+    ),
+    "transformers": (
+        "the Hugging Face Trainer wrapped the model in DistributedDataParallel (through accelerate), but "
+        "ZeroOptimizer reduces gradients itself: train with optim.integrations.hf.ZeroTrainer(model=..., args=..., "
+        "zero_stage={stage}), which builds the ZeroOptimizer itself, in place of Trainer(optimizers=(ZeroOptimizer(...), ...))"
+    ),
+}
+
+
+def wrapped_by(ddp: torch.nn.Module) -> str | None:
+    """The framework that wrapped a model in the DistributedDataParallel `ddp` (a key of
+    WRAPPED_BY), None for a wrap written by hand. Reads marks the frameworks leave (the
+    Trainer's frames on the stack, accelerate's prepared flag, a LightningModule inside),
+    importing none of them."""
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("transformers.trainer"):
+            return "transformers"
+        frame = frame.f_back
+    if getattr(ddp, "_is_accelerate_prepared", False):
+        return "accelerate"
+    lightning = ("pytorch_lightning.", "lightning.")  # a LightningModule, or a wrapper of one
+    if any(c.__module__.startswith(lightning) for c in type(getattr(ddp, "module", None)).__mro__):
+        return "lightning"
+    return None
