@@ -25,6 +25,11 @@ from research.config import parse_args
 from research.errors import RunError, report
 from research.trainer import Trainer
 
+JOINED = (
+    "rank {rank} could not join the other {world} ranks' process group (torchrun attempt {attempt}) within "
+    "{timeout:g} s: {reason}; if the job's hosts are up, raise --comm-timeout"
+)
+
 
 def _world_size() -> int:
     """The number of processes: the initialized group's, torchrun's, or 1 (which then
@@ -56,9 +61,34 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     if dist.is_initialized():
         desync.set_timeout(timeout_s, [None])
     else:
-        dist.init_process_group(timeout=timedelta(seconds=timeout_s))
+        _join(timeout_s)
     with desync.report_timeouts(timeout_s):
         return Trainer(cfg).train()
+
+
+def _join(timeout_s: float) -> None:
+    """init_process_group. Under torchrun's agent store the workers of each restart attempt
+    share a store of their own: torchrun keeps one rendezvous store across restarts and gives
+    the workers no per-attempt prefix, so a restarted worker would read the dead workers'
+    addresses (gloo's connectFullMesh: "Connection refused") and their keys (a stale error
+    report). A rank that cannot join ends with one sentence (RunError)."""
+    timeout = timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+            dist.init_process_group(timeout=timeout)
+            return
+        agent = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
+        store = dist.PrefixStore(f"zero3d/attempt_{attempt}", agent)
+        dist.init_process_group(store=store, rank=rank, world_size=world, timeout=timeout)
+    except (RuntimeError, dist.DistError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RunError(
+            JOINED.format(rank=rank, world=world, attempt=attempt, timeout=timeout_s, reason=reason)
+        ) from None
 
 
 def main() -> None:
