@@ -26,7 +26,7 @@ def torchrun(tmp: Path, name: str, *fault: str) -> tuple[subprocess.CompletedPro
     module = ["-m", "tests.fault_job", *fault, "--"] if fault else ["-m", "experiments.train"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
     job = [*JOB, "--out", str(tmp / name), "--resume", str(tmp / name / "ckpt"), "--data-cache", str(tmp / "cache")]
-    done = subprocess.run([*cmd, *module, *job], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    done = subprocess.run([*cmd, *module, *job], check=False, cwd=ROOT, capture_output=True, text=True, timeout=240)
     metrics = tmp / name / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     return done, rows
