@@ -43,6 +43,9 @@ TRAIN = [
     "--log-every",
     "1000",
 ]
+# ZeRO-3 units small enough that each block is one and its parameters are freed between uses
+# (under the default unit size this model would be one resident unit, and stage 3 untested)
+UNITS = ("--unit-numel", "2000")
 LAYOUTS = {
     "tp2": ["--tp", "2"],
     "pp2-1f1b": ["--pp", "2", "--schedule", "1f1b", "--micro-batches", "4"],
@@ -59,10 +62,12 @@ LAYOUTS = {
     "tp2-pp2-dp2-zero0": ["--tp", "2", "--pp", "2", "--zero", "0", "--micro-batches", "2"],
     "tp2-pp2-dp2-zero1": ["--tp", "2", "--pp", "2", "--zero", "1", "--micro-batches", "2", "--overlap-param-gather"],
     "tp2-pp2-dp2-zero2": ["--tp", "2", "--pp", "2", "--zero", "2", "--micro-batches", "2"],
-    "tp2-pp2-dp2-zero3": ["--tp", "2", "--pp", "2", "--zero", "3", "--micro-batches", "2"],
-    "dp4-zero3": ["--zero", "3"],
-    "dp4-hybrid2x2-zero3": ["--zero", "3", "--dp-shard", "2"],
-    "tp2-pp2-dp2-hybrid2x1-zero3": ["--tp", "2", "--pp", "2", "--zero", "3", "--dp-shard", "1", "--micro-batches", "2"],
+    "tp2-pp2-dp2-zero3": ["--tp", "2", "--pp", "2", "--zero", "3", "--micro-batches", "2", *UNITS],
+    "dp4-zero3": ["--zero", "3", *UNITS],
+    "dp4-hybrid2x2-zero3": ["--zero", "3", "--dp-shard", "2", *UNITS],
+    "tp2-pp2-dp2-hybrid2x1-zero3": [
+        *("--tp", "2", "--pp", "2", "--zero", "3", "--dp-shard", "1", "--micro-batches", "2", *UNITS)
+    ],
 }
 DP4_ZERO1 = ["--zero", "1"]
 # pp2 × dp2, m = 4: gradients reduced after the last backward or after every micro-batch
@@ -117,7 +122,7 @@ LOW_PRECISION = {
 # gradient all-to-alls) composed with tp, SP and the pipeline schedules
 ZEROPP = {
     "tp2-pp2-dp2-sp-interleaved-zero3-zeropp": [
-        *("--tp", "2", "--pp", "2", "--zero", "3", "--sequence-parallel"),
+        *("--tp", "2", "--pp", "2", "--zero", "3", "--sequence-parallel", *UNITS),
         *("--qwz-block", "64", "--hpz", "--qgz-bits", "8"),
         *("--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--micro-batches", "4"),
     ],
@@ -127,11 +132,11 @@ ZEROPP = {
         *("--qwz-block", "64", "--qgz-bits", "8"),
     ],
     "pp2-dp2-1f1b-zero3-zeropp-every": [
-        *("--pp", "2", "--zero", "3", "--schedule", "1f1b", "--micro-batches", "4", "--grad-sync", "every"),
+        *("--pp", "2", "--zero", "3", "--schedule", "1f1b", "--micro-batches", "4", "--grad-sync", "every", *UNITS),
         *("--qwz-block", "64", "--hpz", "--qgz-bits", "8"),
     ],
     "pp2-dp2-gpipe-zero3-zeropp": [
-        *("--pp", "2", "--zero", "3", "--schedule", "gpipe", "--micro-batches", "4"),
+        *("--pp", "2", "--zero", "3", "--schedule", "gpipe", "--micro-batches", "4", *UNITS),
         *("--qwz-block", "64", "--hpz", "--qgz-bits", "8"),
     ],
 }
@@ -178,7 +183,7 @@ def launch_two(base: str) -> dict[str, list[float]]:
     )
     # ZeRO-3 with units small enough that parameters are really freed between uses, run as a
     # restartable job: the same --resume command starts it fresh, then continues it
-    zero3 = ["--zero", "3", "--unit-numel", "3000"]
+    zero3 = ["--zero", "3", *UNITS]
     out["dp2-zero3-units"] = train(base, "dp2-zero3-units", "--steps", str(STEPS), *zero3)
     job = ["--resume", os.path.join(base, "resume-zero3", "ckpt"), "--save-every", "5", *zero3]
     first3 = train(base, "resume-zero3", "--steps", "10", "--lr-decay-steps", str(STEPS), *job)
