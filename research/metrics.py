@@ -532,10 +532,29 @@ def _global_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def run_id_for(out_dir: str | Path, resuming: bool) -> str:
+    """The wandb run id of the job writing to ``out_dir``: the one saved in ``out_dir/wandb_id``
+    when the job resumes, a new one (saved there) when it starts. Called on rank 0."""
+    path = Path(out_dir) / "wandb_id"
+    if resuming and path.is_file():
+        return path.read_text().strip()
+    run_id = os.urandom(6).hex()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id)
+    return run_id
+
+
+def log_event(out_dir: str | Path, event: str, **fields: Any) -> None:
+    """Append one event (a resume, with its cause) to ``out_dir/events.jsonl``. Called on rank 0."""
+    with open(Path(out_dir) / "events.jsonl", "a") as f:
+        f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+
+
 class WandbRun:
     """One wandb run per training job, logged from global rank 0 (a no-op elsewhere and
     with ``mode="disabled"``). ``offline`` writes under ``out_dir/wandb`` (``wandb sync`` it
-    later); runs of a sweep share ``group``. wandb is imported only for an enabled run and
+    later); runs of a sweep share ``group``; a ``run_id`` (``run_id_for``) continues the run of
+    that id, so a resumed job stays one wandb run. wandb is imported only for an enabled run and
     its console output is silenced (``WANDB_*`` environment variables still apply).
     """
 
@@ -547,6 +566,7 @@ class WandbRun:
         name: str | None = None,
         out_dir: str | Path = ".",
         config: Mapping[str, Any] | None = None,
+        run_id: str | None = None,
     ) -> None:
         if mode not in ("offline", "online", "disabled"):
             raise ValueError(f"wandb mode {mode!r} is not one of offline, online, disabled")
@@ -564,6 +584,8 @@ class WandbRun:
             dir=str(out_dir),
             config=_jsonable(dict(config or {})),
             settings=wandb.Settings(silent=True),
+            id=run_id,
+            resume="allow" if run_id is not None else None,
         )
 
     @property

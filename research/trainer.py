@@ -170,6 +170,7 @@ class Trainer:
         seq = cfg.data.seq_len // (dims.tp if par.sequence_parallel and dims.tp > 1 else 1)
         self.activation_shape = (seq, tr.micro_batch_size, cfg.model.d_model)
         self.start_step = 0
+        self.resumed_from: str | None = None  # the checkpoint folder loaded
         if cfg.checkpoint.load:
             self._resume(cfg.checkpoint.load)
         elif cfg.checkpoint.resume:
@@ -260,6 +261,14 @@ class Trainer:
             os.makedirs(out, exist_ok=True)
             save_yaml(cfg, os.path.join(out, "config.yaml"))
             _keep_metrics_before(os.path.join(out, "metrics.jsonl"), self.start_step)
+            if self.resumed_from is not None:
+                attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+                cause = (
+                    f"torchrun restarted the workers (attempt {attempt}) after one failed"
+                    if attempt
+                    else "the job was started again"
+                )
+                metrics.log_event(out, "resumed", step=self.start_step, checkpoint=self.resumed_from, cause=cause)
         tokens_per_step = tr.global_batch_size * cfg.data.seq_len
         flops_per_token = dataclasses.replace(cfg.model, recompute="none").flops_per_token(cfg.data.seq_len)
         peak = metrics.peak_flops(self.device, self.param_dtype or torch.float32)
@@ -267,8 +276,11 @@ class Trainer:
         group = cfg.log.wandb_group or os.path.basename(os.path.normpath(out))
         with contextlib.ExitStack() as stack:
             file = stack.enter_context(metrics.MetricsFile(os.path.join(out, "metrics.jsonl"))) if lead else None
+            run_id = metrics.run_id_for(out, resuming=self.start_step > 0) if lead else None
             run = stack.enter_context(
-                metrics.WandbRun(cfg.log.wandb, cfg.log.wandb_project, group, cfg.log.wandb_name, out, cfg.to_dict())
+                metrics.WandbRun(
+                    cfg.log.wandb, cfg.log.wandb_project, group, cfg.log.wandb_name, out, cfg.to_dict(), run_id
+                )
             )
             console = metrics.Console(tr.steps, self.start_step, enabled=lead, log_every=cfg.log.log_every)
             comm_total: dict[str, dict[str, dict[str, int]]] = {}

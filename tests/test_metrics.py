@@ -29,6 +29,7 @@ from research.metrics import (
     peak_flops,
     peak_memory_bytes,
     reset_peak_memory,
+    run_id_for,
     summarize,
     throughput,
     write_json,
@@ -461,3 +462,22 @@ def test_wandb_offline_run_under_out_dir(monkeypatch: pytest.MonkeyPatch, tmp_pa
         b"final_loss_marker",
     ):
         assert needle in data, needle
+
+
+def test_a_resumed_job_continues_its_wandb_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The run id is kept in OUT/wandb_id: a resumed job logs into the same wandb run (offline:
+    run folders of that one id, which `wandb sync` appends); a fresh job gets a new id."""
+    for var in ("RANK", "WANDB_MODE", "WANDB_DIR", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_PROJECT"):
+        monkeypatch.delenv(var, raising=False)
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "home" / var.lower()))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    first = run_id_for(out, resuming=False)
+    for steps, run_id in (((1, 2), first), ((3, 4), run_id_for(out, resuming=True))):  # the job, then resumed
+        with WandbRun("offline", project="zero3d-test", out_dir=out, run_id=run_id) as run:
+            for step in steps:
+                run.log({"loss": float(step)}, step=step)
+    folders = [p.name for p in (out / "wandb").glob("offline-run-*")]
+    assert len(folders) == 2 and all(f"-{first}" in name for name in folders), folders
+    assert run_id_for(out, resuming=False) != first  # a fresh start is a new run

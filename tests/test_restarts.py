@@ -51,3 +51,6 @@ def test_a_worker_killed_at_any_moment_comes_back_and_finishes_the_same_curve(
     assert "--resume: resuming from" in text and "at step 4" in text, text  # the save at 8 (or 6) was not complete
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in rows] == [r["loss"] for r in uninterrupted]
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"]) for e in events] == [("resumed", 4)]
+    assert "torchrun restarted the workers (attempt 1)" in events[0]["cause"]
