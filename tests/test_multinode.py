@@ -11,9 +11,11 @@ GROUP_RANK, LOCAL_WORLD_SIZE and RANK from exactly these values.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.process_tree import stop
+from experiments.process_tree import descendants, stop
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -182,3 +184,82 @@ def test_tp_stays_inside_a_node_and_dp_crosses_nodes(runs) -> None:
         groups.setdefault(("tp", c["pp"], c["dp"]), set()).add(node_of[r["rank"]])
         groups.setdefault(("dp", c["pp"], c["tp"]), set()).add(node_of[r["rank"]])
     assert all(len(nodes) == (1 if key[0] == "tp" else 2) for key, nodes in groups.items()), groups
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """A host lost at once: SIGKILL to the agent and every worker of it, nothing shuts down."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+LOST_HOST_JOB = [
+    "-m",
+    "experiments.train",
+    "--config",
+    "experiments/configs/tiny.yaml",
+    *("--n-layers", "2", "--n-heads", "4", "--d-model", "32", "--max-seq-len", "32", "--seq-len", "32"),
+    *("--global-batch-size", "8", "--micro-batch-size", "2", "--tp", "2", "--zero", "2"),
+    *("--steps", "14", "--seed", "0", "--precision", "fp32", "--wandb", "disabled", "--log-every", "1"),
+    *("--comm-timeout", "30", "--save-every", "2"),
+]
+
+
+def test_a_lost_host_leaves_the_job_running_on_the_rest(tmp_path: Path) -> None:
+    """Two agents (`--nnodes 1:2`, 2 workers each: tp 2 × dp 2); agent B and its workers are
+    killed mid-run. Agent A restarts its workers alone: tp 2 × dp 1, the global batch kept
+    (4 micro-batches per rank instead of 2), resumed from the last checkpoint by --resume. It
+    finishes with exit 0, every step once, on the uninterrupted run's loss curve (fp32;
+    only the reduction order changed)."""
+    port, rdzv_id = free_port(), f"zero3d-lost-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1"}
+    out, ckpt, cache = tmp_path / "job", tmp_path / "job" / "ckpt", tmp_path / "cache"
+    agent = torchrun(
+        *("--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "1"),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id),
+        *("--rdzv-conf", "join_timeout=60,last_call_timeout=5"),
+        *LOST_HOST_JOB,
+        *("--out", str(out), "--resume", str(ckpt), "--data-cache", str(cache)),
+    )
+    logs = {name: tmp_path / f"{name}.log" for name in ("a", "b", "whole")}
+    procs = {}
+    try:
+        for name in ("a", "b"):  # A first: it hosts the rendezvous, which must outlive B
+            with open(logs[name], "w") as f:
+                procs[name] = subprocess.Popen(agent, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+            time.sleep(2 if name == "a" else 0)
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 5):
+            assert time.monotonic() < deadline and procs["a"].poll() is None, logs["a"].read_text()[-3000:]
+            time.sleep(0.2)
+        kill_tree(procs["b"])
+        procs["a"].wait(timeout=JOB_TIMEOUT_S)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                stop(proc)
+    text = logs["a"].read_text()
+    assert procs["a"].returncode == 0, text[-4000:]
+    assert "--resume: resuming from" in text, text[-4000:]
+    with open(logs["whole"], "w") as f:
+        whole = subprocess.run(
+            torchrun(
+                *("--standalone", "--nproc-per-node", "4", *LOST_HOST_JOB, "--out", str(tmp_path / "whole")),
+                *("--resume", str(tmp_path / "whole" / "ckpt"), "--data-cache", str(cache)),
+            ),
+            cwd=ROOT,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=JOB_TIMEOUT_S,
+            check=False,
+        )
+    assert whole.returncode == 0, logs["whole"].read_text()[-3000:]
+    lost, _ = read_run(out)
+    uninterrupted, _ = read_run(tmp_path / "whole")
+    assert len(lost) == len(uninterrupted) == 14
+    assert lost == pytest.approx(uninterrupted, rel=1e-5)
+    _, summary = read_run(out)
+    assert summary["config"]["parallel"]["dp"] == 1 and summary["config"]["train"]["micro_batches"] == 4
