@@ -257,10 +257,25 @@ def launch_eight(base: str) -> dict[str, list[float]]:
     return out
 
 
+# the 4-rank layouts a ZeRO-3 checkpoint is resumed into (stage 3 with real units, and 0-2)
+RESUMED_FROM_3D = {
+    "dp4-zero1": DP4_ZERO1,
+    "dp4-zero3": LAYOUTS["dp4-zero3"],
+    "tp2-dp2-zero3": ["--tp", "2", "--zero", "3", *UNITS],
+    "pp2-dp2-zero3": ["--pp", "2", "--zero", "3", "--micro-batches", "2", *UNITS],
+    "dp4-hybrid2x2-zero3": LAYOUTS["dp4-hybrid2x2-zero3"],
+    "dp4-zero0": ["--zero", "0"],
+    "tp2-dp2-zero2": ["--tp", "2", "--zero", "2"],
+}
+
+
 def launch_four_second(base: str) -> dict[str, list[float]]:
-    """The tp2×pp2×dp2 zero3 checkpoint of step 10 resumed as dp4 zero1."""
+    """The tp2×pp2×dp2 zero3 checkpoint of step 10 resumed under each of RESUMED_FROM_3D."""
     ckpt = os.path.join(base, "tp2-pp2-dp2-zero3", "ckpt", "step_00000010")
-    return {"3d-zero3->dp4-zero1": train(base, "from-3d", "--steps", str(STEPS), "--load", ckpt, *DP4_ZERO1)}
+    return {
+        f"3d-zero3->{name}": train(base, f"from-3d-{name}", "--steps", str(STEPS), "--load", ckpt, *argv)
+        for name, argv in RESUMED_FROM_3D.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -353,7 +368,7 @@ def test_a_zero3_run_resumes_into_zero3(runs) -> None:
     )
 
 
-@pytest.mark.parametrize("resumed", ["dp4-zero1->3d-zero3", "3d-zero3->dp4-zero1"])
+@pytest.mark.parametrize("resumed", ["dp4-zero1->3d-zero3", *(f"3d-zero3->{name}" for name in RESUMED_FROM_3D)])
 def test_resume_under_another_layout(runs, resumed: str) -> None:
     _, losses = runs
     torch.testing.assert_close(
