@@ -54,3 +54,17 @@ def test_a_worker_killed_at_any_moment_comes_back_and_finishes_the_same_curve(
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert [(e["event"], e["step"]) for e in events] == [("resumed", 4)]
     assert "torchrun restarted the workers (attempt 1)" in events[0]["cause"]
+
+
+@pytest.mark.timeout(300)
+def test_a_job_that_fails_alike_on_every_attempt_says_why_each_time(tmp_path: Path) -> None:
+    """A damaged checkpoint under --resume fails every attempt the same way: the sentence
+    once per attempt, a non-zero exit, no hang."""
+    done, _ = torchrun(tmp_path, "run")
+    assert done.returncode == 0, done.stdout + done.stderr
+    shard = sorted((tmp_path / "run" / "ckpt" / f"step_{STEPS:08d}").glob("*.distcp"))[0]
+    shard.write_bytes(b"\0" * shard.stat().st_size)
+    done, _ = torchrun(tmp_path, "run")
+    text = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert text.count(f"{shard.name} is damaged") == 2, text  # attempt 0, then the one restart
