@@ -207,7 +207,8 @@ class GradReducer:
         else:
             lo, hi = bucket.shard_range
             out = bucket.grad_shard if bucket.sharding.gradients else full[lo:hi]
-            yield [comm.reduce_scatter_tensor(out, full, group=self.group, async_op=True)]
+            # the full buffer is not read after its reduction (optim.buffers' carry rule)
+            yield [comm.reduce_scatter_tensor(out, full, group=self.group, async_op=True, reuse_input=True)]
         if self.replicate_group is not None:
             yield [comm.all_reduce(out, group=self.replicate_group, async_op=True)]
         if out is not bucket.grad_shard and bucket.sharding.gradients:

@@ -17,19 +17,22 @@ under the ring algorithm. With N = group size and S = tensor bytes:
     barrier                  0
 
 Arithmetic is integer: ``S*(N-1)//N``. zero3d pads every sharded buffer to a
-multiple of N elements, so the division is exact. A group of size 1 counts the call,
-with 0 bytes, but calls no torch.distributed: the result is a local copy (all-gather,
-reduce-scatter, all-to-all, all_gather_object) or nothing to do (all-reduce, broadcast,
-barrier), and ``async_op=True`` returns an already completed ``dist.Work``. On gloo with
-CPU tensors, all-gather runs as N broadcasts into the pieces of the output (gloo's own
-all-gather gathers into a fresh flat buffer, then copies it into the output: a fresh
-allocation of S_out, page faults included, per call); it is still one call
-here. ``payload_bytes`` of reduce-scatter and
+multiple of N elements, so the division is exact. ``payload_bytes`` of reduce-scatter and
 all-gather is the full tensor, so that ZeRO's reduce-scatter + all-gather of Ψ
 bytes has the payload and wire bytes of one all-reduce of Ψ.
 
-The wrappers take torch's arguments and return exactly what torch returns.
-When no ``tracking()`` is active, the cost over torch is one ``is not None`` test
+A group of size 1 counts the call, with 0 bytes, but calls no torch.distributed: the
+result is a local copy (all-gather, reduce-scatter, all-to-all, all_gather_object) or
+nothing to do (all-reduce, broadcast, barrier), and ``async_op=True`` returns an already
+completed ``dist.Work``. On gloo with CPU tensors, gloo's all-gather and reduce-scatter
+run on a freshly allocated buffer of the full size (page faults included) and copy the
+result out of it; there all-gather runs instead as N broadcasts into the pieces of the
+output, and a reduce-scatter whose caller passes ``reuse_input=True`` as an all-reduce in
+place. Each is still one call here, with the bytes above.
+
+The wrappers take torch's arguments (``reduce_scatter_tensor`` also ``reuse_input``) and
+return what torch returns: None, or for ``async_op=True`` a ``dist.Work`` whose ``wait()``
+comes before the output is read. When no ``tracking()`` is active, the cost over torch is one ``is not None`` test
 plus the flight recorder: every call is also noted, before it is issued, in a short
 always-on ring of this rank's last collectives (``recent()``), each with its sequence
 number on its channel (a group's ranks, or a p2p sender->receiver pair), so that a
@@ -66,7 +69,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -374,26 +377,30 @@ def watch(timeout_s: float, advice: str) -> None:
     status 1 (no hang, whatever loop runs the collectives). A daemon thread publishes the
     flight record to the rendezvous store whenever it changed (about once a second) and reads
     the other ranks' only once its own has not changed for ``timeout_s``. A collective: every
-    rank of the default group calls it (later calls change the timeout and advice)."""
+    rank of the default group calls it (later calls change the timeout and advice; a new
+    default group gets a new thread)."""
     global _watchdog
-    if _watchdog is None:
-        _watchdog = _Watchdog(dist.PrefixStore(_WATCH_PREFIX, dist.distributed_c10d._get_default_store()))
+    base = dist.distributed_c10d._get_default_store()
+    if _watchdog is None or _watchdog.base is not base:
+        if _watchdog is not None:
+            _watchdog.retired.set()
+        _watchdog = _Watchdog(base)
     _watchdog.timeout_s, _watchdog.advice = timeout_s, advice
 
 
 class _Watchdog:
-    """The thread behind ``watch()``."""
+    """The thread behind ``watch()``, on the default group's rendezvous store ``base``."""
 
-    def __init__(self, store: dist.Store) -> None:
-        self.store, self.rank = store, dist.get_rank()
+    def __init__(self, base: dist.Store) -> None:
+        self.base, self.store, self.rank = base, dist.PrefixStore(_WATCH_PREFIX, base), dist.get_rank()
         self.timeout_s, self.advice = 0.0, ""
+        self.retired = threading.Event()
         threading.Thread(target=self._run, daemon=True, name="zero3d-watchdog").start()
 
     def _run(self) -> None:
         published, changed = None, time.monotonic()
         try:
-            while True:
-                time.sleep(WATCH_INTERVAL_S)
+            while not self.retired.wait(WATCH_INTERVAL_S):
                 if self.store.check(["stopped"]):
                     _stop(f"rank {self.rank}: stopped by the collective watchdog: {self.store.get('stopped').decode()}")
                 record = recent()
@@ -495,15 +502,21 @@ class _Completed(dist.Work):
 
 
 class _AllOf(dist.Work):
-    """Several ``dist.Work`` as one: done when all are; ``wait`` waits for each in turn."""
+    """Several ``dist.Work`` as one: done when all are; ``wait`` waits for each in turn, then
+    runs ``then`` (once), which finishes the result."""
 
-    def __init__(self, works: list[dist.Work], result: list[torch.Tensor]) -> None:
+    def __init__(
+        self, works: list[dist.Work], result: list[torch.Tensor], then: Callable[[], None] | None = None
+    ) -> None:
         super().__init__()
-        self._works, self._result = works, result
+        self._works, self._result, self._then = works, result, then
 
     def wait(self, timeout: Any = None) -> bool:
         for w in self._works:
             w.wait() if timeout is None else w.wait(timeout)
+        then, self._then = self._then, None
+        if then is not None:
+            then()
         return True
 
     def is_completed(self) -> bool:
@@ -549,6 +562,16 @@ def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group: 
     return _AllOf(works, [output])
 
 
+def _reduce_scatter_in_place(
+    output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp.RedOpType, group: Group, n: int
+) -> dist.Work:
+    """The reduce-scatter as an all-reduce in place in ``input`` (contiguous); ``wait()`` then
+    copies this rank's shard into ``output`` (nothing when ``output`` is that shard)."""
+    work = dist.all_reduce(input, op=op, group=group, async_op=True)
+    shard = input.view(n, -1)[dist.get_rank(group)]
+    return _AllOf([work], [output], then=lambda: _copy(output, shard))
+
+
 def all_reduce(
     tensor: torch.Tensor,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
@@ -570,13 +593,23 @@ def reduce_scatter_tensor(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     group: Group = None,
     async_op: bool = False,
+    reuse_input: bool = False,
 ) -> dist.Work | None:
     """Reduce ``input`` (N·shard) over the group; rank i keeps shard i in ``output``.
-    bytes = S_in·(N−1)/N, payload = S_in."""
+    ``reuse_input``: the caller does not read ``input`` again, so on gloo with CPU tensors
+    the reduction runs as an all-reduce in place in ``input`` (gloo's own reduce-scatter
+    all-reduces a fresh copy of ``input``, then copies shard i out of it) and ``wait()``
+    copies shard i into ``output``. bytes = S_in·(N−1)/N, payload = S_in."""
     _note(group, "reduce_scatter_tensor", _nbytes(input))
-    if _alone(group):
+    n = dist.get_world_size(group)
+    if n == 1:
         _copy(output, input)
         work = _local(async_op, output)
+    elif n > 1 and reuse_input and _gloo_cpu(group, input):
+        work = _reduce_scatter_in_place(output, input, op, group, n)
+        if not async_op:
+            work.wait()
+            work = None
     else:
         work = _renamed("reduce_scatter_single", "reduce_scatter_tensor")(
             output, input, op=op, group=group, async_op=async_op

@@ -1,5 +1,6 @@
 """`run_distributed`: a test function on N gloo processes (parallel.launch.run_local), with
-failures and time-outs turned into test failures; `run_nccl`: one on a 1-rank NCCL group."""
+failures and time-outs turned into test failures; `run_nccl`: one on a 1-rank NCCL group;
+`forbid_collectives`: make torch.distributed's collectives raise in this process."""
 
 from __future__ import annotations
 
@@ -28,6 +29,35 @@ def run_distributed(
         if message.startswith("timed out"):
             message = f"distributed test {message}"
         raise AssertionError(message) from None
+
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather",
+    "all_gather_object",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all_single",
+    "broadcast",
+    "barrier",
+)
+
+
+def forbid_collectives() -> None:
+    """Replace each of torch.distributed's `COLLECTIVES` in this process by one that raises
+    (for a rank whose work must need none)."""
+
+    def forbidden(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError(f"torch.distributed.{name} was called")
+
+        return call
+
+    for name in COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, forbidden(name))
 
 
 def run_nccl(fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> Any:

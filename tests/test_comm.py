@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 from parallel import comm
-from tests.dist_utils import run_distributed
+from tests.dist_utils import forbid_collectives, run_distributed
 
 F32 = 24 * 4  # bytes of the fp32 test tensor (24 elements: divisible by every N used here)
 BF16 = 24 * 2
@@ -211,13 +211,15 @@ def _against_comm_debug_mode() -> None:
         comm.all_gather_into_tensor(t, shard)
         comm.broadcast(t, src=0)
     c10d = torch.ops.c10d
+    # On gloo with CPU tensors an all-gather is N broadcasts into the pieces of its output
+    # (comm's docstring): one call to us, N broadcast_ to CommDebugMode.
+    n = dist.get_world_size()
     assert seen.get_comm_counts() == {
         c10d.allreduce_: log.calls(op="all_reduce"),
         c10d._reduce_scatter_base_: log.calls(op="reduce_scatter_tensor"),
-        c10d._allgather_base_: log.calls(op="all_gather_into_tensor"),
-        c10d.broadcast_: log.calls(op="broadcast"),
+        c10d.broadcast_: log.calls(op="broadcast") + n * log.calls(op="all_gather_into_tensor"),
     }
-    assert seen.get_total_counts() == log.calls() == 5
+    assert log.calls() == 5 and seen.get_total_counts() == 4 + n
 
     # What torch 2.13's CommDebugMode does not see: barrier (c10d.barrier is not in
     # its op set) and point-to-point ops. all_gather_object is two allgather_ to it
@@ -239,3 +241,114 @@ def _against_comm_debug_mode() -> None:
 
 def test_call_counts_match_comm_debug_mode() -> None:
     run_distributed(_against_comm_debug_mode, 2)
+
+
+def _alone() -> dict:
+    """Every wrapper on a group of one rank, with torch.distributed's collectives forbidden."""
+    forbid_collectives()
+    with comm.tracking() as log:
+        t = torch.arange(4.0)
+        assert comm.all_reduce(t) is None and torch.equal(t, torch.arange(4.0))
+        work = comm.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+        assert isinstance(work, dist.Work) and work.is_completed() and work.is_success() and work.wait()
+        assert work.get_future().value()[0] is t and work.result()[0] is t
+
+        out = torch.zeros(4)
+        comm.all_gather_into_tensor(out, t)  # a copy
+        assert torch.equal(out, t)
+        pieces = torch.zeros(1, 4)
+        comm.all_gather_into_tensor(pieces, t, async_op=True).wait()  # [N, shard] output
+        assert torch.equal(pieces[0], t)
+        comm.all_gather_into_tensor(t, t[:4])  # the input is the output: nothing to do
+        shard = torch.zeros(4)
+        comm.reduce_scatter_tensor(shard, t)
+        assert torch.equal(shard, t)
+        comm.reduce_scatter_tensor(t[:4], t, async_op=True).wait()
+        swapped = torch.zeros(4)
+        comm.all_to_all_single(swapped, t)
+        assert torch.equal(swapped, t)
+        comm.broadcast(t, src=0)
+        assert comm.broadcast(t, src=0, async_op=True).wait()
+        obj = {"a": [1]}
+        got = comm.all_gather_object(obj)
+        assert got == [obj] and got[0] is not obj
+        comm.barrier()
+        assert torch.equal(t, torch.arange(4.0))
+    return log.as_dict()
+
+
+def test_group_of_one_runs_no_collective() -> None:
+    """A group of one rank calls no torch.distributed collective: each wrapper does the local
+    equivalent (a copy or nothing), returns a completed dist.Work for async_op=True, and is
+    still counted, with 0 wire bytes."""
+    stats = run_distributed(_alone, 1)[0]["world"]
+    assert {op: e["calls"] for op, e in stats.items()} == {
+        "all_reduce": 2,
+        "all_gather_into_tensor": 3,
+        "reduce_scatter_tensor": 2,
+        "all_to_all_single": 1,
+        "broadcast": 2,
+        "all_gather_object": 1,
+        "barrier": 1,
+    }
+    assert all(e["bytes"] == 0 for e in stats.values())
+    assert stats["all_gather_into_tensor"]["payload_bytes"] == 3 * 16
+
+
+def _gathers() -> list[list[float]]:
+    """comm's all-gather on gloo (N broadcasts) on the world and on a group of the odd ranks:
+    flat and [N, shard] outputs, an input that is this rank's piece of the output, async."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    odd = dist.new_group([r for r in range(world) if r % 2])
+    out = torch.zeros(3 * world)
+    comm.all_gather_into_tensor(out, torch.full((3,), float(rank)))
+    assert torch.equal(out, torch.arange(world).float().repeat_interleave(3))
+    rows = torch.zeros(world, 2, dtype=torch.bfloat16)
+    rows[rank] = rank + 1
+    work = comm.all_gather_into_tensor(rows, rows[rank], async_op=True)
+    assert isinstance(work, dist.Work)
+    work.wait()
+    assert work.is_completed() and torch.equal(rows, (torch.arange(world) + 1).bfloat16()[:, None].expand(world, 2))
+    results = [out.tolist()]
+    if rank % 2:
+        n = dist.get_world_size(odd)
+        sub = torch.zeros(2 * n)
+        work = comm.all_gather_into_tensor(sub, torch.full((2,), float(rank)), group=odd, async_op=True)
+        work.get_future().wait()
+        results.append(sub.tolist())
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_gather_on_gloo(world: int) -> None:
+    results = run_distributed(_gathers, world)
+    odd = [float(r) for r in range(world) if r % 2 for _ in range(2)]
+    for rank, r in enumerate(results):
+        assert r[1:] == ([odd] if rank % 2 else [])
+
+
+def _reduce_scatters() -> list[list[float]]:
+    """reduce_scatter_tensor with reuse_input=True (on gloo: an all-reduce in place) against
+    the plain one: the same shards, into a separate output or into the input's own shard."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = torch.arange(4.0 * world) * (rank + 1)
+    plain = torch.empty(4)
+    comm.reduce_scatter_tensor(plain, full.clone())
+    apart = torch.empty(4)
+    work = comm.reduce_scatter_tensor(apart, full.clone(), async_op=True, reuse_input=True)
+    assert isinstance(work, dist.Work)
+    work.wait()
+    inside = full.clone()
+    comm.reduce_scatter_tensor(inside[4 * rank : 4 * rank + 4], inside, reuse_input=True)
+    with comm.tracking() as log:
+        comm.reduce_scatter_tensor(torch.empty(4), full.clone(), reuse_input=True)
+    assert log.as_dict() == {"world": {"reduce_scatter_tensor": _entry(1, 16 * world, 16 * (world - 1))}}
+    assert torch.equal(apart, plain) and torch.equal(inside[4 * rank : 4 * rank + 4], plain)
+    return plain.tolist()
+
+
+def test_reduce_scatter_reusing_the_input() -> None:
+    world = 2
+    total = sum(range(1, world + 1))
+    for rank, shard in enumerate(run_distributed(_reduce_scatters, world)):
+        assert shard == [total * x for x in range(4 * rank, 4 * rank + 4)]
