@@ -49,32 +49,28 @@ class ShardUpdate:
     def _fusable(self) -> bool:
         return all(fused.adam_hyperparams(g, self.optimizer_class) is not None for g in self.param_groups)
 
-    def _fused_step(self, group: dict, bucket_indices: list[int], multiplier: float) -> None:
-        """Adam/AdamW in one pass per shard (per range of parameters with the same step
-        count), writing the low-precision params too. The state keeps torch's keys and
-        layout, so it is interchangeable with the inner step."""
-        by_count: dict[int, list[tuple[FlatBucket, int, int]]] = {}
-        for k in bucket_indices:
-            b = self.buckets[k]
-            self._init_adam_state(b.master)
-            for count, ranges in self._runs(k):
-                by_count.setdefault(count, []).extend((b, lo, hi) for lo, hi in ranges)
-        hyper = fused.adam_hyperparams(group, self.optimizer_class)
-        for count, pieces in sorted(by_count.items()):
-            state = [self.state[b.master] for b, _, _ in pieces]
+    def _fused_step(self, k: int, multiplier: float) -> None:
+        """Adam/AdamW on bucket k's shard in one pass per run of parameters with the same step
+        count, writing the low-precision params too. The state keeps torch's keys and layout,
+        so it is interchangeable with the inner step."""
+        b = self.buckets[k]
+        self._init_adam_state(b.master)
+        state = self.state[b.master]
+        hyper = fused.adam_hyperparams(self.param_groups[b.group_index], self.optimizer_class)
+        low = b.opt_param if b.opt_param.data_ptr() != b.master.data_ptr() else None
+        for count, ranges in self._runs(k):
             fused.adam_step_(
                 self.backend,
-                [b.master[lo:hi] for b, lo, hi in pieces],
-                [b.grad_shard[lo:hi] for b, lo, hi in pieces],
-                [s["exp_avg"][lo:hi] for s, (_, lo, hi) in zip(state, pieces)],
-                [s["exp_avg_sq"][lo:hi] for s, (_, lo, hi) in zip(state, pieces)],
-                [b.opt_param[lo:hi] if b.opt_param.data_ptr() != b.master.data_ptr() else None for b, lo, hi in pieces],
+                [b.master[lo:hi] for lo, hi in ranges],
+                [b.grad_shard[lo:hi] for lo, hi in ranges],
+                [state["exp_avg"][lo:hi] for lo, hi in ranges],
+                [state["exp_avg_sq"][lo:hi] for lo, hi in ranges],
+                [None if low is None else low[lo:hi] for lo, hi in ranges],
                 step=count + 1,
                 grad_scale=multiplier,
                 **hyper,
             )
-        for k in bucket_indices:
-            self.state[self.buckets[k].master]["step"].fill_(max(self._param_steps[k]) + 1)
+        state["step"].fill_(max(self._param_steps[k]) + 1)
 
     def _init_adam_state(self, master: torch.Tensor) -> None:
         state = self.state[master]
@@ -138,23 +134,45 @@ class ShardUpdate:
         if isinstance(step, torch.Tensor):
             step.fill_(count)
 
+    def _update_and_publish(self, multiplier: float) -> None:
+        """The step on every shard, the updated parameters published as `_publish_params`
+        does. With the fused Adam step each bucket's all-gather starts as soon as that bucket
+        is stepped, so that it travels while the next buckets are stepped."""
+        self._before_publish()
+        if self._fusable():
+            for k, b in enumerate(self.buckets):
+                self._fused_step(k, multiplier)
+                self._start_gather(b)
+        else:
+            self._inner_step(multiplier)
+            for b in self.buckets:
+                self._start_gather(b)
+        if not self.overlap_param_gather:
+            self.wait_params()
+
     def _publish_params(self) -> None:
         """All-gather updated shards into the full parameter buffers (stages 1-2 and
         resident stage-3 units); stage 0 updated everything, stage 3 gathers on use. With
         `qwz_block` the shards travel quantized and each rank keeps its own shard exact.
         With `overlap_param_gather` the gathers are left in flight: `wait_params` finishes a
         bucket's just before the first forward that uses it (or anything else that reads it)."""
+        self._before_publish()
+        for b in self.buckets:
+            self._start_gather(b)
+        if not self.overlap_param_gather:
+            self.wait_params()
+
+    def _before_publish(self) -> None:
         if self._gatherer is not None:
             self._gatherer.forget_secondary()
         self.wait_params()
-        with comm.doing("the parameter all-gather after step()"):
-            for b in self.buckets:
-                if b.sharding.optimizer_state and not b.sharding.parameters:
-                    self._param_gathers[b] = all_gather_shards(
-                        b.param_buffer, b.param_shard, self.group, self.qwz_block
-                    )
-        if not self.overlap_param_gather:
-            self.wait_params()
+
+    def _start_gather(self, b: FlatBucket) -> None:
+        """Bucket b's all-gather of the updated shards, left in flight (stages 1-2 and
+        resident stage-3 units)."""
+        if b.sharding.optimizer_state and not b.sharding.parameters:
+            with comm.doing("the parameter all-gather after step()"):
+                self._param_gathers[b] = all_gather_shards(b.param_buffer, b.param_shard, self.group, self.qwz_block)
 
     def wait_params(self, buckets: list[FlatBucket] | None = None) -> None:
         """Finish the parameter all-gathers still in flight (of `buckets`; None: all)."""

@@ -466,16 +466,10 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
                 self.last_step_skipped = True
                 self._end_step()
                 return loss
-        multiplier = self._unscale * self._clip_coef
-        if self._fusable():
-            for g, group in enumerate(self.param_groups):
-                self._fused_step(group, [k for k, b in enumerate(self.buckets) if b.group_index == g], multiplier)
-        else:
-            self._inner_step(multiplier)
+        self._update_and_publish(self._unscale * self._clip_coef)
         for steps, b in zip(self._param_steps, self.buckets):
             for i, got in enumerate(b.got):
                 steps[i] += got
-        self._publish_params()
         self._end_step()
         return loss
 

@@ -73,3 +73,32 @@ def test_zero_vs_torch_quick(tmp_path: Path) -> None:
     assert mem["zero3"] < mem["zero2"] < mem["zero1"] < mem["zero0"]
     assert abs(mem["zero0"] - mem["ddp"]) < 0.01 * mem["ddp"]  # both replicate everything (step counters differ)
     assert elapsed < 120, f"the smoke run took {elapsed:.0f} s"
+
+
+@pytest.mark.skipif(os.environ.get("ZERO3D_SKIP_BENCH") == "1", reason="ZERO3D_SKIP_BENCH=1")
+@pytest.mark.timeout(150)
+def test_zero_vs_torch_by_model_size(tmp_path: Path) -> None:
+    """--dims: the run once per model size, its results under "dims", and one table of the
+    ratios by size."""
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--world-sizes", "2", "--dims", "32", "64", "--methods", "zero0", "ddp", "zero1", "ddp_zero"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench.zero_vs_torch", *argv, "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=140,
+        check=False,
+    )
+    assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    assert "## ratios by model size" in proc.stdout
+    for pairing in ("| zero0 / ddp ", "| zero1 / ddp_zero "):
+        assert sum(line.startswith(pairing) for line in proc.stdout.splitlines()) == 3, proc.stdout  # 2 runs + by size
+    results = json.loads(out.read_text())
+    assert "worlds" not in results and list(results["dims"]) == ["32", "64"]
+    numels = [results["dims"][d]["numel"] for d in ("32", "64")]
+    assert numels[0] < numels[1]
+    for size in results["dims"].values():
+        ratios = size["worlds"]["2"]["ratios"]
+        assert [(r["ours"], r["theirs"]) for r in ratios] == [("zero0", "ddp"), ("zero1", "ddp_zero")]
+        assert all(math.isfinite(r["ratio"]) for r in ratios)

@@ -5,6 +5,7 @@ Run (CPU, gloo; it starts its own rank processes, no torchrun needed):
     python -m experiments.bench.zero_vs_torch                          # 2 and 4 ranks
     python -m experiments.bench.zero_vs_torch --quick --world-sizes 2  # tiny smoke run
     python -m experiments.bench.zero_vs_torch --json results.json      # also write the numbers
+    python -m experiments.bench.zero_vs_torch --world-sizes 2 --dims 128 256 512 1024  # by model size
 
 Methods, all training the same seeded TinyGPT (experiments/bench/common.py) on the same
 global batches with AdamW (--lr, --weight-decay on every parameter), fp32:
@@ -54,7 +55,7 @@ import math
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -99,6 +100,9 @@ class Config:
     warmup: int = arg(2, "untimed steps before them")
     rounds: int = arg(2, "rounds of fresh models; within a round the methods take turns step by step")
     dim: int = arg(256, "TinyGPT hidden size")
+    dims: tuple[int, ...] = arg(
+        (), "several TinyGPT hidden sizes: the whole run once per size, then the ratios by size (overrides --dim)"
+    )
     layers: int = arg(4, "TinyGPT blocks")
     heads: int = arg(4, "attention heads")
     seq: int = arg(64, "tokens per sequence")
@@ -525,8 +529,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         cfg.steps, cfg.warmup, cfg.rounds = 3, 1, 1
         cfg.dim, cfg.layers, cfg.heads, cfg.seq, cfg.vocab, cfg.micro_batch = 64, 2, 2, 32, 256, 2
         cfg.resident_numel = min(cfg.resident_numel, 1024)
-    if cfg.dim % cfg.heads:
-        p.error(f"--dim={cfg.dim} is not divisible by --heads={cfg.heads}")
+    for dim in cfg.dims or (cfg.dim,):
+        if dim % cfg.heads:
+            p.error(f"--dim={dim} is not divisible by --heads={cfg.heads}")
     if min(cfg.world_sizes) < 1 or cfg.steps < 1 or cfg.rounds < 1 or cfg.warmup < 0:
         p.error("world sizes, --steps and --rounds must be >= 1 and --warmup >= 0")
     return cfg, a
@@ -539,29 +544,61 @@ def _auto_backend() -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run every world size, print its tables and the goals; the results as --json writes them."""
+    """Run every world size (for each of --dims), print the tables and the goals; the results
+    as --json writes them: "numel", "zero_options" and "worlds" for one model size, or per
+    size under "dims" (str(dim) -> those three) for several."""
     cfg, args = parse_args(argv)
-    model = make_model(**cfg.model_kwargs())
-    numel = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-    opts = zero_options(cfg)
-    print_setup(cfg, numel, opts)
     results: dict[str, Any] = {
         "config": asdict(cfg),
-        "numel": numel,
-        "zero_options": opts,
-        "zero_step_backend": opts["step_backend"] or _auto_backend(),
+        "zero_step_backend": cfg.step_backend or _auto_backend(),
         "torch_adam_kwargs": torch_adam_kwargs(cfg),
         "torch": torch.__version__,
         "argv": sys.argv[1:] if argv is None else argv,
-        "worlds": {},
     }
     start = time.perf_counter()
-    for world in cfg.world_sizes:
-        results["worlds"][str(world)] = run_world(cfg, world)
-    print_goals(results["worlds"])
+    sizes = {str(dim): run_size(replace(cfg, dim=dim, dims=())) for dim in cfg.dims or (cfg.dim,)}
+    if len(sizes) == 1:
+        results |= next(iter(sizes.values()))
+        print_goals(results["worlds"])
+    else:
+        results["dims"] = sizes
+        print("\n## ratios by model size (ratio of median step times, ours / theirs)\n")
+        print(size_table(sizes))
+        for dim, size in sizes.items():
+            print_goals(size["worlds"], f"dim {dim}, ")
     results["seconds"] = time.perf_counter() - start
     print(f"total {results['seconds']:.0f} s")
-    return finish(results, nonfinite_methods(results["worlds"]), args.json)
+    nonfinite = [f"dim {d} {m}" for d, size in sizes.items() for m in nonfinite_methods(size["worlds"])]
+    return finish(results, nonfinite if len(sizes) > 1 else nonfinite_methods(results["worlds"]), args.json)
+
+
+def run_size(cfg: Config) -> dict[str, Any]:
+    """Every world size on the model of `cfg.dim`: {"numel", "zero_options", "worlds"}."""
+    model = make_model(**cfg.model_kwargs())
+    numel = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    del model
+    opts = zero_options(cfg)
+    print_setup(cfg, numel, opts)
+    worlds = {str(world): run_world(cfg, world) for world in cfg.world_sizes}
+    return {"numel": numel, "zero_options": opts, "worlds": worlds}
+
+
+def size_table(sizes: dict[str, dict[str, Any]]) -> str:
+    """One row per pairing and world size, one column per model size: the ratio of medians,
+    with "!" where it misses its goal."""
+    dims = list(sizes)
+    first = sizes[dims[0]]["worlds"]
+    rows = []
+    for world in first:
+        for i, r in enumerate(first[world]["ratios"]):
+            cells = []
+            for d in dims:
+                x = sizes[d]["worlds"][world]["ratios"][i]
+                cells.append(f"{x['ratio']:.3f}{'' if x['met'] in (None, True) else ' !'}")
+            goal = "-" if r["goal"] is None else f"{r['goal']} 1.0"
+            rows.append([f"{r['ours']} / {r['theirs']}", world, goal, *cells])
+    params = [f"dim {d} ({sizes[d]['numel'] / 1e6:.1f}M)" for d in dims]
+    return format_table(["ours / theirs", "world", "goal", *params], rows)
 
 
 def print_setup(cfg: Config, numel: int, opts: dict[str, Any]) -> None:
@@ -608,9 +645,9 @@ def run_world(cfg: Config, world: int) -> dict[str, Any]:
     return {"methods": per_method, "ratios": rs, "seconds": elapsed, "loss_spread": spread}
 
 
-def print_goals(worlds: dict[str, dict[str, Any]]) -> None:
+def print_goals(worlds: dict[str, dict[str, Any]], prefix: str = "") -> None:
     """Every pairing with a goal, per world size: its ratio of median step times and whether it met the goal."""
-    print("\ngoals (ratio of median step times, ours / theirs):")
+    print(f"\n{prefix}goals (ratio of median step times, ours / theirs):")
     for world, w in worlds.items():
         for r in w["ratios"]:
             if r["goal"] is not None:
