@@ -26,7 +26,7 @@ from research.errors import RunError, report
 from research.trainer import Trainer
 
 JOINED = (
-    "rank {rank} could not join the other {world} ranks' process group (torchrun attempt {attempt}) within "
+    "rank {rank} of {world} could not join its process group (torchrun attempt {attempt}) within "
     "{timeout:g} s: {reason}; if the job's hosts are up, raise --comm-timeout"
 )
 

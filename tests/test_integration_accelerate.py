@@ -431,3 +431,5 @@ def test_benchmark_quick_run(tmp_path: Path) -> None:
     results = json.loads(out.read_text())
     losses = [results["methods"][m]["final_loss"] for m in methods]
     assert max(losses) - min(losses) < 1e-5, losses
+    goals = {(r["ours"], r["theirs"]): r["met"] is not None for r in results["ratios"]}
+    assert goals == {("zero1", "ddp"): True, ("zero3", "ddp"): False, ("zero3", "plain3"): True}, goals

@@ -68,3 +68,26 @@ def test_a_job_that_fails_alike_on_every_attempt_says_why_each_time(tmp_path: Pa
     text = done.stdout + done.stderr
     assert done.returncode != 0
     assert text.count(f"{shard.name} is damaged") == 2, text  # attempt 0, then the one restart
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_whose_peers_never_join_ends_within_the_timeout_with_a_sentence(tmp_path: Path) -> None:
+    """Under torchrun's agent store, rank 0 of 2 whose peer never comes ends after
+    --comm-timeout with the sentence and a non-zero exit, instead of waiting in the rendezvous."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the torchrun agent's store
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    env |= {"MASTER_PORT": str(agent.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "1"}
+    job = [*JOB, "--comm-timeout", "5", "--out", str(tmp_path / "run"), "--resume", str(tmp_path / "ckpt")]
+    cmd = [sys.executable, "-m", "experiments.train", *job, "--data-cache", str(tmp_path / "cache")]
+    start = time.monotonic()
+    done = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "rank 0 of 2 could not join its process group (torchrun attempt 1) within 5 s" in done.stderr, done.stderr
+    assert "raise --comm-timeout" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert elapsed < 60, f"took {elapsed:.0f} s"

@@ -31,8 +31,11 @@ fused for "torch_fused"), and ZeroOptimizer the options of experiments/bench/zer
 comparison is of the data-parallel machinery inside the same loop. Methods are interleaved
 step by step (the order rotates every step); a step is `accum` micro-batches and the optimizer
 step, after a barrier, timed on the slowest rank (wall clock, and CPU time: process time, which
-waiting does not count, so it is steadier on a loaded machine). The goal: zeroS / ddp <= 1.1 in the ratio
-of median step times.
+waiting does not count, so it is steadier on a loaded machine). The goals, in the ratio of median
+step times: zeroS / ddp <= 1.1 for stages 0-2, and zero3 / plain3 <= 1.1 (what accelerate's loop
+and the integration add to stage 3). DDP replicates the parameters, so zero3 / ddp is the cost of
+sharding them, reported only: stage 3 against torch's sharded data parallelism (FSDP2, which
+accelerate runs on GPUs only) is zero_vs_torch's zero3 / fsdp2 pairing.
 """
 
 from __future__ import annotations
@@ -54,13 +57,13 @@ from experiments.bench.common import finish, format_table, launch, make_model, m
 from research.cli import arg, config_from, config_parser
 
 METHODS = ["ddp", "zero0", "zero1", "zero2", "zero3", "plain0", "plain1", "plain2", "plain3"]
-GOAL = 1.1  # zeroS / ddp, ratio of median step times
+GOAL = 1.1  # ratio of median step times: zeroS / ddp for stages 0-2, zero3 / plain3
 
 
 @dataclass
 class Config:
     world: int = arg(2, "ranks (gloo processes, one thread each)")
-    methods: tuple[str, ...] = arg(tuple(METHODS[:5]), "methods to run", choices=METHODS)
+    methods: tuple[str, ...] = arg((*METHODS[:5], "plain3"), "methods to run", choices=METHODS)
     steps: int = arg(20, "timed optimizer steps per method per round")
     warmup: int = arg(3, "untimed steps before them")
     rounds: int = arg(2, "rounds of fresh models")
@@ -200,8 +203,8 @@ def run_rank(cfg: Config) -> dict[str, Any] | None:
 
 
 def ratios(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """zeroS / ddp: the ratio of median step times (the goal's measure) and the median and
-    quartiles of the paired per-step ratios (the two steps ran back to back)."""
+    """zeroS / ddp and zeroS / plainS: the ratio of median step times (the goals' measure) and
+    the median and quartiles of the paired per-step ratios (the two steps ran back to back)."""
     out = []
     pairs = [(m, "ddp") for m in per_method if m.startswith("zero")]
     pairs += [(m, f"plain{m[-1]}") for m in per_method if m.startswith("zero")]
@@ -216,7 +219,7 @@ def ratios(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 "ours": m,
                 "theirs": other,
                 "ratio": ratio,
-                "met": ratio <= GOAL if other == "ddp" else None,
+                "met": ratio <= GOAL if _has_goal(m, other) else None,
                 "paired_median": median(paired),
                 "paired_p25": percentile(paired, 25),
                 "paired_p75": percentile(paired, 75),
@@ -224,6 +227,11 @@ def ratios(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _has_goal(ours: str, theirs: str) -> bool:
+    """Stages 0-2 against DDP, stage 3 against itself outside accelerate (module docstring)."""
+    return (theirs == "ddp") != (ours == "zero3")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
