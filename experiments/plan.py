@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     source.add_argument(
         "--scale-table",
         action="store_true",
-        help="the README's table: GPT 7B / 70B / 175B on 128 / 512 / 1024 H100s at 100 / 400 / 3200 Gb/s per node, "
+        help="docs/planner.md's table: GPT 7B / 70B / 175B on 128 / 512 / 1024 H100s at 100 / 400 / 3200 Gb/s per node, "
         "ZeRO-3 vs hybrid vs ZeRO++ (markdown)",
     )
     p.add_argument("--gpus", type=int, help="GPUs in all (default: the preset's)")

@@ -1,7 +1,7 @@
 """DeepSpeed as a peer in `experiments.bench.zero_vs_torch` (2 gloo ranks, `--quick`): its
 ZeRO-1/2/3 engine runs on the CPU accelerator with torch's AdamW, the ratios zeroS / dsS are
 reported, and every step's loss of ZeroOptimizer stage S equals DeepSpeed's on the same model
-and batches. Skipped without deepspeed (an optional peer); ZERO3D_SKIP_BENCH=1 skips it too."""
+and batches. Skipped without deepspeed (an optional peer); `-m "not bench"` skips it too."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["zero1", "zero2", "zero3", "ds1", "ds2", "ds3"]
 
 
-@pytest.mark.skipif(os.environ.get("ZERO3D_SKIP_BENCH") == "1", reason="ZERO3D_SKIP_BENCH=1")
+@pytest.mark.bench
 @pytest.mark.timeout(300)
 def test_deepspeed_peer_trains_the_same(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"

@@ -3,13 +3,12 @@ GPU suite runs on a tiny model with CUDA hidden, and both result files are writt
 
 The parts that measure something on a CPU (environment, fused_step, mfu, memory,
 zero_stages) must be ok; `pytest -m cuda` can only skip there (or pass, were a test to run
-without CUDA). ZERO3D_SKIP_BENCH=1 skips it.
+without CUDA). `-m "not bench"` skips it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_ON_CPU = ("environment", "fused_step", "quantize", "mfu", "memory", "zero_stages")
 
 
-@pytest.mark.skipif(os.environ.get("ZERO3D_SKIP_BENCH") == "1", reason="ZERO3D_SKIP_BENCH=1")
+@pytest.mark.bench
 @pytest.mark.timeout(150)
 def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "out"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from experiments.bench.one_process import METHODS
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(os.environ.get("ZERO3D_SKIP_BENCH") == "1", reason="ZERO3D_SKIP_BENCH=1")
+@pytest.mark.bench
 @pytest.mark.timeout(120)
 def test_one_process_quick(tmp_path: Path) -> None:
     out = tmp_path / "one.json"

@@ -3,14 +3,13 @@
 Runs the real command in a subprocess (it launches its own rank processes) and checks that
 the table has a row for every (schedule, m) with finite numbers, that the JSON agrees, that
 our executor and torch.distributed.pipelining computed the same losses, and that the
-measured timeline PNG is written. Set ZERO3D_SKIP_BENCH=1 to skip it.
+measured timeline PNG is written. `-m "not bench"` skips it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from experiments.bench.pipeline_bubble import Config, theory
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(os.environ.get("ZERO3D_SKIP_BENCH") == "1", reason="ZERO3D_SKIP_BENCH=1")
+@pytest.mark.bench
 @pytest.mark.timeout(120)
 def test_pipeline_bubble_quick(tmp_path: Path) -> None:
     out, png = tmp_path / "bubble.json", tmp_path / "timeline.png"

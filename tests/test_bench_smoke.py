@@ -3,15 +3,14 @@
 Runs the real command in a subprocess (it launches its own rank processes) and checks
 that every method and every ratio is in the printed table and the JSON, with finite
 numbers, and that all methods trained the same thing (fp32 losses agree). It is part of
-the default suite; its timeout keeps a slow or stuck run from holding the suite. Set
-ZERO3D_SKIP_BENCH=1 to skip it.
+the default suite; its timeout keeps a slow or stuck run from holding the suite. `-m "not
+bench"` skips it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from experiments.bench.zero_vs_torch import PAIRINGS, TORCH_METHODS
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(os.environ.get("ZERO3D_SKIP_BENCH") == "1", reason="ZERO3D_SKIP_BENCH=1")
+@pytest.mark.bench
 @pytest.mark.timeout(150)
 def test_zero_vs_torch_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
@@ -75,7 +74,7 @@ def test_zero_vs_torch_quick(tmp_path: Path) -> None:
     assert elapsed < 120, f"the smoke run took {elapsed:.0f} s"
 
 
-@pytest.mark.skipif(os.environ.get("ZERO3D_SKIP_BENCH") == "1", reason="ZERO3D_SKIP_BENCH=1")
+@pytest.mark.bench
 @pytest.mark.timeout(150)
 def test_zero_vs_torch_by_model_size(tmp_path: Path) -> None:
     """--dims: the run once per model size, its results under "dims", and one table of the

@@ -22,26 +22,9 @@ import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
 
 from research import checkpoint, checkpoint_files
+from tests.conftest import TINY_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "--n-layers",
-    "2",
-    "--n-heads",
-    "2",
-    "--d-model",
-    "32",
-    "--max-seq-len",
-    "32",
-    "--seq-len",
-    "32",
-    "--global-batch-size",
-    "4",
-    "--wandb",
-    "disabled",
-    "--log-every",
-    "1000",
-]
 MARKER = "pwned"
 
 pytestmark = pytest.mark.timeout(300)
@@ -61,7 +44,7 @@ def command(
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
 
-    cmd = [*launcher, "-m", "experiments.train", *TINY, "--data-cache", str(cache / "cache"), *argv]
+    cmd = [*launcher, "-m", "experiments.train", *TINY_RUN, "--data-cache", str(cache / "cache"), *argv]
     return subprocess.run(
         cmd,
         capture_output=True,

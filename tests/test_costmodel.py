@@ -509,7 +509,7 @@ def test_plan_shows_where_the_bytes_go(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_scale_table(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """--scale-table prints a markdown row per (model, GPUs, network) with each scheme's best
-    ZeRO-3 layout (here one small row; the README's full table takes about 30 s)."""
+    ZeRO-3 layout (here one small row; docs/planner.md's full table takes about 30 s)."""
     from experiments import plan
 
     monkeypatch.setattr(plan, "SCALE_MODELS", ("gpt-7b",))

@@ -1,4 +1,4 @@
-"""Bad training data ends a run with one sentence (issue 11, item 5): each case is a
+"""Bad training data ends a run with one sentence: each case is a
 DataError naming the file (and line) at fault, what is wrong and what to do; in a
 distributed run the rank that read the data raises it on every rank, and the command
 prints it once and exits 2 on every rank, without tracebacks."""
@@ -22,30 +22,12 @@ import torch.distributed as dist
 
 from research import data as D
 from research.errors import DataError
+from tests.conftest import TINY_RUN
 from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 BYTE = D.ByteTokenizer()
-TINY = [
-    "--n-layers",
-    "1",
-    "--n-heads",
-    "2",
-    "--d-model",
-    "16",
-    "--max-seq-len",
-    "32",
-    "--seq-len",
-    "32",
-    "--global-batch-size",
-    "2",
-    "--steps",
-    "1",
-    "--wandb",
-    "disabled",
-    "--log-every",
-    "1000",
-]
+TINY = [*TINY_RUN, "--n-layers", "1", "--d-model", "16", "--global-batch-size", "2", "--steps", "1"]
 RANDOM = bytes(range(11, 256)) * 4  # one line (no 0x0a); not UTF-8 (0x80 at column 118), gzip or parquet
 
 

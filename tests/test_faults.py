@@ -19,27 +19,10 @@ import pytest
 
 from parallel import comm, desync
 from research.errors import NonFiniteLossError
+from tests.conftest import TINY_RUN
 from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "--n-layers",
-    "2",
-    "--n-heads",
-    "2",
-    "--d-model",
-    "32",
-    "--max-seq-len",
-    "32",
-    "--seq-len",
-    "32",
-    "--global-batch-size",
-    "4",
-    "--wandb",
-    "disabled",
-    "--log-every",
-    "1000",
-]
 
 
 # ---------------------------------------------------------------------------
@@ -168,7 +151,7 @@ def test_a_stalled_rank_is_named_and_the_others_exit(tmp_path: Path) -> None:
         "--nproc_per_node=4",
         "-m",
         "experiments.train",
-        *TINY,
+        *TINY_RUN,
         "--tp",
         "2",
         "--pp",
@@ -229,7 +212,7 @@ def _train(argv: list[str]) -> tuple[str | None, list[dict]]:
 
 def test_a_loss_that_stays_nan_stops_the_run(tmp_path: Path) -> None:
     argv = [
-        *TINY,
+        *TINY_RUN,
         "--steps",
         "20",
         "--lr",
@@ -266,7 +249,7 @@ def _train_with_overflowing_scale(argv: list[str]) -> tuple[str | None, list[dic
 
 def test_a_skipped_fp16_step_does_not_advance_the_lr(tmp_path: Path) -> None:
     argv = [
-        *TINY,
+        *TINY_RUN,
         "--steps",
         "8",
         "--precision",

@@ -1,4 +1,4 @@
-"""The package arrows of DESIGN.md: experiments -> research -> (parallel, optim); optim imports
+"""The package arrows (README's layout): experiments -> research -> (parallel, optim); optim imports
 nothing of the repo but parallel/comm.py (so other trainers can take it alone); parallel never
 imports research or optim. Every import statement counts, also those inside functions."""
 
@@ -42,7 +42,7 @@ def test_imports_point_one_way(package: str) -> None:
         for name in repo_imports(path)
         if not allowed(name, ALLOWED[package])
     }
-    assert not broken, f"imports against DESIGN.md's arrows: {sorted(broken)}"
+    assert not broken, f"imports against the package arrows: {sorted(broken)}"
 
 
 def test_the_rule_sees_a_breach(tmp_path: Path) -> None:

@@ -402,7 +402,7 @@ def test_importing_optim_integrations_does_not_import_accelerate() -> None:
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.skipif(os.environ.get("ZERO3D_SKIP_BENCH") == "1", reason="ZERO3D_SKIP_BENCH=1")
+@pytest.mark.bench
 def test_benchmark_quick_run(tmp_path: Path) -> None:
     """`python -m experiments.bench.accelerate_loop --quick` runs, prints its tables, and every
     method trains the same thing (the final losses agree)."""

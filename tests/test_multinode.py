@@ -27,7 +27,7 @@ import pytest
 
 from experiments.process_tree import descendants, stop
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 240  # both launches together; a hang fails here, before pytest's timeout

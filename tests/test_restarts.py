@@ -12,12 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TINY_RUN
+
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 12, 4
 JOB = [
-    *("--n-layers", "2", "--n-heads", "2", "--d-model", "32", "--max-seq-len", "32", "--seq-len", "32"),
-    *("--global-batch-size", "4", "--steps", str(STEPS), "--zero", "3", "--unit-numel", "3000"),
-    *("--wandb", "disabled", "--log-every", "1000", "--comm-timeout", "20", "--save-every", str(EVERY)),
+    *TINY_RUN,
+    *("--steps", str(STEPS), "--zero", "3", "--unit-numel", "3000", "--comm-timeout", "20", "--save-every", str(EVERY)),
 ]
 
 

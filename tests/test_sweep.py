@@ -17,6 +17,8 @@ from experiments import sweep as sw
 from experiments import sweep_results
 from experiments.sweep_plots import pareto_front
 
+pytestmark = pytest.mark.slow
+
 TINY = str(Path(__file__).resolve().parent.parent / "experiments" / "configs" / "tiny.yaml")
 
 

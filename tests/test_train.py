@@ -21,6 +21,8 @@ import torch.distributed as dist
 from research.checkpoint import CheckpointError
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.slow
+
 STEPS = 20
 MODEL = ["--n-layers", "4", "--n-heads", "4", "--d-model", "32", "--max-seq-len", "32", "--vocab-multiple", "128"]
 TRAIN = [

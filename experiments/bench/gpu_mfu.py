@@ -13,7 +13,7 @@ plain   `research.model.GPT` (the same modules, so the same attention kernel:
 
 Both count model FLOPs as `GPTConfig.flops_per_token` without recompute (3 × forward
 matmuls); MFU = FLOP/s / the device's dense bf16 peak (`research.metrics.peak_flops`).
-Step times are medians after `--warmup` steps. Targets (issue 6): MFU ≥ 50 % on an H100.
+Step times are medians after `--warmup` steps. Target: MFU ≥ 50 % on an H100.
 Flags other than these are the training command's (`python -m experiments.train --help`).
 Results: docs/benchmarks.md.
 """

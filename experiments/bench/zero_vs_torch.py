@@ -111,7 +111,9 @@ class Config:
     lr: float = arg(1e-3, "AdamW learning rate")
     weight_decay: float = arg(0.1, "AdamW weight decay (every parameter)")
     seed: int = arg(0, "model seed")
-    bucket_numel: int | None = arg(None, "ZeroOptimizer bucket_numel (None: its default, optim.DEFAULT_BUCKET_NUMEL)")
+    bucket_numel: int | None = arg(
+        None, "ZeroOptimizer bucket_numel (None: its default, optim.zero.DEFAULT_BUCKET_NUMEL)"
+    )
     unit_numel: int | None = arg(None, "ZeroOptimizer unit_numel (None: one transformer block's numel)")
     resident_numel: int = arg(
         2**16,
