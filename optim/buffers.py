@@ -52,10 +52,10 @@ class FlatBucket:
     master: torch.Tensor = field(init=False)
     grad_buffer: torch.Tensor | None = field(init=False, default=None)
     grad_shard: torch.Tensor = field(init=False)
-    needs_carry: bool = field(init=False, default=False)
+    holds_reduced_sum: bool = field(init=False, default=False)
     reduced: bool = field(init=False, default=False)
     on_grad_bytes: Callable[[int], None] | None = None  # told +/- bytes of each transient full gradient buffer
-    keeps_carry: bool = True  # False on all but the first replica (hybrid sharding): see the carry rule
+    keeps_reduced_sum: bool = True  # False on all but the first replica (hybrid sharding): see the reduced-sum rule
     marks: ParamMarks = NO_MARKS  # the groups its parameters (all alike in these) are replicated and tied over
 
     def __post_init__(self) -> None:
@@ -66,7 +66,7 @@ class FlatBucket:
             end = _round_up(end + p.numel(), ALIGN)
         self.numel = _round_up(max(end, 1), self.world * ALIGN)
         self._written = [False] * len(self.params)
-        self.got = [False] * len(self.params)  # parameter i has a gradient (torch: .grad is not None)
+        self.has_grad = [False] * len(self.params)  # parameter i has a gradient (torch: .grad is not None)
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -148,11 +148,11 @@ class FlatBucket:
     # zero_grad / reduction is stored as scale·g, later ones are added, and slots no
     # gradient reached are zeroed only when the bucket is reduced. So zero_grad needs no
     # memset of the full buffer. Padding is zero from allocation and stays zero (reductions
-    # of zeros). Carry rule: after a reduction this rank's own region already holds the
+    # of zeros). Reduced-sum rule: after a reduction this rank's own region already holds the
     # reduced sum A of earlier backwards; the other regions restart at zero, so the next
     # reduction yields A + Σ_ranks g exactly (each region is owned by one rank). With
     # replicas (hybrid sharding) a region is owned by one rank per replica, so only the
-    # first replica keeps A (`keeps_carry`); the others restart at zero everywhere.
+    # first replica keeps A (`keeps_reduced_sum`); the others restart at zero everywhere.
     def accumulate(self, i: int, grad: torch.Tensor, scale: float) -> None:
         """slot_i ← slot_i + scale·grad (or scale·grad for the slot's first gradient)."""
         self._prepare_grad_buffer()
@@ -163,9 +163,9 @@ class FlatBucket:
         else:
             torch.mul(grad.reshape(-1), scale, out=slot)
             self._written[i] = True
-        self.got[i] = True
+        self.has_grad[i] = True
 
-    def piece(self, tensor: torch.Tensor, i: int, region: tuple[int, int]) -> tuple[int, torch.Tensor]:
+    def param_slice(self, tensor: torch.Tensor, i: int, region: tuple[int, int]) -> tuple[int, torch.Tensor]:
         """Parameter i's part of the flat range `region` (`shard_range`: what this rank owns;
         `opt_range`: what its step updates) in `tensor`, which is laid out like `grad_shard`
         over `opt_range`: (where the part starts in the parameter's flattening, its view,
@@ -182,24 +182,24 @@ class FlatBucket:
         if self.grad_buffer is not None:
             off = self.offsets[i]
             self.grad_buffer[off : off + self.shapes[i].numel()].zero_()
-        self.piece(self.grad_shard, i, self.opt_range)[1].zero_()
+        self.param_slice(self.grad_shard, i, self.opt_range)[1].zero_()
 
     def _prepare_grad_buffer(self) -> None:
         if self.grad_buffer is None:
             self.grad_buffer = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.grad_shard.device)
             self._grad_bytes_changed(+1)
             self._written = [False] * len(self.params)
-            if self.needs_carry:
+            if self.holds_reduced_sum:
                 lo, hi = self.shard_range
-                if self.keeps_carry:
+                if self.keeps_reduced_sum:
                     self.grad_buffer[lo:hi].copy_(self.grad_shard)
                 self._written = [True] * len(self.params)
-        elif self.needs_carry:
-            lo, hi = self.shard_range if self.keeps_carry else (self.numel, self.numel)
+        elif self.holds_reduced_sum:
+            lo, hi = self.shard_range if self.keeps_reduced_sum else (self.numel, self.numel)
             self.grad_buffer[:lo].zero_()
             self.grad_buffer[hi:].zero_()
             self._written = [True] * len(self.params)
-        self.needs_carry = False
+        self.holds_reduced_sum = False
 
     def grads_for_reduction(self) -> torch.Tensor:
         """The full gradient buffer with every slot valid (unwritten slots zeroed)."""
@@ -215,7 +215,7 @@ class FlatBucket:
         """The reduced sum now lives in `grad_shard`; stages 2-3 drop the full buffer."""
         if self.sharding.gradients:
             self._drop_grad_buffer()
-        self.needs_carry = True
+        self.holds_reduced_sum = True
         self.reduced = True
 
     def zero_grad(self) -> None:
@@ -224,8 +224,8 @@ class FlatBucket:
             self.grad_shard.zero_()
             self._drop_grad_buffer()
         self._written = [False] * len(self.params)
-        self.got = [False] * len(self.params)
-        self.needs_carry = False
+        self.has_grad = [False] * len(self.params)
+        self.holds_reduced_sum = False
         self.reduced = False
 
     def _drop_grad_buffer(self) -> None:

@@ -82,7 +82,7 @@ class GradLifecycle:
     def _check_grads(self, arriving: tuple[int, int] | None = None) -> None:
         """`.grad` set to None since the last backward (model.zero_grad()) clears that
         gradient; one assigned by hand is noted (1 + its index in `_hand_set`) and refused on
-        every rank at the next `_share_got`. Runs at the start of each backward (where
+        every rank at the next `_share_has_grad`. Runs at the start of each backward (where
         `arriving` has just got its new gradient) and before each step."""
         for k, b in enumerate(self.buckets):
             for i, p in enumerate(b.params):
@@ -90,11 +90,11 @@ class GradLifecycle:
                     continue
                 if p.grad is not None:
                     self._hand_set = self._hand_set or self._first_index[k] + i + 1
-                elif b.got[i]:
+                elif b.has_grad[i]:
                     b.clear_grad(i)
-                    b.got[i] = False
+                    b.has_grad[i] = False
 
-    def _share_got(self, tied: bool) -> None:
+    def _share_has_grad(self, tied: bool) -> None:
         """Which parameters have a gradient: on any rank of the group (and, with `tied`, of
         their tie groups: only at the step, which every pipeline stage reaches) when
         searching for unused parameters; every one, on this rank, otherwise. Every rank then
@@ -102,22 +102,22 @@ class GradLifecycle:
         when searching) raises on every rank that knows of it."""
         self._check_grads()
         with comm.doing("the agreement on which parameters have a gradient"):
-            hand_set = self._agree_on_got(tied) if self.find_unused_parameters else self._hand_set
+            hand_set = self._agree_on_has_grad(tied) if self.find_unused_parameters else self._hand_set
         self._hand_set = 0
         if hand_set:
             raise RuntimeError(HAND_SET.format(name=self.names[self._all_params[hand_set - 1]]))
         for k, b in enumerate(self.buckets):
             for i, p in enumerate(b.params):
-                if not (b.got[i] or self.find_unused_parameters):
+                if not (b.has_grad[i] or self.find_unused_parameters):
                     raise RuntimeError(UNUSED.format(name=self.names[p]))
-                if b.got[i] and p.grad is None:
+                if b.has_grad[i] and p.grad is None:
                     p.grad = self._placeholders[k][i]
 
-    def _agree_on_got(self, tied: bool) -> int:
+    def _agree_on_has_grad(self, tied: bool) -> int:
         """As DDP finds unused parameters: one max all-reduce of a flag per parameter, whose last
         entry carries `_hand_set`; returns the agreed `_hand_set` (1 + a flat index, 0: none)."""
         flags = torch.tensor(
-            [g for b in self.buckets for g in b.got] + [self._hand_set],
+            [g for b in self.buckets for g in b.has_grad] + [self._hand_set],
             dtype=torch.int32,
             device=self.buckets[0].grad_shard.device,
         )
@@ -131,7 +131,7 @@ class GradLifecycle:
         everyone = flags.tolist()
         for k, b in enumerate(self.buckets):
             start = self._first_index[k]
-            b.got = [bool(f) for f in everyone[start : start + len(b.params)]]
+            b.has_grad = [bool(f) for f in everyone[start : start + len(b.params)]]
         return everyone[-1]
 
     def _backward_end(self, synced: bool) -> None:
@@ -142,7 +142,7 @@ class GradLifecycle:
         if self._gatherer is not None:
             self._gatherer.backward_end()
         if synced:
-            self._share_got(tied=False)
+            self._share_has_grad(tied=False)
 
     def _check_model(self, module: torch.nn.Module, args: tuple) -> None:
         """Forward pre-hook: refuse a DDP wrapper, compilation at stage 3 and parameters moved
@@ -175,7 +175,9 @@ class GradLifecycle:
         if self._param_norms is None or self._param_norms[0] != norm_type:
             self._finish_grads()
             inf = norm_type == float("inf")
-            parts = [b.piece(b.grad_shard, j, b.shard_range)[1] for b in self.buckets for j in range(len(b.params))]
+            parts = [
+                b.param_slice(b.grad_shard, j, b.shard_range)[1] for b in self.buckets for j in range(len(b.params))
+            ]
             local = torch.zeros(len(parts), dtype=torch.float64, device=self.buckets[0].grad_shard.device)
             for at, part in enumerate(parts):
                 if part.numel():
@@ -190,7 +192,7 @@ class GradLifecycle:
     def _scale_grad_of(self, k: int, i: int, factor: torch.Tensor | float) -> None:
         self._finish_grads()
         b = self.buckets[k]
-        b.piece(b.grad_shard, i, b.opt_range)[1].mul_(factor)
+        b.param_slice(b.grad_shard, i, b.opt_range)[1].mul_(factor)
         self._param_norms = self._norm = None
 
     def _zero_grad_of(self, k: int, i: int) -> None:
@@ -205,6 +207,6 @@ class GradLifecycle:
         for b in self.buckets:
             flat = self._gather_flat(b, b.grad_shard.float() * self._unscale)
             for i, p in enumerate(b.params):
-                if b.got[i]:
+                if b.has_grad[i]:
                     grads[self.names[p]] = b.param_view(flat, i).clone()
         return grads

@@ -22,7 +22,7 @@ reduction there is followed by an all-reduce, across the replicas, of the part t
 keeps (its shard; the whole buffer at stage 0), so ḡ = (1/(N·R)) Σ over all N·R ranks.
 ZeRO++ qgZ (`QuantizedReduction`, stages 2-3): the reduce-scatter becomes quantized
 all-to-alls inside the node and then across nodes (`optim.quantize`) into a fresh shard,
-which is then added to the gradients the shard already holds (no carry through the buffer,
+which is then added to the gradients the shard already holds (no reduced sum kept in the buffer,
 so earlier reductions of the step are never quantized again).
 
 A reduction is retired (`FlatBucket.after_reduction`: stages 2-3 free the full bucket) as
@@ -142,7 +142,7 @@ class GradReducer:
         grad = param.grad
         if grad is self.placeholders[b][i]:
             grad = grad.take()
-        elif bucket.got[i]:
+        elif bucket.has_grad[i]:
             bucket.clear_grad(i)
         bucket.accumulate(i, grad, self._scale)
         param.grad = self.placeholders[b][i]
@@ -207,7 +207,7 @@ class GradReducer:
         else:
             lo, hi = bucket.shard_range
             out = bucket.grad_shard if bucket.sharding.gradients else full[lo:hi]
-            # the full buffer is not read after its reduction (optim.buffers' carry rule)
+            # the full buffer is not read after its reduction (optim.buffers' reduced-sum rule)
             yield [comm.reduce_scatter_tensor(out, full, group=self.group, async_op=True, reuse_input=True)]
         if self.replicate_group is not None:
             yield [comm.all_reduce(out, group=self.replicate_group, async_op=True)]

@@ -129,7 +129,7 @@ class ModelStateHooks:
             flat = value.detach().reshape(-1)
             shards = [b.master, b.param_shard] if p in self.where else [b.master]
             for shard in {t.data_ptr(): t for t in shards}.values():
-                start, part = b.piece(shard, i, b.shard_range if p in self.where else b.opt_range)
+                start, part = b.param_slice(shard, i, b.shard_range if p in self.where else b.opt_range)
                 part.copy_(flat[start : start + part.numel()])
             if p in self.where:
                 state_dict[key] = torch.empty(0, dtype=p.dtype, device=p.device)

@@ -94,7 +94,7 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return padded.view(rows, block)
 
 
-def _pack(q: Quantized, rows: int) -> torch.Tensor:
+def pack_rows(q: Quantized, rows: int) -> torch.Tensor:
     """`q`, made of `rows` rows of whole blocks, as [rows, bytes] uint8: each row's fp32 scales,
     then its values, padded to whole 4-byte words so that the scales stay aligned wherever the
     row lands. One collective then carries values and scales (one latency, not two)."""
@@ -104,8 +104,8 @@ def _pack(q: Quantized, rows: int) -> torch.Tensor:
     return torch.cat([scale, data, data.new_zeros(rows, pad)], dim=1)
 
 
-def _unpack(packed: torch.Tensor, block: int, bits: int) -> Quantized:
-    """The rows of `packed` (`_pack`'s layout) as one fp32 Quantized: a row of b blocks holds
+def unpack_rows(packed: torch.Tensor, block: int, bits: int) -> Quantized:
+    """The rows of `packed` (`pack_rows`'s layout) as one fp32 Quantized: a row of b blocks holds
     b·(4 + block·bits/8) bytes and less than one block's of padding."""
     rows, width = packed.shape
     blocks = width // (4 + block * bits // 8)
@@ -113,49 +113,6 @@ def _unpack(packed: torch.Tensor, block: int, bits: int) -> Quantized:
     data = packed[:, 4 * blocks : 4 * blocks + blocks * block * bits // 8].contiguous()
     data = data.reshape(-1) if bits == 4 else data.view(torch.int8).reshape(-1)
     return Quantized(data, scale, rows * blocks * block, block, bits, torch.float32)
-
-
-@dataclass
-class ShardGather:
-    """An all-gather of equal flat shards into `out`, in flight: exact, or as packed quantized
-    blocks (`_pack`) when `like` (this rank's quantized shard) is set. `finish(keep)` waits and
-    then writes the dequantized pieces into `out`, except piece `keep` (this rank's own, when
-    `out` already holds it exactly); `wait()` only waits."""
-
-    out: torch.Tensor
-    works: list
-    gathered: torch.Tensor | None = None  # quantized: [world, bytes of one packed shard]
-    like: Quantized | None = None
-
-    def wait(self) -> None:
-        for w in self.works:
-            if w is not None:
-                w.wait()
-        self.works = []
-
-    def finish(self, keep: int | None = None) -> None:
-        self.wait()
-        if self.like is None:
-            return
-        numel = self.like.numel
-        values = dequantize(_unpack(self.gathered, self.like.block, self.like.bits)).view(self.gathered.shape[0], -1)
-        for r, piece in enumerate(self.out.view(-1, numel)):
-            if r != keep:
-                piece.copy_(values[r, :numel])
-
-
-def all_gather_shards(
-    out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, block: int | None = None
-) -> ShardGather:
-    """Start gathering every rank's `shard` into `out`, their concatenation: exactly, or with a
-    `block` as int8 blocks with fp32 scales (ZeRO++ qwZ), values and scales packed in one call."""
-    if block is None:
-        return ShardGather(out, [comm.all_gather_into_tensor(out, shard, group=group, async_op=True)])
-    q = quantize(shard, block)
-    packed = _pack(q, 1)
-    gathered = packed.new_empty(dist.get_world_size(group), packed.shape[1])
-    work = comm.all_gather_into_tensor(gathered.view(-1), packed.view(-1), group=group, async_op=True)
-    return ShardGather(out, [work], gathered, q)
 
 
 def reduce_scatter_quantized(
@@ -184,14 +141,14 @@ def reduce_scatter_quantized(
 
 def _exchange(rows: torch.Tensor, group: dist.ProcessGroup | None, bits: int, block: int) -> Iterator[list]:
     """Σ_r (row i of rank r's `rows`) on group rank i: each row quantized on its own blocks,
-    values and scales packed (`_pack`) into one all-to-all, summed in fp32 after dequantizing."""
+    values and scales packed (`pack_rows`) into one all-to-all, summed in fp32 after dequantizing."""
     n, width = rows.shape
     padded_width = -(-width // block) * block
     padded = rows.new_zeros((n, padded_width), dtype=torch.float32)
     padded[:, :width] = rows
     q = quantize(padded, block, bits)
-    packed = _pack(q, n)
+    packed = pack_rows(q, n)
     arrived = torch.empty_like(packed)
     yield [comm.all_to_all_single(arrived.view(-1), packed.view(-1), group=group, async_op=True)]
-    values = dequantize(_unpack(arrived, block, bits))
+    values = dequantize(unpack_rows(arrived, block, bits))
     return values.view(n, padded_width)[:, :width].sum(0)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from optim import fused
 from optim.buffers import FlatBucket
-from optim.quantize import ShardGather, all_gather_shards
+from optim.collectives import ShardGather, all_gather_shards
 from optim.stage3 import ParamGatherer
 from parallel import comm
 
@@ -37,7 +37,7 @@ class ShardUpdate:
     def _runs(self, k: int) -> list[tuple[int, list[tuple[int, int]]]]:
         """Bucket k's parameters stepped now, grouped by their step count so far: (count,
         master ranges [a, b)); one range over the whole master when all are alike."""
-        b, stepping, steps = self.buckets[k], self.buckets[k].got, self._param_steps[k]
+        b, stepping, steps = self.buckets[k], self.buckets[k].has_grad, self._param_steps[k]
         if all(stepping) and len(set(steps)) == 1:
             return [(steps[0], [(0, b.master.numel())])]
         runs: dict[int, list[tuple[int, int]]] = {}

@@ -49,7 +49,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from optim.buffers import FlatBucket
-from optim.quantize import ShardGather, all_gather_shards
+from optim.collectives import ShardGather, all_gather_shards
 from parallel import comm
 
 # what a rank checks in for (`check_in`), as the sentence names it
@@ -82,16 +82,16 @@ def check_in(side: dist.ProcessGroup, what: int, count: int) -> None:
         raise RuntimeError(OUT_OF_STEP.format(who=who))
 
 
-def is_called(module: torch.nn.Module) -> bool:
+def has_own_forward(module: torch.nn.Module) -> bool:
     """Whether the module has a forward of its own (containers such as ModuleList do not,
     so hooks on them never fire and they cannot gather anything)."""
     return type(module).forward is not torch.nn.Module.forward
 
 
-def roots(model: torch.nn.Module) -> list[torch.nn.Module]:
+def root_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The outermost modules that are called: the model, or the children of a container
     (e.g. the chunks of a pipeline rank held in a ModuleList)."""
-    return [model] if is_called(model) else [r for child in model.children() for r in roots(child)]
+    return [model] if has_own_forward(model) else [r for child in model.children() for r in root_modules(child)]
 
 
 def stage3_units(
@@ -100,7 +100,7 @@ def stage3_units(
     """(module, claimed params) per unit, in post-order (see module docstring)."""
     units: list[tuple[torch.nn.Module, list[torch.nn.Parameter]]] = []
     seen: set[torch.nn.Parameter] = set()
-    top = {id(r) for r in roots(model)}
+    top = {id(r) for r in root_modules(model)}
 
     def visit(module: torch.nn.Module) -> list[torch.nn.Parameter]:
         pending = [q for child in module.children() for q in visit(child)]
@@ -109,7 +109,7 @@ def stage3_units(
                 seen.add(p)
                 pending.append(p)
         enough = id(module) in top or sum(p.numel() for p in pending) >= unit_numel
-        if pending and is_called(module) and enough:
+        if pending and has_own_forward(module) and enough:
             units.append((module, pending))
             return []
         return pending
@@ -159,13 +159,13 @@ class ParamGatherer:
         self._bucket_unit = {id(b): u for u, (_, bs) in zip(self.units, units) for b in bs}
         self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
         self._next: dict[str, dict[Unit, Unit]] = {"forward": {}, "backward": {}}
-        self._handles = [r.register_forward_pre_hook(self._on_root_forward) for r in roots(model)]
+        self._handles = [r.register_forward_pre_hook(self._on_root_forward) for r in root_modules(model)]
         for module, needed in self._users(model, units).items():
             self._handles += [
                 module.register_forward_pre_hook(lambda m, a, needed=needed: self._pre_forward(needed)),
                 module.register_forward_hook(lambda m, a, out, needed=needed: self._post_forward(needed, out)),
             ]
-        self._handles += [r.register_forward_hook(lambda m, a, out: self._release_idle()) for r in roots(model)]
+        self._handles += [r.register_forward_hook(lambda m, a, out: self._reshard_idle()) for r in root_modules(model)]
 
     def _users(self, model: torch.nn.Module, units: list[tuple[torch.nn.Module, list[FlatBucket]]]) -> dict:
         """module -> units it must have gathered around its forward and backward: its own
@@ -200,7 +200,7 @@ class ParamGatherer:
                 for full, b in zip(unit.full, unit.buckets)
             ]
 
-    def _ensure(self, unit: Unit, phase: str) -> None:
+    def _unshard(self, unit: Unit, phase: str) -> None:
         """Gather `unit` now (waiting for a prefetch in flight) and prefetch its successor."""
         order = self._order[phase]
         first_use = unit not in order
@@ -208,9 +208,9 @@ class ParamGatherer:
             order.append(unit)
         without_grad = " without gradients" if phase == "forward" and not torch.is_grad_enabled() else ""
         with comm.doing(f"a stage-3 parameter gather inside {phase}{without_grad}"):
-            self._ensure_gathered(unit, phase, first_use)
+            self._unshard_now(unit, phase, first_use)
 
-    def _ensure_gathered(self, unit: Unit, phase: str, first_use: bool) -> None:
+    def _unshard_now(self, unit: Unit, phase: str, first_use: bool) -> None:
         self._start_gather(unit)
         if unit.gathers:
             for gather in unit.gathers:
@@ -222,7 +222,7 @@ class ParamGatherer:
         if following is not None:
             self._start_gather(following)
 
-    def _release(self, unit: Unit) -> None:
+    def _reshard(self, unit: Unit) -> None:
         if unit.full is None:
             return
         if self.hpz_group is not None and unit.secondary is None and not unit.gathers:
@@ -234,12 +234,12 @@ class ParamGatherer:
             b.release_params()
         unit.full, unit.gathers = None, []
 
-    def _release_idle(self) -> None:
+    def _reshard_idle(self) -> None:
         """End of the root forward: free units gathered but not in use (unused prefetches)."""
         if not _in_backward():
             for unit in self.units:
                 if unit.users == 0:
-                    self._release(unit)
+                    self._reshard(unit)
 
     # ---- hooks --------------------------------------------------------------------------
     def _on_root_forward(self, module: torch.nn.Module, args: tuple) -> None:
@@ -256,20 +256,20 @@ class ParamGatherer:
     def _pre_forward(self, needed: list[Unit]) -> None:
         for unit in needed:
             unit.users += 1
-            self._ensure(unit, "backward" if _in_backward() else "forward")
+            self._unshard(unit, "backward" if _in_backward() else "forward")
 
     def _post_forward(self, needed: list[Unit], output: object) -> None:
         for unit in needed:
             unit.users -= 1
             if unit.users == 0 and not _in_backward():
-                self._release(unit)
+                self._reshard(unit)
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors and torch.is_grad_enabled():
             register_multi_grad_hook(tensors, lambda grads: self._pre_backward(needed), mode="any")
 
     def _pre_backward(self, needed: list[Unit]) -> None:
         for unit in needed:
-            self._ensure(unit, "backward")
+            self._unshard(unit, "backward")
 
     def bucket_done(self, bucket: FlatBucket) -> None:
         """All gradients of `bucket` are in: free its unit once all its buckets are done."""
@@ -279,14 +279,14 @@ class ParamGatherer:
         unit.buckets_done += 1
         if unit.buckets_done == len(unit.buckets):
             unit.buckets_done = 0
-            self._release(unit)
+            self._reshard(unit)
 
     def backward_end(self) -> None:
         """Free everything still gathered and keep this backward's order for prefetching."""
         for unit in self.units:
             unit.buckets_done = 0
             if unit.users == 0:
-                self._release(unit)
+                self._reshard(unit)
         self._finish_pass("backward")
 
     def _finish_pass(self, phase: str) -> None:

@@ -30,22 +30,22 @@ import torch.distributed as dist
 
 from optim import clip, fused
 from optim.buffers import FlatBucket, arrival_key, assign_buckets, bucket_key
+from optim.collectives import ShardGather
 from optim.grad_lifecycle import NOT_TRAINED, GradLifecycle
 from optim.grad_placeholder import GradPlaceholder
 from optim.grads import GradReducer, QuantizedReduction
 from optim.model_state import ModelStateHooks
-from optim.quantize import ShardGather
 from optim.scaler import DynamicLossScaler
 from optim.shard_update import ShardUpdate
 from optim.sharding import SHARD_GRADIENTS, SHARD_PARAMETERS, Sharding
-from optim.stage3 import ParamGatherer, roots, stage3_units
+from optim.stage3 import ParamGatherer, root_modules, stage3_units
 from optim.zero_setup import (
     DEFAULT_BUCKET_NUMEL,
     DEFAULT_COMM_TIMEOUT_S,
     DEFAULT_UNIT_NUMEL,
     OUT_OF_STEP_ADVICE,
     check_same_model_on_all_ranks,
-    check_zero_pp,
+    check_zero_plus_plus,
     default_resident_numel,
     param_names,
     torch_order,
@@ -156,7 +156,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         **optimizer_kwargs: Any,
     ) -> None:
         validate(model, optimizer_class, stage, param_dtype, qwz_block)
-        check_zero_pp(stage, hpz, qgz_bits, node_groups, process_group)
+        check_zero_plus_plus(stage, hpz, qgz_bits, node_groups, process_group)
         self.qwz_block, self.hpz, self.qgz_bits = qwz_block, hpz, qgz_bits
         self.overlap_param_gather, self.find_unused_parameters = overlap_param_gather, find_unused_parameters
         self.model, self.optimizer_class, self.stage = model, optimizer_class, stage
@@ -228,7 +228,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
     def _register_hooks(self, units: list[tuple[torch.nn.Module, list[FlatBucket]]]) -> None:
         """The hooks of a step (docs/architecture.md): the model check, stage 3's gatherer,
         the gradient reducer."""
-        self._check_handles = [r.register_forward_pre_hook(self._check_model) for r in roots(self.model)]
+        self._check_handles = [r.register_forward_pre_hook(self._check_model) for r in root_modules(self.model)]
         if self.overlap_param_gather:
             self._register_param_waits()
         self._gatherer = (
@@ -306,11 +306,11 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         """The buckets, in the order they are expected to complete in backward (whose gradients
         are expected in reverse registration order: by the position of their last parameter
         in it, `assign_buckets`), and at stage 3 the gathered units (module, its buckets). A
-        bucket holds one param group of one root module (`optim.stage3.roots`: the chunks of
+        bucket holds one param group of one root module (`optim.stage3.root_modules`: the chunks of
         a pipeline rank) and, at stage 3, of one unit."""
         arrival = list(reversed(list(group_of)))
         position = {p: i for i, p in enumerate(arrival)}
-        root_of = {p: i for i, r in enumerate(roots(self.model)) for p in r.parameters()}
+        root_of = {p: i for i, r in enumerate(root_modules(self.model)) for p in r.parameters()}
         # what a bucket's parameters share: the groups they are replicated and tied over
         marks_of = {p: ParamMarks(replicated=m.replicated, tied=m.tied) for p, m in param_marks(self.model).items()}
 
@@ -328,7 +328,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
                 reduce_dtype,
                 on_grad_bytes=self._grad_bytes_changed,
                 marks=marks_of.get(params[0], NO_MARKS),
-                keeps_carry=self._keeps_carry(sharding),
+                keeps_reduced_sum=self._keeps_reduced_sum(sharding),
             )
 
         units: list[tuple[torch.nn.Module, list[FlatBucket]]] = []
@@ -350,7 +350,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         self._allocate(buckets)
         return buckets, units
 
-    def _keeps_carry(self, sharding: Sharding) -> bool:
+    def _keeps_reduced_sum(self, sharding: Sharding) -> bool:
         """Whether a bucket carries earlier reductions of the step through its full buffer
         (`optim.buffers`): not on the replicas after the first, nor under qgZ at stages 2-3,
         whose reductions are added to the shard."""
@@ -439,7 +439,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             b.zero_if_never_reduced()
             for group in b.marks.tied:
                 comm.all_reduce(b.grad_shard, group=group)
-        self._share_got(tied=True)  # after it, b.got[i]: parameter i is stepped
+        self._share_has_grad(tied=True)  # after it, b.has_grad[i]: parameter i is stepped
         self._grads_finished = True
 
     @torch.no_grad()
@@ -456,7 +456,7 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         self.wait_params()
         self._finish_grads()
         self.last_step_skipped = False
-        if not any(any(b.got) for b in self.buckets):
+        if not any(any(b.has_grad) for b in self.buckets):
             self._end_step()
             return loss
         if self.scaler is not None:
@@ -468,8 +468,8 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
                 return loss
         self._update_and_publish(self._unscale * self._clip_coef)
         for steps, b in zip(self._param_steps, self.buckets):
-            for i, got in enumerate(b.got):
-                steps[i] += got
+            for i, has_grad in enumerate(b.has_grad):
+                steps[i] += has_grad
         self._end_step()
         return loss
 
@@ -483,10 +483,10 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
         """Clear the gradients. As in torch, `set_to_none=False` keeps them as zeros, so the
         parameters that had one are stepped by the next step() even without a backward."""
         for k, b in enumerate(self.buckets):
-            got = b.got
+            had = b.has_grad
             b.zero_grad()
             if not set_to_none:
-                b.got = got
+                b.has_grad = had
                 continue
             for i, p in enumerate(b.params):
                 if p.grad is self._placeholders[k][i]:

@@ -67,7 +67,7 @@ def check_stage(stage: Any, name: str) -> None:
         raise ValueError(f"{name}={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
 
 
-def check_zero_pp(
+def check_zero_plus_plus(
     stage: int,
     hpz: bool,
     qgz_bits: Any,

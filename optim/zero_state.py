@@ -102,7 +102,7 @@ class ShardedStateDicts:
         all_ranges = [{i: (s, e) for i, s, e, _ in bucket.shard_ranges(r)} for r in range(self.world)]
         out = {}
         for i, p in enumerate(bucket.params):
-            piece = bucket.piece(shard, i, bucket.shard_range)
+            piece = bucket.param_slice(shard, i, bucket.shard_range)
             ranges = [[rs[i]] if i in rs else [] for rs in all_ranges]
             out[self.names[p]] = sharded_state.sharded_tensor_from_flat(bucket.shapes[i], [piece], ranges, self.group)
         return out

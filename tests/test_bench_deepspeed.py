@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.bench
+
 pytest.importorskip("deepspeed")
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["zero1", "zero2", "zero3", "ds1", "ds2", "ds3"]
 
 
-@pytest.mark.bench
 @pytest.mark.timeout(300)
 def test_deepspeed_peer_trains_the_same(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.bench
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

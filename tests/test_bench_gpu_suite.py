@@ -17,11 +17,12 @@ import pytest
 
 from experiments.bench.gpu_suite import PARTS
 
+pytestmark = pytest.mark.bench
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ON_CPU = ("environment", "fused_step", "quantize", "mfu", "memory", "zero_stages")
 
 
-@pytest.mark.bench
 @pytest.mark.timeout(150)
 def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "out"

@@ -13,10 +13,11 @@ import pytest
 
 from experiments.bench.one_process import METHODS
 
+pytestmark = pytest.mark.bench
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.bench
 @pytest.mark.timeout(120)
 def test_one_process_quick(tmp_path: Path) -> None:
     out = tmp_path / "one.json"

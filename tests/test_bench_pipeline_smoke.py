@@ -19,10 +19,11 @@ import pytest
 
 from experiments.bench.pipeline_bubble import Config, theory
 
+pytestmark = pytest.mark.bench
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.bench
 @pytest.mark.timeout(120)
 def test_pipeline_bubble_quick(tmp_path: Path) -> None:
     out, png = tmp_path / "bubble.json", tmp_path / "timeline.png"

@@ -20,10 +20,11 @@ import pytest
 
 from experiments.bench.zero_vs_torch import PAIRINGS, TORCH_METHODS
 
+pytestmark = pytest.mark.bench
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.bench
 @pytest.mark.timeout(150)
 def test_zero_vs_torch_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
@@ -74,7 +75,6 @@ def test_zero_vs_torch_quick(tmp_path: Path) -> None:
     assert elapsed < 120, f"the smoke run took {elapsed:.0f} s"
 
 
-@pytest.mark.bench
 @pytest.mark.timeout(150)
 def test_zero_vs_torch_by_model_size(tmp_path: Path) -> None:
     """--dims: the run once per model size, its results under "dims", and one table of the

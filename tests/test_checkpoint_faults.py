@@ -27,7 +27,7 @@ from tests.conftest import TINY_RUN
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "pwned"
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def command(

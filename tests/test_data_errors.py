@@ -25,6 +25,8 @@ from research.errors import DataError
 from tests.conftest import TINY_RUN
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 BYTE = D.ByteTokenizer()
 TINY = [*TINY_RUN, "--n-layers", "1", "--d-model", "16", "--global-batch-size", "2", "--steps", "1"]

@@ -22,6 +22,8 @@ from research.errors import NonFiniteLossError
 from tests.conftest import TINY_RUN
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

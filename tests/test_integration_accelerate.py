@@ -30,6 +30,8 @@ from parallel import comm
 from tests.dist_utils import run_distributed
 from tests.models import make_model, no_decay_groups
 
+pytestmark = pytest.mark.slow
+
 WORLD, MICRO, ACCUM, EPOCHS = 2, 2, 2, 2
 STEPS_PER_EPOCH = 5
 SAMPLES = STEPS_PER_EPOCH * WORLD * ACCUM * MICRO

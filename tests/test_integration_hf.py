@@ -24,6 +24,8 @@ from optim.integrations.hf import ZERO_OPTIMIZER_DIR, ZeroTrainer
 from parallel import comm
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.slow
+
 WORLD, STEPS, ACCUM, MICRO, SEQ, VOCAB, EVAL_ROWS = 2, 10, 2, 2, 16, 64, 8
 LR, WEIGHT_DECAY, CLIP, WARMUP = 3e-3, 0.1, 1.0, 3
 # Adam moves an element whose gradient is rounding noise by up to ±lr: eps = 1e-6 (not 1e-8)

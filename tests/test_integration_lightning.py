@@ -27,6 +27,8 @@ import pytorch_lightning as pl
 
 from optim.integrations.lightning import ZeroStrategy
 
+pytestmark = pytest.mark.slow
+
 WORLD, MICRO_BATCH, ACCUM, STEPS = 2, 4, 2, 10
 SAMPLES = 5 * WORLD * ACCUM * MICRO_BATCH  # an epoch is 5 optimizer steps
 SEQ, VOCAB, LR, CLIP = 8, 37, 3e-3, 1.0

@@ -16,6 +16,8 @@ from tests.test_zero_memory_comm import mlp, one_step
 from tests.test_zero_parity import assert_matches
 from tests.zero_runs import zero_train
 
+pytestmark = pytest.mark.slow
+
 STEPS, BATCH, MICRO, LR = 10, 16, 2, 1e-2
 SMALL = {"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 100}
 

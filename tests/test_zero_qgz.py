@@ -16,6 +16,8 @@ from tests.dist_utils import run_distributed
 from tests.models import make_model
 from tests.zero_runs import construction_error, tracked_steps
 
+pytestmark = pytest.mark.slow
+
 STEPS = 50
 UNITS = {"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 0}
 

@@ -15,6 +15,8 @@ from tests.dist_utils import run_distributed
 from tests.models import batches, make_model
 from tests.zero_runs import construction_error, tracked_steps
 
+pytestmark = pytest.mark.slow
+
 UNITS = {"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 0}  # every stage-3 unit is gathered
 STEPS, BLOCK = 50, 64
 

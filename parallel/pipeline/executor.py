@@ -16,7 +16,7 @@ Activations and gradients use different tags, so two message kinds on one rank p
 never mix. A peer equal to this rank (pp = 1 with v > 1) is a local hand-off.
 Once an output's send has completed its storage is freed (Megatron's "deallocate output
 tensor"): backward starts from the output's gradient edge and never reads its values.
-The executor talks to the optimizer through one small protocol, `StepOptimizer`
+The executor talks to the optimizer through one small protocol, `ReductionControl`
 (`optim.ZeroOptimizer` is one; docs/architecture.md maps the hooks each call arms).
 Gradient reduction over data parallelism, two policies (`grad_sync`). "last": every backward
 but the rank's last runs under `no_sync()`, so reduction starts when the rank's last backward
@@ -48,7 +48,7 @@ from parallel.pipeline.split_backward import backward_input
 TAGS = {"F": 0, "B": 1}
 
 
-class StepOptimizer(Protocol):
+class ReductionControl(Protocol):
     """What the executor needs from an optimizer, and nothing more."""
 
     def no_sync(self) -> AbstractContextManager:
@@ -62,7 +62,7 @@ class StepOptimizer(Protocol):
 
 
 class LocalGradients:
-    """The `StepOptimizer` of a pipeline without a data-parallel optimizer: no reduction to
+    """The `ReductionControl` of a pipeline without a data-parallel optimizer: no reduction to
     defer or scope, no loss scale."""
 
     def no_sync(self) -> AbstractContextManager:
@@ -106,7 +106,7 @@ class PipelineExecutor:
         schedule_name: str,
         microbatches: int,
         pp_group: dist.ProcessGroup | None = None,
-        optimizer: StepOptimizer | None = None,
+        optimizer: ReductionControl | None = None,
         grad_sync: Literal["last", "every"] = "last",
     ) -> None:
         if grad_sync not in ("last", "every"):

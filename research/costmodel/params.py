@@ -31,7 +31,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from optim.buffers import ALIGN, bucket_key
-from optim.stage3 import is_called, stage3_units
+from optim.stage3 import has_own_forward, stage3_units
 from optim.zero import DEFAULT_BUCKET_NUMEL, DEFAULT_UNIT_NUMEL, default_resident_numel
 from parallel.comm import NO_MARKS, ParamMarks, param_marks
 from parallel.pipeline.partition import layer_ranges
@@ -120,7 +120,7 @@ def _classify(chunks: nn.ModuleList, unit_numel: int) -> list[_ChunkUnits]:
     """`optim.stage3.stage3_units` of one-block chunks, sorted into `_ChunkUnits` per chunk."""
     owner: dict[int, tuple[int, bool]] = {}  # module -> (its chunk, whether inside the block)
     for chunk in chunks:
-        if is_called(chunk.blocks):
+        if has_own_forward(chunk.blocks):
             raise TypeError("the blocks' container has a forward: one block no longer stands for all")
         owner.update({id(m): (id(chunk), True) for block in chunk.blocks.values() for m in block.modules()})
         for m in chunk.modules():

@@ -1,0 +1,60 @@
+"""The all-gather of flat shards every ZeRO stage uses: after the step (stages 1-2, the
+resident units of stage 3) and around each stage-3 unit's forward and backward. Exact, or,
+with a block size, as ZeRO++ qwZ's int8 blocks with one fp32 scale each (`optim.quantize`),
+values and scales packed into one call; the gather is started here and finished by whoever
+next reads the parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from optim.quantize import Quantized, dequantize, pack_rows, quantize, unpack_rows
+from parallel import comm
+
+
+@dataclass
+class ShardGather:
+    """An all-gather of equal flat shards into `out`, in flight: exact, or as packed quantized
+    blocks (`pack_rows`) when `like` (this rank's quantized shard) is set. `finish(keep)` waits and
+    then writes the dequantized pieces into `out`, except piece `keep` (this rank's own, when
+    `out` already holds it exactly); `wait()` only waits."""
+
+    out: torch.Tensor
+    works: list
+    gathered: torch.Tensor | None = None  # quantized: [world, bytes of one packed shard]
+    like: Quantized | None = None
+
+    def wait(self) -> None:
+        for w in self.works:
+            if w is not None:
+                w.wait()
+        self.works = []
+
+    def finish(self, keep: int | None = None) -> None:
+        self.wait()
+        if self.like is None:
+            return
+        numel = self.like.numel
+        values = dequantize(unpack_rows(self.gathered, self.like.block, self.like.bits)).view(
+            self.gathered.shape[0], -1
+        )
+        for r, piece in enumerate(self.out.view(-1, numel)):
+            if r != keep:
+                piece.copy_(values[r, :numel])
+
+
+def all_gather_shards(
+    out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, block: int | None = None
+) -> ShardGather:
+    """Start gathering every rank's `shard` into `out`, their concatenation: exactly, or with a
+    `block` as int8 blocks with fp32 scales (ZeRO++ qwZ), values and scales packed in one call."""
+    if block is None:
+        return ShardGather(out, [comm.all_gather_into_tensor(out, shard, group=group, async_op=True)])
+    q = quantize(shard, block)
+    packed = pack_rows(q, 1)
+    gathered = packed.new_empty(dist.get_world_size(group), packed.shape[1])
+    work = comm.all_gather_into_tensor(gathered.view(-1), packed.view(-1), group=group, async_op=True)
+    return ShardGather(out, [work], gathered, q)
