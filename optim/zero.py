@@ -30,13 +30,12 @@ import torch.distributed as dist
 
 from optim import clip, fused
 from optim.buffers import FlatBucket, arrival_key, assign_buckets, bucket_key
-from optim.collectives import ShardGather
 from optim.grad_lifecycle import NOT_TRAINED, GradLifecycle
 from optim.grad_placeholder import GradPlaceholder
 from optim.grads import GradReducer, QuantizedReduction
 from optim.model_state import ModelStateHooks
 from optim.scaler import DynamicLossScaler
-from optim.shard_update import ShardUpdate
+from optim.shard_step import ShardStep
 from optim.sharding import SHARD_GRADIENTS, SHARD_PARAMETERS, Sharding
 from optim.stage3 import ParamGatherer, root_modules, stage3_units
 from optim.zero_setup import (
@@ -59,13 +58,13 @@ from parallel.comm import NO_MARKS, ParamMarks, param_marks
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DEFAULT_UNIT_NUMEL", "ZeroOptimizer", "default_resident_numel"]
 
 
-class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.Optimizer):
+class ZeroOptimizer(GradLifecycle, ShardedStateDicts, torch.optim.Optimizer):
     """Shards optimizer state (stage ≥ 1), gradients (≥ 2) and parameters (3) over a
     data-parallel group; a drop-in `torch.optim.Optimizer` (LR schedulers work on it).
 
     This file builds it and runs the training API; the rest is one concern per module:
     `grad_lifecycle` (which parameters have a gradient, what `.grad` holds, model checks),
-    `shard_update` (the step on the shards), `zero_state` (state dicts and full weights).
+    `shard_step.ShardStep` (the step on the shards and the parameter all-gathers; composed, not inherited), `zero_state` (state dicts and full weights).
 
     Args:
         model: any module; its trainable parameters are moved into flat buckets (and cast
@@ -244,6 +243,18 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             else None
         )
         gatherer = self._gatherer
+        self._shard_step = ShardStep(
+            self.buckets,
+            self.inner,
+            self.optimizer_class,
+            self.backend,
+            self.group,
+            self.rank,
+            self._param_steps,
+            self.qwz_block,
+            self.overlap_param_gather,
+            gatherer,
+        )
         self._model_state = ModelStateHooks(
             self.model,
             self.buckets,
@@ -252,7 +263,6 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
             gatherer.forget_secondary if gatherer else lambda: None,
         )
         self._scopes: dict[torch.nn.Module, list[int]] = {}  # sync_only: module -> its bucket indices
-        self._param_gathers: dict[FlatBucket, ShardGather] = {}  # bucket -> its parameter all-gather in flight
         self._reducer = GradReducer(
             self.buckets,
             self.group,
@@ -466,12 +476,17 @@ class ZeroOptimizer(GradLifecycle, ShardUpdate, ShardedStateDicts, torch.optim.O
                 self.last_step_skipped = True
                 self._end_step()
                 return loss
-        self._update_and_publish(self._unscale * self._clip_coef)
+        self._shard_step.update_and_publish(self._unscale * self._clip_coef)
         for steps, b in zip(self._param_steps, self.buckets):
             for i, has_grad in enumerate(b.has_grad):
                 steps[i] += has_grad
         self._end_step()
         return loss
+
+    def wait_params(self, buckets: list[FlatBucket] | None = None) -> None:
+        """Finish the parameter all-gathers still in flight (of `buckets`; None: all): with
+        `overlap_param_gather`, before code that reads parameters outside a forward."""
+        self._shard_step.wait(buckets)
 
     def _end_step(self) -> None:
         self._norm = None

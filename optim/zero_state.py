@@ -113,9 +113,9 @@ class ShardedStateDicts:
         restored and every state tensor is zeroed (a fresh state for Adam-like optimizers)."""
         if all(self.state[b.master] for b in self.buckets):
             return
-        if self._fusable():
+        if self._shard_step.fusable():
             for b in self.buckets:
-                self._init_adam_state(b.master)
+                self._shard_step.init_adam_state(b.master)
             return
         saved = [b.master.clone() for b in self.buckets]
         lrs = [g["lr"] for g in self.param_groups]
@@ -168,7 +168,7 @@ class ShardedStateDicts:
             self._replicate_stage0()
         for b in self.buckets:
             b.write_master_to_params()
-        self._publish_params()
+        self._shard_step.publish()
 
     def _canonical_problem(self, sd: Any) -> str | None:
         """Why `sd` is not a state dict of this optimizer's parameters; None if it is."""

@@ -37,13 +37,13 @@ def _pending_through_forward(qwz_block: int | None) -> dict:
     )
     seen = []
     for layer in model:
-        layer.register_forward_pre_hook(lambda m, a: seen.append(len(opt._param_gathers)))
+        layer.register_forward_pre_hook(lambda m, a: seen.append(len(opt._shard_step.gathers)))
     x = torch.randn(4, 31)
     opt.backward(model(x).pow(2).mean())
     opt.step()
-    after_step = len(opt._param_gathers)
+    after_step = len(opt._shard_step.gathers)
     model(x)
-    after_forward = len(opt._param_gathers)
+    after_forward = len(opt._shard_step.gathers)
     opt.backward(model(x).pow(2).mean())
     opt.step()
     model.state_dict()
@@ -52,7 +52,7 @@ def _pending_through_forward(qwz_block: int | None) -> dict:
         "after_step": after_step,
         "seen": seen[len(model) : 2 * len(model)],  # the forward after the first step
         "after_forward": after_forward,
-        "after_state_dict": len(opt._param_gathers),
+        "after_state_dict": len(opt._shard_step.gathers),
         "rank": dist.get_rank(),
     }
 

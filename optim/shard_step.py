@@ -18,26 +18,34 @@ from optim.stage3 import ParamGatherer
 from parallel import comm
 
 
-class ShardUpdate:
-    """ZeroOptimizer's step on its shards (see module docstring)."""
+class ShardStep:
+    """The step on this rank's shards (see module docstring) and the all-gathers that publish
+    the updated parameters. `param_steps[k][i]`: how many steps parameter i of bucket k has
+    taken (torch's per-parameter "step"); `gathers`: the all-gathers still in flight."""
 
-    buckets: list[FlatBucket]
-    inner: torch.optim.Optimizer
-    optimizer_class: type[torch.optim.Optimizer]
-    state: Any
-    backend: str
-    group: dist.ProcessGroup | None
-    rank: int
-    qwz_block: int | None
-    _gatherer: ParamGatherer | None
-    overlap_param_gather: bool
-    _param_gathers: dict[FlatBucket, ShardGather]
-    _param_steps: list[list[int]]
+    def __init__(
+        self,
+        buckets: list[FlatBucket],
+        inner: torch.optim.Optimizer,
+        optimizer_class: type[torch.optim.Optimizer],
+        backend: str,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        param_steps: list[list[int]],
+        qwz_block: int | None,
+        overlap_param_gather: bool,
+        gatherer: ParamGatherer | None,
+    ) -> None:
+        self.buckets, self.inner, self.optimizer_class, self.backend = buckets, inner, optimizer_class, backend
+        self.group, self.rank, self.param_steps, self.qwz_block = group, rank, param_steps, qwz_block
+        self.overlap_param_gather, self.gatherer = overlap_param_gather, gatherer
+        self.state, self.param_groups = inner.state, inner.param_groups
+        self.gathers: dict[FlatBucket, ShardGather] = {}
 
     def _runs(self, k: int) -> list[tuple[int, list[tuple[int, int]]]]:
         """Bucket k's parameters stepped now, grouped by their step count so far: (count,
         master ranges [a, b)); one range over the whole master when all are alike."""
-        b, stepping, steps = self.buckets[k], self.buckets[k].has_grad, self._param_steps[k]
+        b, stepping, steps = self.buckets[k], self.buckets[k].has_grad, self.param_steps[k]
         if all(stepping) and len(set(steps)) == 1:
             return [(steps[0], [(0, b.master.numel())])]
         runs: dict[int, list[tuple[int, int]]] = {}
@@ -46,7 +54,7 @@ class ShardUpdate:
                 runs.setdefault(steps[i], []).append((at, at + e - s))
         return sorted(runs.items())
 
-    def _fusable(self) -> bool:
+    def fusable(self) -> bool:
         return all(fused.adam_hyperparams(g, self.optimizer_class) is not None for g in self.param_groups)
 
     def _fused_step(self, k: int, multiplier: float) -> None:
@@ -54,7 +62,7 @@ class ShardUpdate:
         count, writing the low-precision params too. The state keeps torch's keys and layout,
         so it is interchangeable with the inner step."""
         b = self.buckets[k]
-        self._init_adam_state(b.master)
+        self.init_adam_state(b.master)
         state = self.state[b.master]
         hyper = fused.adam_hyperparams(self.param_groups[b.group_index], self.optimizer_class)
         low = b.opt_param if b.opt_param.data_ptr() != b.master.data_ptr() else None
@@ -70,9 +78,9 @@ class ShardUpdate:
                 grad_scale=multiplier,
                 **hyper,
             )
-        state["step"].fill_(max(self._param_steps[k]) + 1)
+        state["step"].fill_(max(self.param_steps[k]) + 1)
 
-    def _init_adam_state(self, master: torch.Tensor) -> None:
+    def init_adam_state(self, master: torch.Tensor) -> None:
         state = self.state[master]
         if not state:
             state["step"] = torch.tensor(0.0)
@@ -134,12 +142,12 @@ class ShardUpdate:
         if isinstance(step, torch.Tensor):
             step.fill_(count)
 
-    def _update_and_publish(self, multiplier: float) -> None:
-        """The step on every shard, the updated parameters published as `_publish_params`
+    def update_and_publish(self, multiplier: float) -> None:
+        """The step on every shard, the updated parameters published as `publish`
         does. With the fused Adam step each bucket's all-gather starts as soon as that bucket
         is stepped, so that it travels while the next buckets are stepped."""
         self._before_publish()
-        if self._fusable():
+        if self.fusable():
             for k, b in enumerate(self.buckets):
                 self._fused_step(k, multiplier)
                 self._start_gather(b)
@@ -148,36 +156,36 @@ class ShardUpdate:
             for b in self.buckets:
                 self._start_gather(b)
         if not self.overlap_param_gather:
-            self.wait_params()
+            self.wait()
 
-    def _publish_params(self) -> None:
+    def publish(self) -> None:
         """All-gather updated shards into the full parameter buffers (stages 1-2 and
         resident stage-3 units); stage 0 updated everything, stage 3 gathers on use. With
         `qwz_block` the shards travel quantized and each rank keeps its own shard exact.
-        With `overlap_param_gather` the gathers are left in flight: `wait_params` finishes a
+        With `overlap_param_gather` the gathers are left in flight: `wait` finishes a
         bucket's just before the first forward that uses it (or anything else that reads it)."""
         self._before_publish()
         for b in self.buckets:
             self._start_gather(b)
         if not self.overlap_param_gather:
-            self.wait_params()
+            self.wait()
 
     def _before_publish(self) -> None:
-        if self._gatherer is not None:
-            self._gatherer.forget_secondary()
-        self.wait_params()
+        if self.gatherer is not None:
+            self.gatherer.forget_secondary()
+        self.wait()
 
     def _start_gather(self, b: FlatBucket) -> None:
         """Bucket b's all-gather of the updated shards, left in flight (stages 1-2 and
         resident stage-3 units)."""
         if b.sharding.optimizer_state and not b.sharding.parameters:
             with comm.doing("the parameter all-gather after step()"):
-                self._param_gathers[b] = all_gather_shards(b.param_buffer, b.param_shard, self.group, self.qwz_block)
+                self.gathers[b] = all_gather_shards(b.param_buffer, b.param_shard, self.group, self.qwz_block)
 
-    def wait_params(self, buckets: list[FlatBucket] | None = None) -> None:
+    def wait(self, buckets: list[FlatBucket] | None = None) -> None:
         """Finish the parameter all-gathers still in flight (of `buckets`; None: all)."""
-        for b in list(self._param_gathers) if buckets is None else buckets:
-            gather = self._param_gathers.pop(b, None)
+        for b in list(self.gathers) if buckets is None else buckets:
+            gather = self.gathers.pop(b, None)
             if gather is not None:
                 gather.finish(keep=self.rank)
 
