@@ -38,6 +38,7 @@ from optim.scaler import DynamicLossScaler
 from optim.shard_step import ShardStep
 from optim.sharding import SHARD_GRADIENTS, SHARD_PARAMETERS, Sharding
 from optim.stage3 import ParamGatherer, root_modules, stage3_units
+from optim.state_dicts import StateDicts
 from optim.zero_setup import (
     DEFAULT_BUCKET_NUMEL,
     DEFAULT_COMM_TIMEOUT_S,
@@ -51,20 +52,19 @@ from optim.zero_setup import (
     user_groups,
     validate,
 )
-from optim.zero_state import ShardedStateDicts
 from parallel import comm
 from parallel.comm import NO_MARKS, ParamMarks, param_marks
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DEFAULT_UNIT_NUMEL", "ZeroOptimizer", "default_resident_numel"]
 
 
-class ZeroOptimizer(GradLifecycle, ShardedStateDicts, torch.optim.Optimizer):
+class ZeroOptimizer(GradLifecycle, torch.optim.Optimizer):
     """Shards optimizer state (stage ≥ 1), gradients (≥ 2) and parameters (3) over a
     data-parallel group; a drop-in `torch.optim.Optimizer` (LR schedulers work on it).
 
     This file builds it and runs the training API; the rest is one concern per module:
     `grad_lifecycle` (which parameters have a gradient, what `.grad` holds, model checks),
-    `shard_step.ShardStep` (the step on the shards and the parameter all-gathers; composed, not inherited), `zero_state` (state dicts and full weights).
+    `shard_step.ShardStep` (the step on the shards and the parameter all-gathers) and `state_dicts.StateDicts` (state dicts and full weights), composed, not inherited.
 
     Args:
         model: any module; its trainable parameters are moved into flat buckets (and cast
@@ -254,6 +254,19 @@ class ZeroOptimizer(GradLifecycle, ShardedStateDicts, torch.optim.Optimizer):
             self.qwz_block,
             self.overlap_param_gather,
             gatherer,
+        )
+        self._state_dicts = StateDicts(
+            self.model,
+            self.buckets,
+            self.names,
+            self.group,
+            self.stage,
+            self.inner,
+            self.optimizer_class,
+            self.scaler,
+            self._orig_dtypes,
+            self._torch_order,
+            self._shard_step,
         )
         self._model_state = ModelStateHooks(
             self.model,
@@ -487,6 +500,33 @@ class ZeroOptimizer(GradLifecycle, ShardedStateDicts, torch.optim.Optimizer):
         """Finish the parameter all-gathers still in flight (of `buckets`; None: all): with
         `overlap_param_gather`, before code that reads parameters outside a forward."""
         self._shard_step.wait(buckets)
+
+    # ---- state dicts (optim.state_dicts) ---------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Sharded state for `torch.distributed.checkpoint`, canonical per parameter:
+        {"params": {name: fp32 master}, "state": {name: {key: tensor}}, "param_groups",
+        "loss_scaler"}, each sharded tensor in the parameter's true shape. It loads under any
+        other data-parallel size and stage: `sd = opt.state_dict(); dcp.load(sd, ...);
+        opt.load_state_dict(sd)`. Entries are views of the optimizer's own storage."""
+        return self._state_dicts.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state dict filled by `torch.distributed.checkpoint.load` (or one returned by
+        `state_dict()` under the same layout, also through torch.save / torch.load on every
+        rank, the same with every tensor whole, or a plain torch.optim state dict of the same
+        model), then republish the parameters. A collective: a state dict that does not fit
+        raises on every rank."""
+        self._state_dicts.load_state_dict(state_dict)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights with the keys and shapes of `model.state_dict()`: trainable
+        parameters from the fp32 masters (in their original dtype), the rest as they are. A
+        collective: every rank must call it; every rank gets the whole dict."""
+        return self._state_dicts.full_state_dict()
+
+    def param_shapes(self) -> dict[torch.nn.Parameter, torch.Size]:
+        """Each trained parameter's shape, also at stage 3, where it is empty between uses."""
+        return self._state_dicts.param_shapes()
 
     def _end_step(self) -> None:
         self._norm = None

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from optim import state_formats
+from optim.state_dicts import agree
 from parallel import comm
 
 NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "Muon", "LAMB", "Lamb", "FusedLAMB", "Shampoo", "SparseAdam", "LARS"}
@@ -95,7 +95,7 @@ def check_zero_plus_plus(
             f"node_groups of {k} and {m} ranks do not split the shard group of {n} as node × rank in node "
             "(shard rank = node · k + rank in node): pass ParallelDims.dp_shard_node_groups"
         )
-    state_formats.agree(problem, group)  # raised on every rank, so none waits for the others
+    agree(problem, group)  # raised on every rank, so none waits for the others
 
 
 def param_names(model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:

@@ -1,38 +1,155 @@
-"""ZeroOptimizer's state dicts: the canonical sharded one for torch.distributed.checkpoint
-(per parameter, in its true shape, loadable under any layout), the full weights, and the
-formats of optim.state_formats (torch.save per rank, plain torch.optim state dicts)."""
+"""ZeroOptimizer's state dicts, in one place: the canonical sharded one for
+torch.distributed.checkpoint (per parameter, in its true shape, loadable under any layout;
+its tensors are built by optim.sharded_state), the full weights, and the other formats users
+reach for, made safe.
+
+`ZeroOptimizer.state_dict()` is sharded: each rank holds its own pieces. Two habits meet it:
+
+* `torch.save(opt.state_dict(), path)` then `torch.load` + `load_state_dict`. Pickled, the
+  state dict becomes a `RankLocalState`: this rank's pieces as plain tensors, with the rank,
+  the group size and a fingerprint of the layout. Loading it is a collective check that
+  every rank got the file its own rank saved under the same layout; otherwise every rank
+  raises the same sentence (the usual mistake, saving on rank 0 only, can never hang).
+* a plain `torch.optim` state dict (`{"state": {index: {...}}, "param_groups": [{"params":
+  [indices], ...}]}`) of the same model: parameters are numbered as a torch optimizer built
+  with the same param groups numbers them, each tensor is checked against its parameter's
+  shape and its owned part copied in.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+import hashlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from optim import sharded_state, state_formats
+from optim import sharded_state
 from optim.buffers import FlatBucket
+from optim.shard_step import ShardStep
+from optim.sharding import Sharding
 from parallel import comm
 
+RANK_LOCAL = "zero3d_rank_local"
 
-class ShardedStateDicts:
-    """ZeroOptimizer's state_dict / load_state_dict / full_state_dict (see module docstring)."""
 
-    buckets: list[FlatBucket]
-    model: torch.nn.Module
-    names: dict[torch.nn.Parameter, str]
-    group: dist.ProcessGroup | None
-    rank: int
-    world: int
-    stage: int
-    inner: torch.optim.Optimizer
-    optimizer_class: type[torch.optim.Optimizer]
-    state: Any
-    scaler: Any
-    _orig_dtypes: dict[int, torch.dtype]
-    _param_steps: list[list[int]]
-    _torch_order: list[list[torch.nn.Parameter]]
-    wait_params: Callable[..., None]
+class ShardedStateDict(dict):
+    """What `ZeroOptimizer.state_dict()` returns: a dict for DCP that pickles (torch.save)
+    to this rank's pieces only, as a `RankLocalState`."""
+
+    layout: dict[str, Any]
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        return restore_rank_local, ({**self.layout, "state": _local(dict(self))},)
+
+    def __deepcopy__(self, memo: dict) -> dict:
+        return copy.deepcopy(dict(self), memo)
+
+
+def restore_rank_local(payload: dict[str, Any]) -> dict[str, Any]:
+    """Unpickled `ShardedStateDict`: a plain dict marked with RANK_LOCAL."""
+    return {RANK_LOCAL: {k: v for k, v in payload.items() if k != "state"}, **payload["state"]}
+
+
+torch.serialization.add_safe_globals([restore_rank_local])
+
+
+def _local(value: Any) -> Any:
+    """The nested state with each sharded tensor replaced by its local pieces (a list)."""
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and hasattr(value, "local_shards"):
+        return [s.tensor.detach().clone() for s in value.local_shards()]
+    return value
+
+
+def fingerprint(stage: int, names_and_shapes: list[tuple[str, tuple[int, ...]]], buckets: list[list[str]]) -> str:
+    """A short hash of everything that decides which pieces a rank holds."""
+    return hashlib.sha256(repr((stage, names_and_shapes, buckets)).encode()).hexdigest()[:16]
+
+
+def agree(problem: str | None, group: dist.ProcessGroup | None) -> None:
+    """Raise the lowest rank's problem on every rank of `group` (a collective), so a state
+    dict that one rank cannot load never leaves the others waiting."""
+    problems = comm.all_gather_object(problem, group=group)
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        raise ValueError(first)
+
+
+def check_rank_local(sd: dict[str, Any], layout: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """Every rank loads the pieces its own rank saved, under the same layout."""
+    saved = sd[RANK_LOCAL]
+    everyone = comm.all_gather_object((saved["rank"], saved["world"], saved["layout"]), group=group)
+    ranks = [r for r, _, _ in everyone]
+    problem = None
+    if any(w != layout["world"] or fp != layout["layout"] for _, w, fp in everyone):
+        problem = (
+            f"this optimizer state was saved with torch.save under another layout (group size {everyone[0][1]}, or another "
+            "stage, model or bucket size); such a file loads only under the same one, so save with "
+            "torch.distributed.checkpoint (dcp.save(opt.state_dict(), ...)) to load under any layout"
+        )
+    elif ranks != list(range(layout["world"])):
+        problem = (
+            f"ranks {list(range(layout['world']))} loaded optimizer state that torch.save wrote on ranks {ranks}: "
+            "opt.state_dict() holds only this rank's shard, so torch.save it on every rank to a file of its own "
+            "(or use torch.distributed.checkpoint: dcp.save(opt.state_dict(), checkpoint_id=...))"
+        )
+    agree(problem, group)
+
+
+def is_torch_format(sd: Any) -> bool:
+    """A state dict of a plain torch.optim optimizer."""
+    groups = sd.get("param_groups") if isinstance(sd, dict) else None
+    return isinstance(groups, (list, tuple)) and bool(groups) and isinstance(groups[0], dict) and "params" in groups[0]
+
+
+def torch_format_problem(sd: dict[str, Any], order: list[list[tuple[str, torch.Size]]]) -> str | None:
+    """Why a torch.optim state dict does not fit a ZeroOptimizer whose param groups hold
+    `order` ([(name, shape)] per group, in torch's numbering order); None if it fits."""
+    groups = sd["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(g) for g in order]:
+        return (
+            f"the torch optimizer state has param groups of {[len(g['params']) for g in groups]} parameters and this "
+            f"ZeroOptimizer {[len(g) for g in order]}; build both with the same param groups of trainable parameters"
+        )
+    for group, mine in zip(groups, order):
+        for index, (name, shape) in zip(group["params"], mine):
+            for key, value in sd["state"].get(index, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shape:
+                    return (
+                        f"torch optimizer state {key!r} of parameter #{index} has shape {tuple(value.shape)}, but "
+                        f"ZeroOptimizer's parameter #{index} is {name!r} of shape {tuple(shape)}; the state belongs to another model"
+                    )
+    return None
+
+
+class StateDicts:
+    """ZeroOptimizer's state_dict / load_state_dict / full_state_dict / param_shapes (module
+    docstring), on the optimizer's buckets, inner optimizer and per-parameter step counts."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        buckets: list[FlatBucket],
+        names: dict[torch.nn.Parameter, str],
+        group: dist.ProcessGroup | None,
+        stage: int,
+        inner: torch.optim.Optimizer,
+        optimizer_class: type[torch.optim.Optimizer],
+        scaler: Any,
+        orig_dtypes: dict[int, torch.dtype],
+        torch_order: list[list[torch.nn.Parameter]],
+        shard_step: ShardStep,
+    ) -> None:
+        self.model, self.buckets, self.names, self.group, self.stage = model, buckets, names, group, stage
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.sharding = Sharding.of_zero_stage(stage)
+        self.inner, self.optimizer_class, self.scaler = inner, optimizer_class, scaler
+        self.state, self.param_groups = inner.state, inner.param_groups
+        self._orig_dtypes, self._torch_order, self._shard_step = orig_dtypes, torch_order, shard_step
+        self._param_steps = shard_step.param_steps
 
     def param_shapes(self) -> dict[torch.nn.Parameter, torch.Size]:
         """Each trained parameter's shape, also at stage 3, where it is empty between uses."""
@@ -42,7 +159,7 @@ class ShardedStateDicts:
         """Unsharded weights with the keys and shapes of `model.state_dict()`: trainable
         parameters from the fp32 masters (in their original dtype), the rest as they are.
         A collective: every rank must call it; every rank gets the whole dict."""
-        self.wait_params()
+        self._shard_step.wait()
         full: dict[torch.nn.Parameter, torch.Tensor] = {}
         for b in self.buckets:
             flat = self._gather_flat(b, b.master)
@@ -67,7 +184,7 @@ class ShardedStateDicts:
         (hyperparameters per group), "loss_scaler"}, each sharded tensor in the parameter's true shape. It loads under
         any other data-parallel size and stage: `sd = opt.state_dict(); dcp.load(sd, ...);
         opt.load_state_dict(sd)`. Entries are views of the optimizer's own storage."""
-        self.wait_params()
+        self._shard_step.wait()
         self._materialize_state()
         params: dict[str, Any] = {}
         state: dict[str, dict[str, Any]] = {}
@@ -85,7 +202,7 @@ class ShardedStateDicts:
         # a tuple is one opaque (pickled) entry for DCP, whose save and load traversals
         # disagree on how to flatten lists of plain dicts
         groups = tuple({k: v for k, v in g.items() if k != "params"} for g in self.param_groups)
-        sd = state_formats.ShardedStateDict(params=params, state=state, param_groups=groups)
+        sd = ShardedStateDict(params=params, state=state, param_groups=groups)
         if self.scaler is not None:
             sd["loss_scaler"] = self.scaler.state_dict()
         sd.layout = self._layout()
@@ -95,7 +212,7 @@ class ShardedStateDicts:
         """This rank's place in the sharding, recorded in a torch.save'd state dict."""
         names = [(self.names[p], tuple(b.shapes[i])) for b in self.buckets for i, p in enumerate(b.params)]
         buckets = [[self.names[p] for p in b.params] for b in self.buckets]
-        return {"rank": self.rank, "world": self.world, "layout": state_formats.fingerprint(self.stage, names, buckets)}
+        return {"rank": self.rank, "world": self.world, "layout": fingerprint(self.stage, names, buckets)}
 
     def _sharded_views(self, bucket: FlatBucket, shard: torch.Tensor) -> dict[str, Any]:
         """name -> sharded tensor whose local pieces view `shard` (master-shaped)."""
@@ -132,20 +249,20 @@ class ShardedStateDicts:
                 if isinstance(value, torch.Tensor):
                     value.zero_()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict filled by `torch.distributed.checkpoint.load` (or one returned
         by `state_dict()` under the same layout, also through torch.save / torch.load on every
         rank, the same with every tensor whole, or a plain torch.optim state dict of the same
         model), then republish the parameters. A collective: a state dict that does not fit raises on every rank."""
         self._materialize_state()
-        if state_formats.RANK_LOCAL in state_dict:
-            state_formats.check_rank_local(state_dict, self._layout(), self.group)
+        if RANK_LOCAL in state_dict:
+            check_rank_local(state_dict, self._layout(), self.group)
             state_dict = self._fill_from_rank_local(state_dict)
-        elif state_formats.is_torch_format(state_dict):
+        elif is_torch_format(state_dict):
             self._load_torch_format(state_dict)
             return
         else:
-            state_formats.agree(self._canonical_problem(state_dict), self.group)
+            agree(self._canonical_problem(state_dict), self.group)
         mine = self.state_dict()
         _copy_into(mine["params"], state_dict["params"])
         for name, entries in mine["state"].items():
@@ -215,7 +332,7 @@ class ShardedStateDicts:
         torch optimizer with the same param groups numbers it, copied into its owned part."""
         shape_of = self.param_shapes()
         order = [[(self.names[p], shape_of[p]) for p in group] for group in self._torch_order]
-        problem = state_formats.torch_format_problem(sd, order)
+        problem = torch_format_problem(sd, order)
         keys = {key for b in self.buckets for key in self.state[b.master]}
         extra = {key for entries in sd["state"].values() for key in entries} - keys
         extra |= {key for group in sd["param_groups"] for key in group} - {"params", *self.param_groups[0]}
@@ -224,7 +341,7 @@ class ShardedStateDicts:
                 f"the torch optimizer state has entries {sorted(extra)} that {self.optimizer_class.__name__} does not "
                 "have: it comes from another optimizer class; build ZeroOptimizer with the same one"
             )
-        state_formats.agree(problem, self.group)
+        agree(problem, self.group)
         index_of = {
             p: index
             for group, mine in zip(sd["param_groups"], self._torch_order)
