@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from optim.buffers import FlatBucket
 from optim.quantize import Quantized, dequantize, pack_rows, quantize, unpack_rows
 from parallel import comm
 
@@ -58,3 +59,14 @@ def all_gather_shards(
     gathered = packed.new_empty(dist.get_world_size(group), packed.shape[1])
     work = comm.all_gather_into_tensor(gathered.view(-1), packed.view(-1), group=group, async_op=True)
     return ShardGather(out, [work], gathered, q)
+
+
+def gather_flat(bucket: FlatBucket, shard: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The full flat tensor of which `shard` (laid out like the bucket's master) is this
+    rank's part: gathered where the stage shards optimizer state, `shard` itself otherwise. A
+    collective: every rank of `group` must call it."""
+    if not bucket.sharding.optimizer_state:
+        return shard
+    flat = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
+    comm.all_gather_into_tensor(flat, shard, group=group)
+    return flat

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.nn.parallel import DistributedDataParallel
 
+from optim.collectives import gather_flat
 from optim.integrations import WRAPPED_BY, wrapped_by
 from parallel import comm
 
@@ -205,7 +206,7 @@ class GradLifecycle:
         self._finish_grads()
         grads = {}
         for b in self.buckets:
-            flat = self._gather_flat(b, b.grad_shard.float() * self._unscale)
+            flat = gather_flat(b, b.grad_shard.float() * self._unscale, self.group)
             for i, p in enumerate(b.params):
                 if b.has_grad[i]:
                     grads[self.names[p]] = b.param_view(flat, i).clone()

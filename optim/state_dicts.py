@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from optim import sharded_state
 from optim.buffers import FlatBucket
+from optim.collectives import gather_flat
 from optim.shard_step import ShardStep
 from optim.sharding import Sharding
 from parallel import comm
@@ -162,21 +163,13 @@ class StateDicts:
         self._shard_step.wait()
         full: dict[torch.nn.Parameter, torch.Tensor] = {}
         for b in self.buckets:
-            flat = self._gather_flat(b, b.master)
+            flat = gather_flat(b, b.master, self.group)
             for i, p in enumerate(b.params):
                 full[p] = b.param_view(flat, i).to(self._orig_dtypes[id(p)]).clone()
         return {
             k: full[v] if v in full else v.detach().to(self._orig_dtypes.get(id(v), v.dtype)).clone()
             for k, v in self.model.state_dict(keep_vars=True).items()
         }
-
-    def _gather_flat(self, bucket: FlatBucket, shard: torch.Tensor) -> torch.Tensor:
-        """The full flat tensor of which `shard` (master-shaped) is this rank's part."""
-        if not bucket.sharding.optimizer_state:
-            return shard
-        flat = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
-        comm.all_gather_into_tensor(flat, shard, group=self.group)
-        return flat
 
     def state_dict(self) -> dict[str, Any]:
         """Sharded state for `torch.distributed.checkpoint`, canonical per parameter:

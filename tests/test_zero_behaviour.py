@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from optim import DynamicLossScaler, ZeroOptimizer
 from tests.dist_utils import run_distributed
-from tests.models import TinyLM, make_model, reference_run
+from tests.models import TinyLM, batches, make_model, micro_slices, reference_run
 from tests.test_zero_parity import BATCH, LR, MICRO, STEPS, assert_matches, reference
 from tests.zero_runs import zero_train
 
@@ -157,3 +157,27 @@ def step_without_backward(stage: int) -> bool:
 def test_step_without_backward_changes_nothing(stage: int) -> None:
     """No stale gradient survives zero_grad (stages 0-1 zero their buffers lazily)."""
     assert all(run_distributed(step_without_backward, 2, stage))
+
+
+def full_grads_of_one_backward(stage: int) -> dict[str, torch.Tensor]:
+    """Each rank's half of one batch through one backward; the optimizer's full gradients."""
+    model = make_model()
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, **SMALL)
+    idx, tgt = batches(1, 8)[0]
+    rows = micro_slices(8, dist.get_world_size(), dist.get_rank(), 1)[0]
+    opt.backward(model(idx[rows], tgt[rows]))
+    return opt.full_grads()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_full_grads_are_the_single_process_gradients(stage: int) -> None:
+    """full_grads() on every rank: each trained parameter's gradient of the whole batch's mean
+    loss, as one process computes it (stage 3 with several units)."""
+    model = make_model()
+    idx, tgt = batches(1, 8)[0]
+    model(idx, tgt).backward()
+    want = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    for got in run_distributed(full_grads_of_one_backward, 2, stage):
+        assert got.keys() == want.keys()
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
