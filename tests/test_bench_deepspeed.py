@@ -8,16 +8,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_bench
+
 pytestmark = pytest.mark.bench
 
 pytest.importorskip("deepspeed")
-ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["zero1", "zero2", "zero3", "ds1", "ds2", "ds3"]
 
 
@@ -25,16 +24,7 @@ METHODS = ["zero1", "zero2", "zero3", "ds1", "ds2", "ds3"]
 def test_deepspeed_peer_trains_the_same(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     argv = ["--quick", "--world-sizes", "2", "--methods", *METHODS, "--json", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.bench.zero_vs_torch", *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
-    assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    run_bench("zero_vs_torch", *argv, timeout=280, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     world = json.loads(out.read_text())["worlds"]["2"]
     ratios = {(r["ours"], r["theirs"]): r["ratio"] for r in world["ratios"]}
     assert set(ratios) == {("zero1", "ds1"), ("zero2", "ds2"), ("zero3", "ds3")}, ratios

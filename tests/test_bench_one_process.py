@@ -5,31 +5,20 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from experiments.bench.one_process import METHODS
+from tests.conftest import run_bench
 
 pytestmark = pytest.mark.bench
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(120)
 def test_one_process_quick(tmp_path: Path) -> None:
     out = tmp_path / "one.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.bench.one_process", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
-    )
-    assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    proc = run_bench("one_process", "--quick", "--json", str(out), timeout=110)
     for method in METHODS:
         assert f"| {method} " in proc.stdout, proc.stdout
     rows = json.loads(out.read_text())["rows"]

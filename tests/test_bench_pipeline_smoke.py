@@ -11,31 +11,20 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from experiments.bench.pipeline_bubble import Config, theory
+from tests.conftest import run_bench
 
 pytestmark = pytest.mark.bench
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(120)
 def test_pipeline_bubble_quick(tmp_path: Path) -> None:
     out, png = tmp_path / "bubble.json", tmp_path / "timeline.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.bench.pipeline_bubble", "--quick", "--json", str(out), "--png", str(png)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
-    )
-    assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    proc = run_bench("pipeline_bubble", "--quick", "--json", str(out), "--png", str(png), timeout=110)
     text = proc.stdout
     cfg = Config()
     expected = [(name, v, m) for name, v in cfg.schedules() for m in cfg.microbatches()]

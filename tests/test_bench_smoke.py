@@ -11,34 +11,23 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from experiments.bench.zero_vs_torch import PAIRINGS, TORCH_METHODS
+from tests.conftest import run_bench
 
 pytestmark = pytest.mark.bench
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(150)
 def test_zero_vs_torch_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.bench.zero_vs_torch", "--quick", "--world-sizes", "2", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=140,
-        check=False,
-    )
+    proc = run_bench("zero_vs_torch", "--quick", "--world-sizes", "2", "--json", str(out), timeout=140)
     elapsed = time.monotonic() - start
-    assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
 
     text = proc.stdout
     pairings = [(a, b, g) for a, b, g in PAIRINGS if b in TORCH_METHODS]  # the default run: no DeepSpeed
@@ -81,15 +70,7 @@ def test_zero_vs_torch_by_model_size(tmp_path: Path) -> None:
     ratios by size."""
     out = tmp_path / "bench.json"
     argv = ["--quick", "--world-sizes", "2", "--dims", "32", "64", "--methods", "zero0", "ddp", "zero1", "ddp_zero"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.bench.zero_vs_torch", *argv, "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=140,
-        check=False,
-    )
-    assert proc.returncode == 0, f"benchmark failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    proc = run_bench("zero_vs_torch", *argv, "--json", str(out), timeout=140)
     assert "## ratios by model size" in proc.stdout
     for pairing in ("| zero0 / ddp ", "| zero1 / ddp_zero "):
         assert sum(line.startswith(pairing) for line in proc.stdout.splitlines()) == 3, proc.stdout  # 2 runs + by size

@@ -53,8 +53,8 @@ import torch
 import torch.distributed as dist
 
 from experiments.bench.common import batch as make_batch
-from experiments.bench.common import finish, format_table, launch, make_model, median, percentile
-from research.cli import arg, config_from, config_parser
+from experiments.bench.common import bench_parser, finish, format_table, launch, make_model, median, percentile
+from research.cli import arg, config_from
 
 METHODS = ["ddp", "zero0", "zero1", "zero2", "zero3", "plain0", "plain1", "plain2", "plain3"]
 GOAL = 1.1  # ratio of median step times: zeroS / ddp for stages 0-2, zero3 / plain3
@@ -235,9 +235,7 @@ def _has_goal(ours: str, theirs: str) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
-    p = config_parser(Config, __doc__)
-    p.add_argument("--quick", action="store_true", help="tiny model, 1 round, few steps (smoke test)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p = bench_parser(Config, __doc__, "tiny model, 1 round, few steps")
     a = p.parse_args(argv)
     cfg = config_from(Config, a)
     if a.quick:

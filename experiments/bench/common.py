@@ -18,6 +18,7 @@ A benchmark's command line comes from its config dataclass through ``research.cl
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.launch import DEFAULT_PRELOAD, run_local
+from research.cli import config_parser
 
 # ---------------------------------------------------------------------------------------
 # Launching local gloo ranks
@@ -226,3 +228,12 @@ def finish(results: dict[str, Any], nonfinite: list[str], json_path: str | None)
             json.dump(results, f, indent=1)
         print(f"wrote {json_path}")
     return results
+
+
+def bench_parser(config_class: type, doc: str | None, quick: str) -> argparse.ArgumentParser:
+    """A CPU benchmark's flags: its config dataclass's fields (research.cli), then `--quick`
+    (a smoke run; `quick` says what it shrinks) and `--json PATH`."""
+    p = config_parser(config_class, doc)
+    p.add_argument("--quick", action="store_true", help=f"{quick} (smoke test)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return p

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from experiments.bench.common import finish, format_table, launch, median, percentile
-from research.cli import arg, config_from, config_parser
+from experiments.bench.common import bench_parser, finish, format_table, launch, median, percentile
+from research.cli import arg, config_from
 
 GOAL = 1.1
 METHODS = ("torch", "zero0", "zero1", "zero2", "zero3")
@@ -134,9 +134,7 @@ def table(rs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = config_parser(Config, __doc__)
-    p.add_argument("--quick", action="store_true", help="small layer, 1 round, few steps (smoke test)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p = bench_parser(Config, __doc__, "small layer, 1 round, few steps")
     a = p.parse_args(argv)
     cfg = config_from(Config, a)
     if a.quick:

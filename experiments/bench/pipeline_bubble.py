@@ -56,8 +56,8 @@ import torch
 import torch.distributed as dist
 
 from experiments.bench.common import batch as make_batch
-from experiments.bench.common import finish, format_table, launch, median, percentile
-from research.cli import arg, config_from, config_parser
+from experiments.bench.common import bench_parser, finish, format_table, launch, median, percentile
+from research.cli import arg, config_from
 
 SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 CAVEAT = (
@@ -334,9 +334,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
-    p = config_parser(Config, __doc__)
-    p.add_argument("--quick", action="store_true", help="smaller model, few steps (smoke test)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p = bench_parser(Config, __doc__, "smaller model, few steps")
     p.add_argument("--png", metavar="PATH", help="draw the measured timeline of 1F1B at m = 2p (median-idle step)")
     a = p.parse_args(argv)
     cfg = config_from(Config, a)

@@ -64,6 +64,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from experiments.bench.common import batch as make_batch
 from experiments.bench.common import (
+    bench_parser,
     finish,
     format_table,
     launch,
@@ -74,7 +75,7 @@ from experiments.bench.common import (
     optimizer_state_tensors,
     percentile,
 )
-from research.cli import arg, config_from, config_parser
+from research.cli import arg, config_from
 
 TORCH_METHODS = ["zero0", "zero1", "zero2", "zero3", "ddp", "ddp_zero", "fsdp2_reshard", "fsdp2_noreshard"]
 DEEPSPEED_METHODS = ["ds1", "ds2", "ds3"]
@@ -522,9 +523,7 @@ def ratio_table(rs: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
-    p = config_parser(Config, __doc__)
-    p.add_argument("--quick", action="store_true", help="tiny model, 1 round, few steps (smoke test)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p = bench_parser(Config, __doc__, "tiny model, 1 round, few steps")
     a = p.parse_args(argv)
     cfg = config_from(Config, a)
     if a.quick:
