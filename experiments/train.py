@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel import desync
+from parallel import comm, desync
 from research.config import parse_args
 from research.errors import RunError, report
 from research.trainer import Trainer
@@ -98,6 +98,7 @@ def main() -> None:
         report(e)
         raise SystemExit(2) from None
     finally:
+        comm.unwatch()
         if dist.is_initialized():
             dist.destroy_process_group()
 

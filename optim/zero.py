@@ -30,8 +30,7 @@ import torch.distributed as dist
 
 from optim import clip, fused
 from optim.buffers import FlatBucket, arrival_key, assign_buckets, bucket_key
-from optim.grad_lifecycle import NOT_TRAINED, GradLifecycle
-from optim.grad_placeholder import GradPlaceholder
+from optim.grad_tracker import GradTracker
 from optim.grads import GradReducer, QuantizedReduction
 from optim.model_state import ModelStateHooks
 from optim.scaler import DynamicLossScaler
@@ -58,13 +57,15 @@ from parallel.comm import NO_MARKS, ParamMarks, param_marks
 __all__ = ["DEFAULT_BUCKET_NUMEL", "DEFAULT_UNIT_NUMEL", "ZeroOptimizer", "default_resident_numel"]
 
 
-class ZeroOptimizer(GradLifecycle, torch.optim.Optimizer):
+class ZeroOptimizer(torch.optim.Optimizer):
     """Shards optimizer state (stage ≥ 1), gradients (≥ 2) and parameters (3) over a
     data-parallel group; a drop-in `torch.optim.Optimizer` (LR schedulers work on it).
 
-    This file builds it and runs the training API; the rest is one concern per module:
-    `grad_lifecycle` (which parameters have a gradient, what `.grad` holds, model checks),
-    `shard_step.ShardStep` (the step on the shards and the parameter all-gathers) and `state_dicts.StateDicts` (state dicts and full weights), composed, not inherited.
+    This file builds it and runs the training API; it composes one object per concern:
+    `grad_tracker.GradTracker` (which parameters have a gradient, what `.grad` holds, model
+    checks, the norms), `shard_step.ShardStep` (the step on the shards and the parameter
+    all-gathers), `state_dicts.StateDicts` (state dicts and full weights), `grads.GradReducer`
+    (the reductions in backward) and, at stage 3, `stage3.ParamGatherer`.
 
     Args:
         model: any module; its trainable parameters are moved into flat buckets (and cast
@@ -197,20 +198,8 @@ class ZeroOptimizer(GradLifecycle, torch.optim.Optimizer):
         self.rank = dist.get_rank(group)
 
     def _init_gradient_state(self) -> None:
-        """Per-parameter step counts, gradient flags' flat order, `.grad` placeholders and
-        the storage each parameter must still view (`optim.grad_lifecycle`)."""
-        self._param_steps = [[0] * len(b.params) for b in self.buckets]  # torch's per-parameter "step"
-        self._all_params = [p for b in self.buckets for p in b.params]  # flat index order of the gradient flags
-        self._first_index = [sum(len(b.params) for b in self.buckets[:k]) for k in range(len(self.buckets))]
-        self._param_norms: tuple[float, torch.Tensor] | None = None  # (norm type, per-parameter norms)
-        self._hand_set = 0  # 1 + index of a parameter whose .grad was assigned by hand (0: none)
-        device = self.buckets[0].master.device
-        self._placeholders = [
-            [GradPlaceholder(self, k, i, shape, self.param_dtype, device) for i, shape in enumerate(b.shapes)]
-            for k, b in enumerate(self.buckets)
-        ]
-        self._bound = [[p.data_ptr() for p in b.params] if not b.sharding.parameters else [] for b in self.buckets]
-        self._trained = set(self._all_params)
+        """Per-parameter step counts (torch's per-parameter "step"), shared with ShardStep."""
+        self._param_steps = [[0] * len(b.params) for b in self.buckets]
 
     def _init_inner(self, optimizer_class: type, groups: list[dict[str, Any]], kwargs: dict[str, Any]) -> None:
         """The inner optimizer over the fp32 master shards, one of its groups per user group;
@@ -227,6 +216,7 @@ class ZeroOptimizer(GradLifecycle, torch.optim.Optimizer):
     def _register_hooks(self, units: list[tuple[torch.nn.Module, list[FlatBucket]]]) -> None:
         """The hooks of a step (docs/architecture.md): the model check, stage 3's gatherer,
         the gradient reducer."""
+        # first among the forward pre-hooks, so that it refuses before stage 3 gathers anything
         self._check_handles = [r.register_forward_pre_hook(self._check_model) for r in root_modules(self.model)]
         if self.overlap_param_gather:
             self._register_param_waits()
@@ -243,6 +233,19 @@ class ZeroOptimizer(GradLifecycle, torch.optim.Optimizer):
             else None
         )
         gatherer = self._gatherer
+        self._grads = GradTracker(
+            self.model,
+            self.buckets,
+            self.names,
+            self.group,
+            self._dp_groups,
+            [self.group] + ([self.model_parallel_group] if self.model_parallel_group is not None else []),
+            self.stage,
+            self.param_dtype,
+            self.find_unused_parameters,
+            gatherer,
+            self.scaler,
+        )
         self._shard_step = ShardStep(
             self.buckets,
             self.inner,
@@ -279,14 +282,20 @@ class ZeroOptimizer(GradLifecycle, torch.optim.Optimizer):
         self._reducer = GradReducer(
             self.buckets,
             self.group,
-            self._placeholders,
+            self._grads.placeholders,
             self.replicate_group,
             QuantizedReduction(self.qgz_bits, *self.node_groups) if self.qgz_bits is not None else None,
-            on_backward_start=lambda k, i: self._check_grads(arriving=(k, i)),
+            on_backward_start=lambda k, i: self._grads.check_grads(arriving=(k, i)),
             on_bucket_done=(lambda i: gatherer.bucket_done(self.buckets[i])) if gatherer else None,
-            on_backward_end=self._backward_end,
+            on_backward_end=self._grads.backward_end,
             sync_requested=lambda: getattr(self.model, "require_backward_grad_sync", True),
         )
+        self._grads.reducer = self._reducer
+
+    def _check_model(self, module: torch.nn.Module, args: tuple) -> None:
+        """The model check (`GradTracker.check_model`), hooked as a method of this optimizer so
+        that integrations find the optimizer of a model by its hook."""
+        self._grads.check_model(module, args)
 
     def _register_param_waits(self) -> None:
         """overlap_param_gather: each module holding trained parameters waits, before its
@@ -425,45 +434,10 @@ class ZeroOptimizer(GradLifecycle, torch.optim.Optimizer):
         rank; gradients are scaled by min(1, max_norm / (norm + 1e-6)) in the step."""
         if norm_type != 2.0:
             raise ValueError(f"norm_type={norm_type} is not supported; ZeroOptimizer clips by the L2 norm (2.0)")
-        norm = self._grad_norm()
+        norm = self._grads.grad_norm()
         if torch.isfinite(norm):
             self._clip_coef = clip.clip_coefficient(norm, max_norm)
         return norm
-
-    def _grad_norm(self) -> torch.Tensor:
-        if self._norm is None:
-            self._finish_grads()
-            groups = [self.group] + ([self.model_parallel_group] if self.model_parallel_group is not None else [])
-            with comm.doing("the global gradient norm"):
-                self._norm = clip.global_grad_norm(self.buckets, groups, self._unscale)
-        return self._norm
-
-    @property
-    def _unscale(self) -> float:
-        return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
-
-    def _finish_grads(self) -> None:
-        """Once per step, before the norm or the update: check every gradient was reduced and
-        every `.grad` is as the optimizer left it (a cleared one forgets its gradient), zero
-        the never-reduced ones, sum tied parameters' gradients over their groups (a bucket
-        holds only parameters tied over the same groups, so the shards align) and agree on
-        which parameters have a gradient on some rank: those are stepped."""
-        if self._grads_finished:
-            return
-        if self._reducer.unsynced:
-            raise RuntimeError(
-                "gradients accumulated under no_sync() (or model.require_backward_grad_sync = False) were never "
-                "reduced: run the last backward before step() with gradient synchronisation on"
-            )
-        for name, p in self.model.named_parameters():
-            if p.grad is not None and p not in self._trained:
-                raise RuntimeError(NOT_TRAINED.format(name=name))
-        for b in self.buckets:
-            b.zero_if_never_reduced()
-            for group in b.marks.tied:
-                comm.all_reduce(b.grad_shard, group=group)
-        self._share_has_grad(tied=True)  # after it, b.has_grad[i]: parameter i is stepped
-        self._grads_finished = True
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -477,24 +451,29 @@ class ZeroOptimizer(GradLifecycle, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.wait_params()
-        self._finish_grads()
+        self._grads.finish()
         self.last_step_skipped = False
         if not any(any(b.has_grad) for b in self.buckets):
             self._end_step()
             return loss
         if self.scaler is not None:
-            found_inf = not bool(torch.isfinite(self._grad_norm()))
+            found_inf = not bool(torch.isfinite(self._grads.grad_norm()))
             self.scaler.update(found_inf)
             if found_inf:
                 self.last_step_skipped = True
                 self._end_step()
                 return loss
-        self._shard_step.update_and_publish(self._unscale * self._clip_coef)
+        self._shard_step.update_and_publish(self._grads.unscale * self._clip_coef)
         for steps, b in zip(self._param_steps, self.buckets):
             for i, has_grad in enumerate(b.has_grad):
                 steps[i] += has_grad
         self._end_step()
         return loss
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """name -> the full reduced (averaged, unscaled) gradient of each trained parameter
+        with a gradient this step, in fp32. A collective: every rank must call it."""
+        return self._grads.full_grads()
 
     def wait_params(self, buckets: list[FlatBucket] | None = None) -> None:
         """Finish the parameter all-gathers still in flight (of `buckets`; None: all): with
@@ -529,10 +508,8 @@ class ZeroOptimizer(GradLifecycle, torch.optim.Optimizer):
         return self._state_dicts.param_shapes()
 
     def _end_step(self) -> None:
-        self._norm = None
-        self._param_norms = None
+        self._grads.reset()
         self._clip_coef = 1.0
-        self._grads_finished = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients. As in torch, `set_to_none=False` keeps them as zeros, so the
@@ -544,7 +521,7 @@ class ZeroOptimizer(GradLifecycle, torch.optim.Optimizer):
                 b.has_grad = had
                 continue
             for i, p in enumerate(b.params):
-                if p.grad is self._placeholders[k][i]:
+                if p.grad is self._grads.placeholders[k][i]:
                     p.grad = None
         self._reducer.unsynced.clear()
         self._end_step()

@@ -59,6 +59,7 @@ Marks live on the module that owns the parameter, by name (`module._param_marks`
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -388,6 +389,20 @@ def watch(timeout_s: float, advice: str) -> None:
     _watchdog.timeout_s, _watchdog.advice = timeout_s, advice
 
 
+def unwatch() -> None:
+    """Stop the watchdog thread and wait for it (a few seconds at most). It runs at exit and
+    before the process group is destroyed: a daemon thread that Python's finalization finds
+    inside a store call aborts the process ("terminate called without an active exception")."""
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.retired.set()
+        _watchdog.thread.join(timeout=5 * WATCH_INTERVAL_S)
+        _watchdog = None
+
+
+atexit.register(unwatch)
+
+
 class _Watchdog:
     """The thread behind ``watch()``, on the default group's rendezvous store ``base``."""
 
@@ -395,7 +410,8 @@ class _Watchdog:
         self.base, self.store, self.rank = base, dist.PrefixStore(_WATCH_PREFIX, base), dist.get_rank()
         self.timeout_s, self.advice = 0.0, ""
         self.retired = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="zero3d-watchdog").start()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="zero3d-watchdog")
+        self.thread.start()
 
     def _run(self) -> None:
         published, changed = None, time.monotonic()

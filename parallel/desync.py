@@ -100,6 +100,7 @@ def report_timeouts(timeout_s: float | None = None) -> Iterator[None]:
         raise
     finally:
         stop.set()
+        thread.join(timeout=5 * PUBLISH_INTERVAL_S)  # never inside a store call when Python finalizes
 
 
 def _publish_until(store: dist.Store, rank: int, stop: threading.Event) -> None:

@@ -352,3 +352,22 @@ def test_reduce_scatter_reusing_the_input() -> None:
     total = sum(range(1, world + 1))
     for rank, shard in enumerate(run_distributed(_reduce_scatters, world)):
         assert shard == [total * x for x in range(4 * rank, 4 * rank + 4)]
+
+
+def watchdog_threads_after_unwatch() -> tuple[bool, bool]:
+    """Whether the watchdog thread runs after watch(), and after unwatch()."""
+    import threading
+
+    def running() -> bool:
+        return any(t.name == "zero3d-watchdog" and t.is_alive() for t in threading.enumerate())
+
+    comm.watch(60.0, "advice")
+    before = running()
+    comm.unwatch()
+    return before, running()
+
+
+def test_unwatch_stops_the_watchdog_thread_before_python_finalizes() -> None:
+    """The watchdog thread is joined by unwatch() (also registered at exit): a daemon thread
+    that finalization finds inside a store call aborts the process."""
+    assert run_distributed(watchdog_threads_after_unwatch, 2) == [(True, False), (True, False)]

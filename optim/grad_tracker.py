@@ -23,14 +23,17 @@ import torch.distributed as dist
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.nn.parallel import DistributedDataParallel
 
+from optim import clip
 from optim.collectives import gather_flat
+from optim.grad_placeholder import GradPlaceholder
 from optim.integrations import WRAPPED_BY, wrapped_by
+from optim.sharding import Sharding
 from parallel import comm
 
 if TYPE_CHECKING:
     from optim.buffers import FlatBucket
-    from optim.grad_placeholder import GradPlaceholder
-    from optim.sharding import Sharding
+    from optim.grads import GradReducer
+    from optim.scaler import DynamicLossScaler
     from optim.stage3 import ParamGatherer
 
 MOVED = (
@@ -60,34 +63,96 @@ WRAPPED = (
 )
 
 
-class GradLifecycle:
-    """ZeroOptimizer's gradient bookkeeping (see module docstring)."""
+class GradTracker:
+    """ZeroOptimizer's gradient bookkeeping (module docstring): the `.grad` placeholders (their
+    owner), which parameters have a gradient, the model checks, the once-per-step finishing of
+    the reduced gradients and their norms. `reducer` is the optimizer's GradReducer, set once
+    it exists (the reducer calls `check_grads` and `backward_end`)."""
 
-    buckets: list[FlatBucket]
-    names: dict[torch.nn.Parameter, str]
-    group: dist.ProcessGroup | None
-    world: int
-    sharding: Sharding
-    param_dtype: torch.dtype
-    _placeholders: list[list[GradPlaceholder]]
-    _bound: list[list[int]]
-    _gatherer: ParamGatherer | None
-    _hand_set: int
-    _param_norms: tuple[float, torch.Tensor] | None
-    _first_index: list[int]
-    _all_params: list[torch.nn.Parameter]
-    _dp_groups: list[dist.ProcessGroup | None]
-    find_unused_parameters: bool
-    stage: int
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        buckets: list[FlatBucket],
+        names: dict[torch.nn.Parameter, str],
+        group: dist.ProcessGroup | None,
+        dp_groups: list[dist.ProcessGroup | None],
+        norm_groups: list[dist.ProcessGroup | None],
+        stage: int,
+        param_dtype: torch.dtype,
+        find_unused_parameters: bool,
+        gatherer: ParamGatherer | None,
+        scaler: DynamicLossScaler | None,
+    ) -> None:
+        self.model, self.buckets, self.names, self.group, self.stage = model, buckets, names, group, stage
+        self.world = dist.get_world_size(group)
+        self._dp_groups, self._norm_groups = dp_groups, norm_groups
+        self.sharding = Sharding.of_zero_stage(stage)
+        self.param_dtype, self.find_unused_parameters = param_dtype, find_unused_parameters
+        self._gatherer, self.scaler = gatherer, scaler
+        self.reducer: GradReducer | None = None
+        self._all_params = [p for b in buckets for p in b.params]  # flat index order of the gradient flags
+        self._first_index = [sum(len(b.params) for b in buckets[:k]) for k in range(len(buckets))]
+        self._trained = set(self._all_params)
+        self._bound = [[p.data_ptr() for p in b.params] if not b.sharding.parameters else [] for b in buckets]
+        device = buckets[0].master.device
+        self.placeholders = [
+            [GradPlaceholder(self, k, i, shape, param_dtype, device) for i, shape in enumerate(b.shapes)]
+            for k, b in enumerate(buckets)
+        ]
+        self._hand_set = 0  # 1 + index of a parameter whose .grad was assigned by hand (0: none)
+        self.reset()
 
-    def _check_grads(self, arriving: tuple[int, int] | None = None) -> None:
+    def reset(self) -> None:
+        """A new step: the gradients are to be finished again, their norms computed again."""
+        self._norm: torch.Tensor | None = None
+        self._param_norms: tuple[float, torch.Tensor] | None = None  # (norm type, per-parameter norms)
+        self._finished = False
+
+    @property
+    def unscale(self) -> float:
+        """1 / the fp16 loss scale (1 without one): what turns the reduced gradients into ḡ."""
+        return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+
+    def finish(self) -> None:
+        """Once per step, before the norm or the update: check every gradient was reduced and
+        every `.grad` is as the optimizer left it (a cleared one forgets its gradient), zero
+        the never-reduced ones, sum tied parameters' gradients over their groups (a bucket
+        holds only parameters tied over the same groups, so the shards align) and agree on
+        which parameters have a gradient on some rank: those are stepped."""
+        if self._finished:
+            return
+        if self.reducer is not None and self.reducer.unsynced:
+            raise RuntimeError(
+                "gradients accumulated under no_sync() (or model.require_backward_grad_sync = False) were never "
+                "reduced: run the last backward before step() with gradient synchronisation on"
+            )
+        for name, p in self.model.named_parameters():
+            if p.grad is not None and p not in self._trained:
+                raise RuntimeError(NOT_TRAINED.format(name=name))
+        for b in self.buckets:
+            b.zero_if_never_reduced()
+            for group in b.marks.tied:
+                comm.all_reduce(b.grad_shard, group=group)
+        self.share_has_grad(tied=True)  # after it, b.has_grad[i]: parameter i is stepped
+        self._finished = True
+
+    def grad_norm(self) -> torch.Tensor:
+        """‖ḡ‖₂ over every shard and model-parallel rank (each parameter counted once),
+        unscaled; cached until the gradients change."""
+        if self._norm is None:
+            self.finish()
+            with comm.doing("the global gradient norm"):
+                self._norm = clip.global_grad_norm(self.buckets, self._norm_groups, self.unscale)
+        return self._norm
+
+    def check_grads(self, arriving: tuple[int, int] | None = None) -> None:
         """`.grad` set to None since the last backward (model.zero_grad()) clears that
         gradient; one assigned by hand is noted (1 + its index in `_hand_set`) and refused on
-        every rank at the next `_share_has_grad`. Runs at the start of each backward (where
+        every rank at the next `share_has_grad`. Runs at the start of each backward (where
         `arriving` has just got its new gradient) and before each step."""
         for k, b in enumerate(self.buckets):
             for i, p in enumerate(b.params):
-                if p.grad is self._placeholders[k][i] or (k, i) == arriving:
+                if p.grad is self.placeholders[k][i] or (k, i) == arriving:
                     continue
                 if p.grad is not None:
                     self._hand_set = self._hand_set or self._first_index[k] + i + 1
@@ -95,13 +160,13 @@ class GradLifecycle:
                     b.clear_grad(i)
                     b.has_grad[i] = False
 
-    def _share_has_grad(self, tied: bool) -> None:
+    def share_has_grad(self, tied: bool) -> None:
         """Which parameters have a gradient: on any rank of the group (and, with `tied`, of
         their tie groups: only at the step, which every pipeline stage reaches) when
         searching for unused parameters; every one, on this rank, otherwise. Every rank then
         shows each one's placeholder in `.grad`. A `.grad` assigned by hand (on any rank,
         when searching) raises on every rank that knows of it."""
-        self._check_grads()
+        self.check_grads()
         with comm.doing("the agreement on which parameters have a gradient"):
             hand_set = self._agree_on_has_grad(tied) if self.find_unused_parameters else self._hand_set
         self._hand_set = 0
@@ -112,7 +177,7 @@ class GradLifecycle:
                 if not (b.has_grad[i] or self.find_unused_parameters):
                     raise RuntimeError(UNUSED.format(name=self.names[p]))
                 if b.has_grad[i] and p.grad is None:
-                    p.grad = self._placeholders[k][i]
+                    p.grad = self.placeholders[k][i]
 
     def _agree_on_has_grad(self, tied: bool) -> int:
         """As DDP finds unused parameters: one max all-reduce of a flag per parameter, whose last
@@ -135,7 +200,7 @@ class GradLifecycle:
             b.has_grad = [bool(f) for f in everyone[start : start + len(b.params)]]
         return everyone[-1]
 
-    def _backward_end(self, synced: bool) -> None:
+    def backward_end(self, synced: bool) -> None:
         """After every backward: stage 3 frees what it gathered; a backward that reduced every
         bucket also agrees on which parameters got a gradient, so `.grad` shows the same
         parameters on every rank (as under DDP) for third-party clipping."""
@@ -143,9 +208,9 @@ class GradLifecycle:
         if self._gatherer is not None:
             self._gatherer.backward_end()
         if synced:
-            self._share_has_grad(tied=False)
+            self.share_has_grad(tied=False)
 
-    def _check_model(self, module: torch.nn.Module, args: tuple) -> None:
+    def check_model(self, module: torch.nn.Module, args: tuple) -> None:
         """Forward pre-hook: refuse a DDP wrapper, compilation at stage 3 and parameters moved
         or cast since construction, before they can train silently wrong."""
         ddp = DistributedDataParallel._get_active_ddp_module()
@@ -174,7 +239,7 @@ class GradLifecycle:
         owned parts (the largest part's norm for p = ∞) in one all-reduce that gives every
         parameter's norm, reused until the gradients change."""
         if self._param_norms is None or self._param_norms[0] != norm_type:
-            self._finish_grads()
+            self.finish()
             inf = norm_type == float("inf")
             parts = [
                 b.param_slice(b.grad_shard, j, b.shard_range)[1] for b in self.buckets for j in range(len(b.params))
@@ -187,11 +252,11 @@ class GradLifecycle:
             if self.world > 1:
                 comm.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.group)
             norms = local if inf else local ** (1.0 / norm_type)
-            self._param_norms = (norm_type, (norms * self._unscale).float())
+            self._param_norms = (norm_type, (norms * self.unscale).float())
         return self._param_norms[1][self._first_index[k] + i]
 
     def _scale_grad_of(self, k: int, i: int, factor: torch.Tensor | float) -> None:
-        self._finish_grads()
+        self.finish()
         b = self.buckets[k]
         b.param_slice(b.grad_shard, i, b.opt_range)[1].mul_(factor)
         self._param_norms = self._norm = None
@@ -203,10 +268,10 @@ class GradLifecycle:
     def full_grads(self) -> dict[str, torch.Tensor]:
         """name -> the full reduced (averaged, unscaled) gradient of each trained parameter
         with a gradient this step, in fp32. A collective: every rank must call it."""
-        self._finish_grads()
+        self.finish()
         grads = {}
         for b in self.buckets:
-            flat = gather_flat(b, b.grad_shard.float() * self._unscale, self.group)
+            flat = gather_flat(b, b.grad_shard.float() * self.unscale, self.group)
             for i, p in enumerate(b.params):
                 if b.has_grad[i]:
                     grads[self.names[p]] = b.param_view(flat, i).clone()
