@@ -6,6 +6,7 @@ buckets whose parameters are stepped alike and once per run of ranges otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,13 +32,13 @@ class ShardStep:
         backend: str,
         group: dist.ProcessGroup | None,
         rank: int,
-        param_steps: list[list[int]],
         qwz_block: int | None,
         overlap_param_gather: bool,
         gatherer: ParamGatherer | None,
     ) -> None:
         self.buckets, self.inner, self.optimizer_class, self.backend = buckets, inner, optimizer_class, backend
-        self.group, self.rank, self.param_steps, self.qwz_block = group, rank, param_steps, qwz_block
+        self.group, self.rank, self.qwz_block = group, rank, qwz_block
+        self.param_steps = [[0] * len(b.params) for b in buckets]
         self.overlap_param_gather, self.gatherer = overlap_param_gather, gatherer
         self.state, self.param_groups = inner.state, inner.param_groups
         self.gathers: dict[FlatBucket, ShardGather] = {}
@@ -143,37 +144,35 @@ class ShardStep:
             step.fill_(count)
 
     def update_and_publish(self, multiplier: float) -> None:
-        """The step on every shard, the updated parameters published as `publish`
-        does. With the fused Adam step each bucket's all-gather starts as soon as that bucket
-        is stepped, so that it travels while the next buckets are stepped."""
-        self._before_publish()
+        """The step on every shard of the parameters with a gradient (each parameter's step
+        count then advances), the updated parameters published as `publish` does. With the
+        fused Adam step each bucket's all-gather starts as soon as that bucket is stepped, so
+        that it travels while the next buckets are stepped."""
         if self.fusable():
-            for k, b in enumerate(self.buckets):
-                self._fused_step(k, multiplier)
-                self._start_gather(b)
+            self.publish(before_gather=lambda k: self._fused_step(k, multiplier))
         else:
             self._inner_step(multiplier)
-            for b in self.buckets:
-                self._start_gather(b)
-        if not self.overlap_param_gather:
-            self.wait()
+            self.publish()
+        for steps, b in zip(self.param_steps, self.buckets):
+            for i, has_grad in enumerate(b.has_grad):
+                steps[i] += has_grad
 
-    def publish(self) -> None:
+    def publish(self, before_gather: Callable[[int], None] | None = None) -> None:
         """All-gather updated shards into the full parameter buffers (stages 1-2 and
         resident stage-3 units); stage 0 updated everything, stage 3 gathers on use. With
         `qwz_block` the shards travel quantized and each rank keeps its own shard exact.
-        With `overlap_param_gather` the gathers are left in flight: `wait` finishes a
-        bucket's just before the first forward that uses it (or anything else that reads it)."""
-        self._before_publish()
-        for b in self.buckets:
-            self._start_gather(b)
-        if not self.overlap_param_gather:
-            self.wait()
-
-    def _before_publish(self) -> None:
+        `before_gather(k)` runs just before bucket k's gather starts. With
+        `overlap_param_gather` the gathers are left in flight: `wait` finishes a bucket's just
+        before the first forward that uses it (or anything else that reads it)."""
         if self.gatherer is not None:
             self.gatherer.forget_secondary()
         self.wait()
+        for k, b in enumerate(self.buckets):
+            if before_gather is not None:
+                before_gather(k)
+            self._start_gather(b)
+        if not self.overlap_param_gather:
+            self.wait()
 
     def _start_gather(self, b: FlatBucket) -> None:
         """Bucket b's all-gather of the updated shards, left in flight (stages 1-2 and

@@ -171,7 +171,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._cast_untrained(model)
         resident = default_resident_numel(unit_numel) if resident_numel is None else resident_numel
         self.buckets, units = self._build_buckets(group_of, reduce_dtype, bucket_numel, unit_numel, resident)
-        self._init_gradient_state()
         self._init_inner(optimizer_class, groups, optimizer_kwargs)
         self.backend = fused.pick_backend(self.buckets[0].master.device, step_backend)
         self.scaler = loss_scaler or (DynamicLossScaler() if self.param_dtype == torch.float16 else None)
@@ -196,10 +195,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.node_groups = node_groups or (group, None)
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-
-    def _init_gradient_state(self) -> None:
-        """Per-parameter step counts (torch's per-parameter "step"), shared with ShardStep."""
-        self._param_steps = [[0] * len(b.params) for b in self.buckets]
 
     def _init_inner(self, optimizer_class: type, groups: list[dict[str, Any]], kwargs: dict[str, Any]) -> None:
         """The inner optimizer over the fp32 master shards, one of its groups per user group;
@@ -253,7 +248,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.backend,
             self.group,
             self.rank,
-            self._param_steps,
             self.qwz_block,
             self.overlap_param_gather,
             gatherer,
@@ -464,9 +458,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._end_step()
                 return loss
         self._shard_step.update_and_publish(self._grads.unscale * self._clip_coef)
-        for steps, b in zip(self._param_steps, self.buckets):
-            for i, has_grad in enumerate(b.has_grad):
-                steps[i] += has_grad
         self._end_step()
         return loss
 

@@ -569,6 +569,14 @@ def _gloo_cpu(group: Group, tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
 
 
+def _unless_async(work: dist.Work, async_op: bool) -> dist.Work | None:
+    """What torch returns: `work` for async_op, else None once it is done."""
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group: Group, n: int) -> dist.Work:
     """The exact all-gather as N broadcasts, group rank r's ``input`` into piece r of
     ``output`` (contiguous), with no buffer of its own; this rank's piece is copied first."""
@@ -621,11 +629,8 @@ def reduce_scatter_tensor(
     if n == 1:
         _copy(output, input)
         work = _local(async_op, output)
-    elif n > 1 and reuse_input and _gloo_cpu(group, input):
-        work = _reduce_scatter_in_place(output, input, op, group, n)
-        if not async_op:
-            work.wait()
-            work = None
+    elif reuse_input and _gloo_cpu(group, input):
+        work = _unless_async(_reduce_scatter_in_place(output, input, op, group, n), async_op)
     else:
         work = _renamed("reduce_scatter_single", "reduce_scatter_tensor")(
             output, input, op=op, group=group, async_op=async_op
@@ -666,11 +671,8 @@ def all_gather_into_tensor(
     if n == 1:
         _copy(output, input)
         work = _local(async_op, output)
-    elif n > 1 and _gloo_cpu(group, output):
-        work = _all_gather_by_broadcasts(output, input, group, n)
-        if not async_op:
-            work.wait()
-            work = None
+    elif _gloo_cpu(group, output):
+        work = _unless_async(_all_gather_by_broadcasts(output, input, group, n), async_op)
     else:
         work = _renamed("all_gather_single", "all_gather_into_tensor")(output, input, group=group, async_op=async_op)
     if _log is not None:

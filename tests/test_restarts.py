@@ -6,11 +6,14 @@ with the uninterrupted run's loss (ZeRO-3 with real units on 2 gloo ranks, fp32)
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from tests.conftest import TINY_RUN
 
@@ -77,11 +80,6 @@ def test_a_job_that_fails_alike_on_every_attempt_says_why_each_time(tmp_path: Pa
 def test_a_worker_whose_peers_never_join_ends_within_the_timeout_with_a_sentence(tmp_path: Path) -> None:
     """Under torchrun's agent store, rank 0 of 2 whose peer never comes ends after
     --comm-timeout with the sentence and a non-zero exit, instead of waiting in the rendezvous."""
-    import os
-    import time
-
-    import torch.distributed as dist
-
     agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the torchrun agent's store
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
     env |= {"MASTER_PORT": str(agent.port), "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "1"}
