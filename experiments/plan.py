@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from research import costmodel
 from research.costmodel import Cluster, Collective, Estimate, GiB, Layout, Plan
+from research.costmodel.hardware import NETWORK_STEP_LATENCY, NVLINK_STEP_LATENCY
 from research.model import GPTConfig
 
 
@@ -92,8 +93,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     network.add_argument(
         "--inter-node-gbps", type=float, help="a node's network, Gb/s per direction, all NICs together (DGX H100: 3200)"
     )
-    p.add_argument("--intra-node-latency-us", type=float, help="override µs per ring step inside a node (3.4)")
-    p.add_argument("--inter-node-latency-us", type=float, help="override µs per ring step across nodes (14)")
+    p.add_argument(
+        "--intra-node-latency-us",
+        type=float,
+        help=f"override µs per ring step inside a node ({NVLINK_STEP_LATENCY * 1e6:g})",
+    )
+    p.add_argument(
+        "--inter-node-latency-us",
+        type=float,
+        help=f"override µs per ring step across nodes ({NETWORK_STEP_LATENCY * 1e6:g})",
+    )
     p.add_argument(
         "--comm",
         choices=list(costmodel.COMM_SCHEMES),
@@ -175,7 +184,7 @@ def _title(name: str, model: GPTConfig, cluster: Cluster, global_batch_size: int
     gpu = cluster.gpu
     network = cluster.inter_node_bandwidth * 8 * cluster.gpus_per_node / 1e9
     return (
-        f"{name}: {_count(model.num_params())} parameters, seq {seq_len}, global batch {global_batch_size} "
+        f"{name}: {_count(costmodel.num_params(model))} parameters, seq {seq_len}, global batch {global_batch_size} "
         f"on {cluster.gpus} × {gpu.name} ({_gib(gpu.memory_bytes)}, {gpu.peak_flops / 1e12:g} TFLOP/s, "
         f"{cluster.gpus_per_node} per node, {network:g} Gb/s per node)"
     )

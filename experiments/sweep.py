@@ -50,8 +50,8 @@ from typing import Any
 import yaml
 
 from experiments import process_tree
+from experiments.sweep_columns import CONFIG_COLUMNS
 from experiments.sweep_results import (
-    CONFIG_COLUMNS,
     REPO,
     format_value,
     point_row,

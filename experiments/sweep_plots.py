@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from experiments.sweep_results import CONFIG_COLUMNS
+from experiments.sweep_columns import CONFIG_COLUMNS
 
 MiB = 2**20
 PARTS = (

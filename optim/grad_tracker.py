@@ -4,7 +4,7 @@ that keeps torch.optim + DDP semantics under other people's habits.
 * Which parameters have a gradient: each rank notes them as gradients arrive; after a
   backward that reduced every bucket, and before each step, one max all-reduce of a flag per
   parameter makes every rank agree (as DDP's unused-parameter search does). Parameters
-  without a gradient on any rank are not stepped. With `find_unused_parameters=False` (DDP's
+  without a gradient on any rank are not stepped. With `Communication(find_unused_parameters=False)` (DDP's
   default promise: every trained parameter gets a gradient in every step on every rank) the
   two all-reduces are skipped and a parameter without a gradient raises instead.
 * What `param.grad` holds: the parameter's `GradPlaceholder` (optim.grad_placeholder), whose
@@ -49,9 +49,9 @@ COMPILED = (
     "module; use stage 2 with torch.compile, or stage 3 without it"
 )
 UNUSED = (
-    "parameter {name!r} got no gradient in this step, but ZeroOptimizer(find_unused_parameters=False) expects one for "
-    "every trained parameter on every rank; pass find_unused_parameters=True (--find-unused-parameters), or freeze it "
-    "before building the optimizer"
+    "parameter {name!r} got no gradient in this step, but Communication(find_unused_parameters=False) expects one "
+    "for every trained parameter on every rank; pass Communication(find_unused_parameters=True) "
+    "(--find-unused-parameters), or freeze it before building the optimizer"
 )
 HAND_SET = (
     "param.grad of {name!r} was assigned by hand; ZeroOptimizer takes gradients only from backward(), so compute "

@@ -1,17 +1,12 @@
 """ZeroOptimizer: a ZeRO (Rajbhandari et al. 2020) distributed optimizer, stages 0-3.
 
-With N data-parallel ranks, Ψ parameters and K bytes of optimizer state per parameter
-(mixed-precision Adam: fp32 master + m + v, K = 12), the model states per rank are
+Stage s shards, over N data-parallel ranks, the optimizer state (s ≥ 1), the gradients
+(s ≥ 2) and the parameters (s = 3): `optim.sharding` names what each stage shards, and
+docs/optimizer.md#what-each-stage-keeps gives the bytes and the communication per stage.
 
-    stage 0  (plain DP)          params 2Ψ   grads 2Ψ    optimizer KΨ
-    stage 1  (optimizer states)  params 2Ψ   grads 2Ψ    optimizer KΨ/N
-    stage 2  (+ gradients)       params 2Ψ   grads 2Ψ/N  optimizer KΨ/N
-    stage 3  (+ parameters)      params 2Ψ/N grads 2Ψ/N  optimizer KΨ/N
-
-(2 = bytes of the bf16 / fp16 dtype; grads use the reduce dtype). The semantics are
-torch.optim + DDP's: gradients are averaged over the group, several backward calls
-accumulate, and a run on N ranks equals a single-process run of the inner optimizer on the
-concatenated batch. A parameter with no gradient on any rank in a step (unused in forward,
+The semantics are torch.optim + DDP's: gradients are averaged over the group, several
+backward calls accumulate, and a run on N ranks equals a single-process run of the inner
+optimizer on the concatenated batch. A parameter with no gradient on any rank in a step (unused in forward,
 frozen, its `.grad` cleared) is not stepped: no update, no weight decay, no step count; each
 parameter keeps its own step count, as torch's per-parameter state does. The inner optimizer
 must be elementwise, so that it is exact on flat shards.
@@ -33,19 +28,16 @@ from optim.buffers import FlatBucket, arrival_key, assign_buckets, bucket_key
 from optim.grad_tracker import GradTracker
 from optim.grads import GradReducer, QuantizedReduction
 from optim.model_state import ModelStateHooks
+from optim.policies import Communication, MixedPrecision, ZeroPlusPlus, from_flat_kwargs
 from optim.scaler import DynamicLossScaler
 from optim.shard_step import ShardStep
 from optim.sharding import SHARD_GRADIENTS, SHARD_PARAMETERS, Sharding
 from optim.stage3 import ParamGatherer, root_modules, stage3_units
 from optim.state_dicts import StateDicts
 from optim.zero_setup import (
-    DEFAULT_BUCKET_NUMEL,
-    DEFAULT_COMM_TIMEOUT_S,
-    DEFAULT_UNIT_NUMEL,
     OUT_OF_STEP_ADVICE,
     check_same_model_on_all_ranks,
     check_zero_plus_plus,
-    default_resident_numel,
     param_names,
     torch_order,
     user_groups,
@@ -54,7 +46,7 @@ from optim.zero_setup import (
 from parallel import comm
 from parallel.comm import NO_MARKS, ParamMarks, param_marks
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "DEFAULT_UNIT_NUMEL", "ZeroOptimizer", "default_resident_numel"]
+__all__ = ["ZeroOptimizer"]
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -69,7 +61,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Args:
         model: any module; its trainable parameters are moved into flat buckets (and cast
-            to `param_dtype`); frozen parameters and floating buffers are cast too.
+            to `precision.param_dtype`); frozen parameters and floating buffers are cast too.
         optimizer_class: an elementwise `torch.optim.Optimizer` subclass (AdamW, SGD, ...).
         stage: ZeRO stage 0, 1, 2 or 3.
         process_group: the data-parallel group (None: the default group); with
@@ -78,45 +70,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             the other replicas. States are sharded over `process_group` only (N = its size);
             gradients are reduced there, then all-reduced across the replicas on the shards.
             `parallel.ParallelDims(dp_shard=...)` makes both groups. None: no replicas.
-        param_groups: [{"params": [...], **hyperparameters}]; trainable parameters not
-            listed join a group with the constructor's optimizer keyword arguments.
-        param_dtype: dtype of the model's compute copy (None = fp32); masters stay fp32.
-        reduce_dtype: dtype in which gradients are accumulated and reduced.
-        bucket_numel: target elements per bucket at stages 0-2.
-        unit_numel: stage 3 gathers a module's parameters together once they reach this.
-        resident_numel: stage-3 units smaller than this stay gathered, like stage 2
-            (None: unit_numel // 16).
-        step_backend: fused Adam backend ("triton", "torch_fused", "apex", "torch"; None = auto).
-        model_parallel_group: the group over which the model itself is split (tp × pp);
-            grad norms and fp16 overflow flags are summed over it after the DP group.
-        loss_scaler: dynamic loss scaler for fp16 (created by default for fp16).
-        qwz_block: stages 1-3: all-gather parameters as int8 with one fp32 scale per block of
-            this many elements (ZeRO++ qwZ; `optim.quantize`); None gathers them exactly.
         node_groups: (the ranks of `process_group` on this node, those at this rank's place
             in each node), `ParallelDims.dp_shard_node_groups`; None: the shard group is
-            one node. Used by hpZ and qgZ.
-        hpz: stage 3: after a unit's first gather in a step each rank keeps 1/k of it (k =
-            ranks of the node group), and later gathers in the step stay inside the node
-            (ZeRO++ hpZ; `optim.stage3`).
-        qgz_bits: stages 2-3: reduce-scatter gradients as 8- or 4-bit blocks through an
-            all-to-all inside the node, then one across nodes, summed in fp32 (ZeRO++ qgZ;
-            `optim.quantize.reduce_scatter_quantized`); None reduces them exactly.
-        overlap_param_gather: stages 1-2: `step()` returns with the all-gathers of the updated
-            parameters in flight; each bucket's is waited for just before the first forward
-            of a module holding its parameters, or before anything else reads them (the
-            model's `state_dict()`, this optimizer's state dicts, the next step). Code that
-            reads parameters directly in between (an EMA update, weight logging) must call
-            `opt.wait_params()` first: until then other ranks' shards hold the old values.
-        find_unused_parameters: True: which parameters got a gradient is agreed over the ranks
-            (one max all-reduce of a flag per parameter after the last backward and one at the
-            step), so parameters unused in a step, on some or all ranks, behave as in torch.
-            False: DDP's default promise that every trained parameter gets a gradient in
-            every step on every rank; both all-reduces are skipped, and a parameter without a
-            gradient raises on the rank that misses it.
-        comm_timeout_s: the collective watchdog (`parallel.comm.watch`): a collective that waits
-            this long for a rank that never issued it (or issued another in its place) ends
-            every rank with one sentence naming each rank and the call it is in, in any
-            training loop. None: no watchdog.
+            one node. Used by ZeRO++ hpZ and qgZ.
+        model_parallel_group: the group over which the model itself is split (tp × pp);
+            grad norms and fp16 overflow flags are summed over it after the DP group.
+        param_groups: [{"params": [...], **hyperparameters}]; trainable parameters not
+            listed join a group with the constructor's optimizer keyword arguments.
+        precision: `optim.policies.MixedPrecision` (None: fp32 throughout).
+        communication: `optim.policies.Communication` (None: its defaults).
+        zero_plus_plus: `optim.policies.ZeroPlusPlus` (None: exact collectives).
+        step_backend: fused Adam backend ("triton", "torch_fused", "apex", "torch"; None = auto).
         **optimizer_kwargs: passed to `optimizer_class` (lr, weight_decay, betas, ...).
 
     `grad_peak_bytes`: the most gradient bytes this rank has held since construction. At
@@ -137,47 +101,42 @@ class ZeroOptimizer(torch.optim.Optimizer):
         stage: int = 2,
         process_group: dist.ProcessGroup | None = None,
         replicate_group: dist.ProcessGroup | None = None,
-        param_groups: list[dict[str, Any]] | None = None,
-        param_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype = torch.float32,
-        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-        unit_numel: int = DEFAULT_UNIT_NUMEL,
-        resident_numel: int | None = None,
-        step_backend: str | None = None,
-        model_parallel_group: dist.ProcessGroup | None = None,
-        loss_scaler: DynamicLossScaler | None = None,
-        qwz_block: int | None = None,
         node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None,
-        hpz: bool = False,
-        qgz_bits: int | None = None,
-        overlap_param_gather: bool = False,
-        find_unused_parameters: bool = True,
-        comm_timeout_s: float | None = DEFAULT_COMM_TIMEOUT_S,
+        model_parallel_group: dist.ProcessGroup | None = None,
+        param_groups: list[dict[str, Any]] | None = None,
+        precision: MixedPrecision | None = None,
+        communication: Communication | None = None,
+        zero_plus_plus: ZeroPlusPlus | None = None,
+        step_backend: str | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
-        validate(model, optimizer_class, stage, param_dtype, qwz_block)
-        check_zero_plus_plus(stage, hpz, qgz_bits, node_groups, process_group)
-        self.qwz_block, self.hpz, self.qgz_bits = qwz_block, hpz, qgz_bits
-        self.overlap_param_gather, self.find_unused_parameters = overlap_param_gather, find_unused_parameters
+        policies = from_flat_kwargs(
+            optimizer_kwargs,
+            {"precision": precision, "communication": communication, "zero_plus_plus": zero_plus_plus},
+        )
+        self.precision = policies["precision"] or MixedPrecision()
+        self.communication = policies["communication"] or Communication()
+        self.zero_plus_plus = zpp = policies["zero_plus_plus"] or ZeroPlusPlus()
+        validate(model, optimizer_class, stage, zpp.qwz_block)
+        check_zero_plus_plus(stage, zpp.hpz, zpp.qgz_bits, node_groups, process_group)
         self.model, self.optimizer_class, self.stage = model, optimizer_class, stage
         self.sharding = Sharding.of_zero_stage(stage)
         self._set_groups(process_group, replicate_group, node_groups, model_parallel_group)
-        self.param_dtype = param_dtype or torch.float32
+        self.param_dtype = self.precision.compute_dtype
         self.names = param_names(model)
         groups, group_of = user_groups(model, param_groups, optimizer_kwargs)
         self._torch_order = torch_order(param_groups, group_of, len(groups))
         for group in self._dp_groups:
             check_same_model_on_all_ranks(model, stage, group_of, group)
         self._cast_untrained(model)
-        resident = default_resident_numel(unit_numel) if resident_numel is None else resident_numel
-        self.buckets, units = self._build_buckets(group_of, reduce_dtype, bucket_numel, unit_numel, resident)
+        self.buckets, units = self._build_buckets(group_of)
         self._init_inner(optimizer_class, groups, optimizer_kwargs)
         self.backend = fused.pick_backend(self.buckets[0].master.device, step_backend)
-        self.scaler = loss_scaler or (DynamicLossScaler() if self.param_dtype == torch.float16 else None)
+        self.scaler = self.precision.loss_scaler or (DynamicLossScaler() if self.param_dtype == torch.float16 else None)
         self.last_step_skipped = False  # the last step() found an fp16 overflow and changed nothing
         self._register_hooks(units)
-        if comm_timeout_s is not None and dist.get_world_size() > 1:
-            comm.watch(comm_timeout_s, OUT_OF_STEP_ADVICE)
+        if self.communication.timeout_s is not None and dist.get_world_size() > 1:
+            comm.watch(self.communication.timeout_s, OUT_OF_STEP_ADVICE)
         self._end_step()
         self._grad_bytes = self.grad_peak_bytes = self.memory_breakdown()["grads"]
         self._constructed = True
@@ -210,24 +169,42 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _register_hooks(self, units: list[tuple[torch.nn.Module, list[FlatBucket]]]) -> None:
         """The hooks of a step (docs/architecture.md): the model check, stage 3's gatherer,
-        the gradient reducer."""
+        the gradient reducer; and the parts that serve them."""
         # first among the forward pre-hooks, so that it refuses before stage 3 gathers anything
         self._check_handles = [r.register_forward_pre_hook(self._check_model) for r in root_modules(self.model)]
-        if self.overlap_param_gather:
+        if self.communication.overlap_param_gather:
             self._register_param_waits()
-        self._gatherer = (
+        zpp = self.zero_plus_plus
+        self._gatherer = gatherer = (
             ParamGatherer(
                 self.model,
                 units,
                 self.group,
-                self.qwz_block,
-                self.node_groups[0] if self.hpz else None,
+                zpp.qwz_block,
+                self.node_groups[0] if zpp.hpz else None,
                 comm.side_group(self.group) if self.world > 1 else None,
             )
             if self.sharding.parameters
             else None
         )
-        gatherer = self._gatherer
+        self._compose(gatherer)
+        self._scopes: dict[torch.nn.Module, list[int]] = {}  # sync_only: module -> its bucket indices
+        self._reducer = GradReducer(
+            self.buckets,
+            self.group,
+            self._grads.placeholders,
+            self.replicate_group,
+            QuantizedReduction(zpp.qgz_bits, *self.node_groups) if zpp.qgz_bits is not None else None,
+            on_backward_start=lambda k, i: self._grads.check_grads(arriving=(k, i)),
+            on_bucket_done=(lambda i: gatherer.bucket_done(self.buckets[i])) if gatherer else None,
+            on_backward_end=self._grads.backward_end,
+            sync_requested=lambda: getattr(self.model, "require_backward_grad_sync", True),
+        )
+        self._grads.reducer = self._reducer
+
+    def _compose(self, gatherer: ParamGatherer | None) -> None:
+        """The objects this optimizer composes: the gradient bookkeeping, the step on the
+        shards, the state dicts and the model's own state-dict hooks."""
         self._grads = GradTracker(
             self.model,
             self.buckets,
@@ -237,7 +214,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             [self.group] + ([self.model_parallel_group] if self.model_parallel_group is not None else []),
             self.stage,
             self.param_dtype,
-            self.find_unused_parameters,
+            self.communication.find_unused_parameters,
             gatherer,
             self.scaler,
         )
@@ -248,8 +225,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.backend,
             self.group,
             self.rank,
-            self.qwz_block,
-            self.overlap_param_gather,
+            self.zero_plus_plus.qwz_block,
+            self.communication.overlap_param_gather,
             gatherer,
         )
         self._state_dicts = StateDicts(
@@ -272,19 +249,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             gatherer.check_in if gatherer else lambda what: None,
             gatherer.forget_secondary if gatherer else lambda: None,
         )
-        self._scopes: dict[torch.nn.Module, list[int]] = {}  # sync_only: module -> its bucket indices
-        self._reducer = GradReducer(
-            self.buckets,
-            self.group,
-            self._grads.placeholders,
-            self.replicate_group,
-            QuantizedReduction(self.qgz_bits, *self.node_groups) if self.qgz_bits is not None else None,
-            on_backward_start=lambda k, i: self._grads.check_grads(arriving=(k, i)),
-            on_bucket_done=(lambda i: gatherer.bucket_done(self.buckets[i])) if gatherer else None,
-            on_backward_end=self._grads.backward_end,
-            sync_requested=lambda: getattr(self.model, "require_backward_grad_sync", True),
-        )
-        self._grads.reducer = self._reducer
 
     def _check_model(self, module: torch.nn.Module, args: tuple) -> None:
         """The model check (`GradTracker.check_model`), hooked as a method of this optimizer so
@@ -326,9 +290,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 buf.data = buf.data.to(self.param_dtype)
             self._broadcast_from_first(buf.data)
 
-    def _build_buckets(
-        self, group_of: dict, reduce_dtype: torch.dtype, bucket_numel: int, unit_numel: int, resident_numel: int
-    ) -> tuple[list[FlatBucket], list[tuple[torch.nn.Module, list[FlatBucket]]]]:
+    def _build_buckets(self, group_of: dict) -> tuple[list[FlatBucket], list[tuple[torch.nn.Module, list[FlatBucket]]]]:
         """The buckets, in the order they are expected to complete in backward (whose gradients
         are expected in reverse registration order: by the position of their last parameter
         in it, `assign_buckets`), and at stage 3 the gathered units (module, its buckets). A
@@ -351,7 +313,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.rank,
                 self.world,
                 self.param_dtype,
-                reduce_dtype,
+                self.precision.reduce_dtype,
                 on_grad_bytes=self._grad_bytes_changed,
                 marks=marks_of.get(params[0], NO_MARKS),
                 keeps_reduced_sum=self._keeps_reduced_sum(sharding),
@@ -359,11 +321,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         units: list[tuple[torch.nn.Module, list[FlatBucket]]] = []
         if not self.sharding.parameters:
-            buckets = [make(ps, self.sharding) for ps in assign_buckets(arrival, key, bucket_numel)]
+            buckets = [make(ps, self.sharding) for ps in assign_buckets(arrival, key, self.communication.bucket_numel)]
         else:
             buckets = []
-            for module, params in reversed(stage3_units(self.model, set(group_of), unit_numel)):
-                resident = sum(p.numel() for p in params) < resident_numel
+            for module, params in reversed(stage3_units(self.model, set(group_of), self.communication.unit_numel)):
+                resident = sum(p.numel() for p in params) < self.communication.resident
                 sharding = SHARD_GRADIENTS if resident else SHARD_PARAMETERS
                 unit = [
                     make(ps, sharding) for ps in assign_buckets(sorted(params, key=position.get), key, float("inf"))
@@ -381,7 +343,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         (`optim.buffers`): not on the replicas after the first, nor under qgZ at stages 2-3,
         whose reductions are added to the shard."""
         first_replica = self.replicate_group is None or dist.get_rank(self.replicate_group) == 0
-        return first_replica and not (self.qgz_bits is not None and sharding.gradients)
+        return first_replica and not (self.zero_plus_plus.qgz_bits is not None and sharding.gradients)
 
     def _allocate(self, buckets: list[FlatBucket]) -> None:
         """Give each bucket its storage, holding the values of the first data-parallel rank."""

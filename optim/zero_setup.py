@@ -12,23 +12,14 @@ from optim.state_dicts import agree
 from parallel import comm
 
 NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "Muon", "LAMB", "Lamb", "FusedLAMB", "Shampoo", "SparseAdam", "LARS"}
-PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
-DEFAULT_BUCKET_NUMEL = 2**24
-DEFAULT_UNIT_NUMEL = 2**22
-DEFAULT_COMM_TIMEOUT_S = 300.0
 OUT_OF_STEP_ADVICE = (
     "Every rank must make the same training calls in the same order: at ZeRO stage 3 each forward, backward and "
     "model.state_dict() gathers from all ranks, so evaluate and save on every rank; if a rank is only slow, raise "
-    "ZeroOptimizer(comm_timeout_s=...)"
+    "ZeroOptimizer(communication=Communication(timeout_s=...))"
 )
 
 
-def default_resident_numel(unit_numel: int) -> int:
-    """Stage-3 units smaller than this stay gathered when `resident_numel` is not given."""
-    return unit_numel // 16
-
-
-def validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, param_dtype: Any, qwz_block: Any) -> None:
+def validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, qwz_block: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -47,10 +38,6 @@ def validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, param_dty
         raise ValueError(
             f"qwz_block={qwz_block!r} with stage={stage}: quantized parameter gathering (ZeRO++ qwZ) needs stage 1-3 "
             "(stage 0 gathers nothing) and a positive block size such as 2048"
-        )
-    if param_dtype not in PARAM_DTYPES:
-        raise ValueError(
-            f"param_dtype={param_dtype} is not supported; use None (fp32), torch.bfloat16 or torch.float16"
         )
     if not dist.is_initialized():
         raise RuntimeError(

@@ -29,7 +29,8 @@ from typing import Any, Literal
 
 import yaml
 
-from optim.zero import DEFAULT_BUCKET_NUMEL, DEFAULT_UNIT_NUMEL
+from optim.policies import DEFAULT_BUCKET_NUMEL, DEFAULT_UNIT_NUMEL
+from parallel.desync import CPU_TIMEOUT_S, CUDA_TIMEOUT_S
 from parallel.dims import LayoutError, ParallelDims
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import SCHEDULES, ScheduleError
@@ -204,7 +205,7 @@ HELP = {
     "all-reduces), so a parameter unused in a step is not stepped, as in torch; off: every parameter must get a "
     "gradient in every step (DDP's default promise), and one that does not stops the run with its name",
     "comm_timeout": "seconds a collective may wait for the other ranks before the run stops with a report of "
-    "which rank did not arrive (None: 180 on CPU/gloo, 900 on CUDA/NCCL)",
+    f"which rank did not arrive (None: {CPU_TIMEOUT_S:g} on CPU/gloo, {CUDA_TIMEOUT_S:g} on CUDA/NCCL)",
     "steps": "total optimizer steps of the run (also when resuming)",
     "seed": "seed of data order, init and dropout",
     "precision": "compute dtype (masters and optimizer state stay fp32)",

@@ -120,13 +120,6 @@ class GPTConfig:
             if value % tp:
                 raise ValueError(f"{name}={value} is not divisible by tp={tp}")
 
-    def num_params(self) -> int:
-        """Trainable parameters of the tp = 1 model (padded vocabulary, tied head counted once),
-        counted on the model itself built on the meta device (`research.costmodel.params`)."""
-        from research.costmodel.params import rank_params  # research.costmodel imports this module
-
-        return rank_params(self, 1, 1, 1, 0).numel
-
     def forward_flops_per_token(self, seq_len: int) -> tuple[float, float, float]:
         """(one layer, its attention core, the head): forward matmul FLOPs per token. Per layer:
         QKV 6h², scores and weighted sum 4·s·h (full causal square, as in Narayanan et al.

@@ -26,17 +26,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from optim import DynamicLossScaler, ZeroOptimizer
+from optim import ZeroOptimizer
+from optim.policies import DTYPES, Communication, MixedPrecision, ZeroPlusPlus
 from parallel import comm
 from parallel.dims import ParallelDims
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.random import seed_everything
-from research import checkpoint, data, metrics
+from research import checkpoint, costmodel, data, metrics
 from research.config import RunConfig, save_yaml
 from research.errors import NonFiniteLossError
 from research.model import GPTConfig, pipeline_chunks
-
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def lr_multiplier(cfg: RunConfig) -> Callable[[int], float]:
@@ -108,19 +107,17 @@ def build_optimizer(
         replicate_group=replicate_group,
         model_parallel_group=mp_group,
         param_groups=weight_decay_groups(model, tr.weight_decay),
-        param_dtype=DTYPES[tr.precision],
-        reduce_dtype=torch.bfloat16 if tr.reduce_dtype == "bf16" else torch.float32,
-        loss_scaler=DynamicLossScaler() if tr.precision == "fp16" else None,
-        bucket_numel=par.bucket_numel,
-        unit_numel=par.unit_numel,
-        qwz_block=par.qwz_block,
         node_groups=node_groups,
-        hpz=par.hpz,
-        qgz_bits=par.qgz_bits,
-        overlap_param_gather=par.overlap_param_gather,
-        find_unused_parameters=par.find_unused_parameters,
-        # --comm-timeout's desync report speaks first; the watchdog covers what it cannot see
-        **({"comm_timeout_s": par.comm_timeout + 30} if par.comm_timeout else {}),
+        precision=MixedPrecision(DTYPES[tr.precision], DTYPES[tr.reduce_dtype]),
+        communication=Communication(
+            bucket_numel=par.bucket_numel,
+            unit_numel=par.unit_numel,
+            overlap_param_gather=par.overlap_param_gather,
+            find_unused_parameters=par.find_unused_parameters,
+            # --comm-timeout's desync report speaks first; the watchdog covers what it cannot see
+            timeout_s=par.comm_timeout + 30 if par.comm_timeout else Communication.timeout_s,
+        ),
+        zero_plus_plus=ZeroPlusPlus(par.qwz_block, par.hpz, par.qgz_bits),
         lr=tr.lr,
         betas=(tr.beta1, tr.beta2),
         eps=tr.eps,
@@ -171,19 +168,24 @@ class Trainer:
         self.activation_shape = (seq, tr.micro_batch_size, cfg.model.d_model)
         self.start_step = 0
         self.resumed_from: str | None = None  # the checkpoint folder loaded
-        if cfg.checkpoint.load:
-            self._resume(cfg.checkpoint.load)
-        elif cfg.checkpoint.resume:
-            found = checkpoint.latest(cfg.checkpoint.resume)
+        self._load_or_resume()
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def _load_or_resume(self) -> None:
+        """--load a checkpoint, or --resume from the latest one in a folder if it holds any."""
+        where = self.cfg.checkpoint
+        if where.load:
+            self._resume(where.load)
+        elif where.resume:
+            found = checkpoint.latest(where.resume)
             if found is not None:
                 self._resume(found)
             checkpoint.say(
                 f"--resume: resuming from {found} at step {self.start_step}"
                 if found is not None
-                else f"--resume: {cfg.checkpoint.resume} holds no checkpoint yet; starting at step 0"
+                else f"--resume: {where.resume} holds no checkpoint yet; starting at step 0"
             )
 
-    # ---- checkpoints ----------------------------------------------------------------------
     def _expected_shapes(self) -> dict[str, list[int]]:
         return checkpoint.full_shapes(self.model, self.opt, self.dims.tp)
 
@@ -235,7 +237,7 @@ class Trainer:
         micro = data.local_micro_batches(inputs, labels, self.dims.dp_rank, self.dims.dp, self.cfg.train.micro_batches)
         ids = [x.to(self.device) for x, _ in micro]
         targets = [y.to(self.device) for _, y in micro]
-        loss = self.executor.run(ids, targets, self.activation_shape, self.param_dtype or torch.float32)
+        loss = self.executor.run(ids, targets, self.activation_shape, self.param_dtype)
         clip = self.cfg.train.clip_grad
         norm = self.opt.clip_grad_norm_(clip if clip > 0 else math.inf)
         lr = self.opt.param_groups[0]["lr"]
@@ -258,20 +260,10 @@ class Trainer:
         cfg, tr = self.cfg, self.cfg.train
         out, lead = cfg.log.out, self.rank == 0
         if lead:
-            os.makedirs(out, exist_ok=True)
-            save_yaml(cfg, os.path.join(out, "config.yaml"))
-            _keep_metrics_before(os.path.join(out, "metrics.jsonl"), self.start_step)
-            if self.resumed_from is not None:
-                attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-                cause = (
-                    f"torchrun restarted the workers (attempt {attempt}) after one failed"
-                    if attempt
-                    else "the job was started again"
-                )
-                metrics.log_event(out, "resumed", step=self.start_step, checkpoint=self.resumed_from, cause=cause)
+            self._prepare_out()
         tokens_per_step = tr.global_batch_size * cfg.data.seq_len
         flops_per_token = dataclasses.replace(cfg.model, recompute="none").flops_per_token(cfg.data.seq_len)
-        peak = metrics.peak_flops(self.device, self.param_dtype or torch.float32)
+        peak = metrics.peak_flops(self.device, self.param_dtype)
         world = dist.get_world_size()
         group = cfg.log.wandb_group or os.path.basename(os.path.normpath(out))
         with contextlib.ExitStack() as stack:
@@ -306,6 +298,22 @@ class Trainer:
             console.close(summary)
         comm.barrier()
         return summary
+
+    def _prepare_out(self) -> None:
+        """The run folder (first rank): its config.yaml, metrics.jsonl cut to the steps before
+        this start, and a "resumed" event saying why the run started again."""
+        out = self.cfg.log.out
+        os.makedirs(out, exist_ok=True)
+        save_yaml(self.cfg, os.path.join(out, "config.yaml"))
+        _keep_metrics_before(os.path.join(out, "metrics.jsonl"), self.start_step)
+        if self.resumed_from is not None:
+            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            cause = (
+                f"torchrun restarted the workers (attempt {attempt}) after one failed"
+                if attempt
+                else "the job was started again"
+            )
+            metrics.log_event(out, "resumed", step=self.start_step, checkpoint=self.resumed_from, cause=cause)
 
     def _check_loss_and_save(self, step: int, loss: float, nonfinite: int, console: metrics.Console) -> int:
         """The number of consecutive non-finite losses up to this step (the run stops when it
@@ -384,7 +392,7 @@ class Trainer:
             **metrics.summarize(rows),
             "first_step": self.start_step + 1,
             "wall_time_s": wall,
-            "num_params": self.cfg.model.num_params(),
+            "num_params": costmodel.num_params(self.cfg.model),
             "comm_per_step": ranks[0]["comm_per_step"],
             "ranks": ranks,
             "config": self.cfg.to_dict(),

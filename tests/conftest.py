@@ -5,6 +5,7 @@ benchmarks' smoke runs. A test appends its own flags; the last of a repeated fla
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,21 @@ TINY_RUN = [
     *("--n-layers", "2", "--n-heads", "2", "--d-model", "32", "--max-seq-len", "32", "--seq-len", "32"),
     *("--global-batch-size", "4", "--wandb", "disabled", "--log-every", "1000"),
 ]
+
+
+# The repo's own code uses ZeroOptimizer's policies, never the deprecated flat options: an old
+# spelling fails in the test process (pyproject's filterwarnings) and in every rank it spawns.
+os.environ["PYTHONWARNINGS"] = ",".join(
+    w for w in (os.environ.get("PYTHONWARNINGS"), "error:ZeroOptimizer(:DeprecationWarning") if w
+)
+
+
+def slow_except(quick: list, rest: list) -> list:
+    """Parametrize values: `quick` in the quick run, `rest` marked slow (a matrix keeps one
+    representative per feature in `-m "not slow"`, every cell in the full suite)."""
+    import pytest
+
+    return [*quick, *(pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow) for v in rest)]
 
 
 def pytest_collection_modifyitems(items: list) -> None:

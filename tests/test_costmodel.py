@@ -147,6 +147,7 @@ def summaries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return {name: json.loads((base / name / "summary.json").read_text()) for name in RUNS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_predicted_model_states_match_every_rank_of_a_run(summaries: dict[str, dict], name: str) -> None:
     """Measured: bucket padding and Adam's step counters (4 bytes a bucket) are all the
@@ -227,7 +228,7 @@ def _units_of_real_tp_model() -> tuple[dict, list[int]]:
     units, counts = {}, []
     for i, options in enumerate(TREE_OPTIONS):
         model = GPTConfig(vocab_size=257, n_layers=12, n_heads=4, d_model=64, max_seq_len=64, **options)
-        counts.append(model.num_params())
+        counts.append(costmodel.num_params(model))
         for pp, v in TREE_LAYOUTS:
             for rank in range(pp):
                 with torch.device("meta"):
@@ -247,7 +248,7 @@ def test_rank_params_are_the_real_tp_models(tp: int) -> None:
     (units, counts), *_ = run_distributed(_units_of_real_tp_model, tp, timeout=300)
     for i, options in enumerate(TREE_OPTIONS):
         model = GPTConfig(vocab_size=257, n_layers=12, n_heads=4, d_model=64, max_seq_len=64, **options)
-        assert counts[i] == model.num_params()
+        assert counts[i] == costmodel.num_params(model)
         for pp, v in TREE_LAYOUTS:
             for rank in range(pp):
                 for unit_numel in UNIT_NUMELS:
@@ -286,7 +287,7 @@ def test_table1_throughput_and_fit(row: dict[str, float]) -> None:
     and the layout fits in an 80 GB A100, also with micro-batch 1 and plain 1F1B."""
     model = _table1_model(row)
     tp, pp, gpus, batch = int(row["tp"]), int(row["pp"]), int(row["gpus"]), int(row["global_batch"])
-    assert model.num_params() / 1e9 == pytest.approx(row["params_billion"], rel=0.03)
+    assert costmodel.num_params(model) / 1e9 == pytest.approx(row["params_billion"], rel=0.03)
     cluster = Cluster(GPUS["a100-80gb"], gpus)
     plan = costmodel.plan(model, cluster, batch, 2048, tp=tp, pp=pp, zero=0, recompute="full", sequence_parallel=False)
     assert plan.ranked, plan.rejected
@@ -700,13 +701,19 @@ def _calls_of_a_step(stage: int, micro_batches: int, unit_numel: int, qwz_block:
     import contextlib
 
     from optim import ZeroOptimizer
+    from optim.policies import Communication, ZeroPlusPlus
     from parallel import comm
     from research.trainer import weight_decay_groups
 
     chunks = torch.nn.ModuleList(pipeline_chunks(TINY, 0, 1, 1))
     groups = weight_decay_groups(chunks, 0.1)
     opt = ZeroOptimizer(
-        chunks, torch.optim.AdamW, stage=stage, param_groups=groups, unit_numel=unit_numel, qwz_block=qwz_block
+        chunks,
+        torch.optim.AdamW,
+        stage=stage,
+        param_groups=groups,
+        communication=Communication(unit_numel=unit_numel),
+        zero_plus_plus=ZeroPlusPlus(qwz_block=qwz_block),
     )
     ids = torch.randint(0, TINY.vocab_size, (1, TINY.max_seq_len))
     with comm.tracking() as log:
@@ -754,7 +761,7 @@ def test_exposed_communication_per_unit() -> None:
 
     whole = gather_fwd(layout)
     (unit,) = costmodel.rank_params(model, 1, 1, 1, 0, 2**25).unit_passes[0].slots
-    one = costmodel.dp_traffic(layout, cluster, model.num_params())["gather_fwd"]
+    one = costmodel.dp_traffic(layout, cluster, costmodel.num_params(model))["gather_fwd"]
     assert unit[1] == 1 and unit[0].gathers > 1  # one call per bucket key (matrices, vectors, ...)
     calls = unit[0].gathers
     assert whole.exposed == whole.seconds == pytest.approx(one.transfer_seconds(cluster) + calls * one.latency(cluster))

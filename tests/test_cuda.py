@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from optim import DynamicLossScaler, ZeroOptimizer
+from optim.policies import Communication, MixedPrecision
 from parallel import ParallelDims, comm
 from parallel.pipeline.executor import PipelineExecutor
 from research.model import GPTConfig, pipeline_chunks
@@ -47,7 +48,8 @@ needs_datasets = pytest.mark.skipif(
 DEVICES = ["cpu", pytest.param("cuda", marks=ON_CUDA)]
 
 STEPS, BATCH, MICRO, LR, CLIP = 5, 16, 2, 1e-2, 0.5
-ZERO_KW = {"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 100}  # several buckets and units
+# several buckets and units
+ZERO_KW = {"communication": Communication(bucket_numel=1500, unit_numel=500, resident_numel=100)}
 SLEEP_CYCLES = 10**8  # torch.cuda._sleep: ~50 ms at H100 clocks
 # Losses and grad norms on CUDA against CPU, fp32 with TF32 off: the kernels sum in other orders (~1e-7 relative per
 # op), which Adam carries into the weights. Runs of the training command under layouts that
@@ -246,8 +248,7 @@ def fp16_steps(device: str, stage: int) -> dict:
         model,
         torch.optim.AdamW,
         stage=stage,
-        param_dtype=torch.float16,
-        loss_scaler=DynamicLossScaler(init_scale=2.0**30, hysteresis=1),
+        precision=MixedPrecision(torch.float16, loss_scaler=DynamicLossScaler(init_scale=2.0**30, hysteresis=1)),
         param_groups=no_decay_groups(model),
         lr=LR,
         **ZERO_KW,

@@ -135,3 +135,134 @@ def test_train_commands_use_real_flags(page: Path, trainer_flags: set[str]) -> N
             args = line[m.end() :].split(" #", 1)[0]  # the trainer's own arguments, not torchrun's or a comment
             unknown += [f"{flag} in: {line.strip()}" for flag in FLAG.findall(args) if flag not in trainer_flags]
     assert not unknown, f"{_name(page)}: flags experiments.train does not take: {unknown}"
+
+
+# ---- every repo command and import the docs show exists ---------------------------------------
+PYTHON_M = re.compile(r"python -m ((?:experiments|tests)(?:\.\w+)*)")
+REPO_PACKAGES = ("optim", "parallel", "research", "experiments")
+
+
+def module_commands() -> dict[str, set[str]]:
+    """Repo module run by `python -m` in a docs bash block -> the flags the docs give it (up to
+    a `--`, after which the flags are another command's)."""
+    found: dict[str, set[str]] = {}
+    for page in PAGES:
+        for block in bash_blocks(page.read_text(encoding="utf-8")):
+            for line in block:
+                for m in PYTHON_M.finditer(line):
+                    args = line[m.end() :].split(" #", 1)[0].split(" -- ", 1)[0].split("&&", 1)[0].split("|", 1)[0]
+                    found.setdefault(m[1], set()).update(FLAG.findall(args) if "..." not in args else [])
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", sorted(set(module_commands()) - {"tests.test_docs"}))
+def test_documented_commands_run_and_take_their_flags(module: str) -> None:
+    """`python -m MODULE --help` runs for every command the docs show, and lists each flag
+    they give it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--help"], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, f"python -m {module} --help failed: {done.stderr[-2000:]}"
+    unknown = sorted(flag for flag in module_commands()[module] - {"--help"} if flag not in done.stdout)
+    assert not unknown, f"the docs give python -m {module} flags it does not take: {unknown}"
+
+
+def python_blocks(text: str) -> list[str]:
+    """The source of each ```python fenced block."""
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_documented_imports_exist(page: Path) -> None:
+    """Every `from repo_module import name` in a python block names something that exists."""
+    import ast
+    import importlib
+    import importlib.util
+
+    missing = []
+    for source in python_blocks(page.read_text(encoding="utf-8")):
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in REPO_PACKAGES:
+                if node.module.startswith("optim.integrations."):
+                    continue  # imports Lightning / transformers / accelerate, which the tests need not have
+                module = importlib.import_module(node.module)
+                missing += [
+                    f"{node.module}.{a.name}"
+                    for a in node.names
+                    if not hasattr(module, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None
+                ]
+    assert not missing, f"{_name(page)}: names its python blocks import that do not exist: {missing}"
+
+
+# ---- the options table of docs/optimizer.md is rendered from optim/policies.py -------------
+OPTIONS_PAGE = ROOT / "docs" / "optimizer.md"
+OPTIONS_BEGIN = "<!-- options: rendered from optim/policies.py by `python -m tests.test_docs` -->"
+OPTIONS_END = "<!-- /options -->"
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """A policy's "Attributes:" docstring section as field -> one-line description."""
+    import inspect
+
+    doc = inspect.getdoc(cls) or ""
+    fields: dict[str, str] = {}
+    name = None
+    for line in doc.split("Attributes:", 1)[1].splitlines():
+        match = re.match(r"^    (\w+): (.*)$", line)
+        if match:
+            name = match[1]
+            fields[name] = match[2]
+        elif line.startswith("        ") and name is not None:
+            fields[name] += " " + line.strip()
+    return fields
+
+
+def options_markdown() -> str:
+    """One section per policy: its docstring's summary, then field | default | meaning."""
+    import dataclasses
+    import inspect
+
+    from optim import policies
+
+    parts = []
+    for argument, cls in policies.POLICY_CLASSES.items():
+        summary = (inspect.getdoc(cls) or "").split("Attributes:", 1)[0].strip().replace("\n", " ")
+        rows = [f"| `{f.name}` | `{f.default!r}` | {field_docs(cls)[f.name]} |" for f in dataclasses.fields(cls)]
+        parts.append(
+            f"### `{argument}={cls.__name__}(...)`\n\n{summary}\n\n| field | default | meaning |\n|---|---|---|\n"
+            + "\n".join(rows)
+        )
+    return "\n\n".join(parts)
+
+
+def rendered_options_section(text: str) -> tuple[int, int]:
+    begin, end = text.index(OPTIONS_BEGIN) + len(OPTIONS_BEGIN), text.index(OPTIONS_END)
+    return begin, end
+
+
+def test_options_are_rendered_from_the_policies() -> None:
+    """Each option is documented once, in its policy's docstring; the docs show the rendering."""
+    text = OPTIONS_PAGE.read_text()
+    begin, end = rendered_options_section(text)
+    assert text[begin:end].strip() == options_markdown(), (
+        "docs/optimizer.md's options differ from optim/policies.py: run python -m tests.test_docs"
+    )
+
+
+def test_every_policy_field_is_documented() -> None:
+    import dataclasses
+
+    from optim import policies
+
+    for cls in policies.POLICY_CLASSES.values():
+        assert set(field_docs(cls)) == {f.name for f in dataclasses.fields(cls)}, cls.__name__
+
+
+if __name__ == "__main__":
+    page = OPTIONS_PAGE.read_text()
+    begin, end = rendered_options_section(page)
+    OPTIONS_PAGE.write_text(page[:begin] + "\n\n" + options_markdown() + "\n\n" + page[end:])

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 from optim import ZeroOptimizer
 from optim.integrations import accelerate as zero_accelerate
+from optim.policies import Communication
 from parallel import comm
 from tests.dist_utils import run_distributed
 from tests.models import make_model, no_decay_groups
@@ -36,7 +37,8 @@ WORLD, MICRO, ACCUM, EPOCHS = 2, 2, 2, 2
 STEPS_PER_EPOCH = 5
 SAMPLES = STEPS_PER_EPOCH * WORLD * ACCUM * MICRO
 SEQ, VOCAB, LR, CLIP = 8, 37, 3e-3, 6.3  # the norms are about 5.7-7: some steps clipped, some not
-SMALL = {"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 0}  # several buckets, every unit gathered
+# several buckets, every unit gathered
+SMALL = {"communication": Communication(bucket_numel=1500, unit_numel=500, resident_numel=0)}
 RTOL, ATOL = 1e-5, 1e-6
 
 

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, get_scheduler
 
 from optim.integrations.hf import ZERO_OPTIMIZER_DIR, ZeroTrainer
+from optim.policies import Communication, MixedPrecision
 from parallel import comm
 from tests.dist_utils import run_distributed
 
@@ -33,7 +34,8 @@ LR, WEIGHT_DECAY, CLIP, WARMUP = 3e-3, 0.1, 1.0, 3
 # tests/test_model_zero.py). GPT-2's attention key biases have an analytically zero gradient
 # (softmax ignores a score added to every key); they stay pure noise below 1e-7, inside ATOL.
 EPS, RTOL, ATOL = 1e-6, 1e-5, 1e-6
-ZERO_KWARGS = {"bucket_numel": 3000, "unit_numel": 2000}  # several buckets, stage-3 units per block
+# several buckets, stage-3 units per block
+ZERO_KWARGS = {"communication": Communication(bucket_numel=3000, unit_numel=2000)}
 
 
 def gpt2() -> GPT2LMHeadModel:
@@ -117,7 +119,7 @@ def train(stage: int, output_dir: str, resume: str | None = None, **overrides) -
         "norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
         "reductions": log.calls(op="reduce_scatter_tensor") / len(trainer.zero_optimizer.buckets),
         "weights": trainer.zero_optimizer.full_state_dict(),
-        "find_unused": trainer.zero_optimizer.find_unused_parameters,
+        "find_unused": trainer.zero_optimizer.communication.find_unused_parameters,
         "eval_loss": trainer.evaluate()["eval_loss"],
         "decay": trainer.get_decay_parameter_names(trainer.model),
         # whether Trainer counts the tokens a causal LM predicts (labels[:, 1:]) or every label:
@@ -273,8 +275,10 @@ MISUSES = [  # (make, the start of its sentence)
         "zero_kwargs ['lr'] are not options ZeroTrainer passes to ZeroOptimizer",
     ),
     (
-        lambda args, root: ZeroTrainer(model=gpt2(), args=args, zero_kwargs={"param_dtype": torch.float16}),
-        "zero_kwargs param_dtype=torch.float16 needs a loss-scaled backward",
+        lambda args, root: ZeroTrainer(
+            model=gpt2(), args=args, zero_kwargs={"precision": MixedPrecision(torch.float16)}
+        ),
+        "zero_kwargs precision param_dtype=torch.float16 needs a loss-scaled backward",
     ),
     (_with(optim="adafactor"), "optim='adafactor' is not an elementwise optimizer"),
     (_with(fp16=True), "ZeroTrainer does not support fp16=True"),

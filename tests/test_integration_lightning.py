@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from optim import ZeroOptimizer
+from optim.policies import Communication, MixedPrecision
 from parallel import comm
 from tests.dist_utils import run_distributed
 from tests.models import make_model, no_decay_groups
@@ -32,7 +33,8 @@ pytestmark = pytest.mark.slow
 WORLD, MICRO_BATCH, ACCUM, STEPS = 2, 4, 2, 10
 SAMPLES = 5 * WORLD * ACCUM * MICRO_BATCH  # an epoch is 5 optimizer steps
 SEQ, VOCAB, LR, CLIP = 8, 37, 3e-3, 1.0
-SMALL = {"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 100}  # several buckets and stage-3 units
+# several buckets and stage-3 units
+SMALL = {"communication": Communication(bucket_numel=1500, unit_numel=500, resident_numel=100)}
 
 
 def warmup(step: int) -> float:
@@ -329,13 +331,13 @@ def one_rank_checks(root: Path) -> dict[str, Any]:
             misuse[name] = "no error"
         except Exception as e:  # any exception: its message is what is tested
             misuse[name] = f"{type(e).__name__}: {e}"
-    promised = ZeroStrategy(2, find_unused_parameters=False)
+    promised = ZeroStrategy(2, communication=Communication(find_unused_parameters=False))
     fit_once(root, LitTiny(), promised)
     own, strategy = OwnZero(2), ZeroStrategy(2)
     fit_once(root, own, strategy)
     trained = not torch.equal(strategy.full_state_dict()["net.emb.weight"], LitTiny().net.emb.weight)
     taken = strategy.zero_optimizer is own.built and trained
-    module, strategy = AutocastProbe(), ZeroStrategy(2, param_dtype=torch.bfloat16)
+    module, strategy = AutocastProbe(), ZeroStrategy(2, precision=MixedPrecision(torch.bfloat16))
     before = {k: v.clone() for k, v in module.state_dict().items()}
     make_trainer(strategy, root, devices=1, max_steps=2, precision="bf16-mixed").fit(module)
     after = strategy.full_state_dict()
@@ -349,7 +351,7 @@ def one_rank_checks(root: Path) -> dict[str, Any]:
         "misuse": misuse,
         "bf16": bf16,
         "own ZeroOptimizer taken": taken,
-        "find_unused_parameters": promised.zero_optimizer.find_unused_parameters,
+        "find_unused_parameters": promised.zero_optimizer.communication.find_unused_parameters,
     }
 
 
@@ -436,7 +438,7 @@ def test_own_zero_optimizer_is_taken(one_rank: dict[str, Any]) -> None:
 
 
 def test_bf16_mixed(one_rank: dict[str, Any]) -> None:
-    """precision="bf16-mixed" runs the steps under bf16 autocast; with param_dtype=bf16 the
+    """precision="bf16-mixed" runs the steps under bf16 autocast; with MixedPrecision(bf16) the
     weights train, stay finite and come back in their original dtype (fp32)."""
     bf16 = one_rank["bf16"]
     assert bf16["autocast"] == [["torch.bfloat16"]] * 2 * ACCUM
@@ -453,7 +455,7 @@ def test_optim_does_not_import_lightning() -> None:
     [
         (lambda: ZeroStrategy(stage=4), "stage=4 is not a ZeRO stage"),
         (lambda: ZeroStrategy(lr=1e-3), "optimizer hyperparameters go to the optimizer configure_optimizers returns"),
-        (lambda: ZeroStrategy(param_dtype=torch.float16), "use torch.bfloat16"),
+        (lambda: ZeroStrategy(precision=MixedPrecision(torch.float16)), "use torch.bfloat16"),
         (
             lambda: pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(), precision="bf16-true"),
             "supports precision '32-true' or 'bf16-mixed', not 'bf16-true'",

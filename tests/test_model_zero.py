@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 
 from optim import ZeroOptimizer
+from optim.policies import Communication
 from parallel import ParallelDims
 from parallel.random import seed_everything
+from research import costmodel
 from research.model import GPT, GPTConfig
 from tests.dist_utils import run_distributed
 from tests.test_model_parity import gather_tp, tp_dims
@@ -70,8 +72,7 @@ def train(stage: int, tp: int, sequence_parallel: bool) -> tuple[list[float], li
         model_parallel_group=dims.mp_group,
         lr=LR,
         eps=EPS,
-        bucket_numel=3000,
-        unit_numel=2000,
+        communication=Communication(bucket_numel=3000, unit_numel=2000),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     per_rank = BATCH // dims.dp
@@ -108,7 +109,7 @@ def test_config_counts() -> None:
     V/16Lh) with full recompute) for a GELU model with d_ff = 4h."""
     for overrides in ({}, {"position": "rope", "activation": "swiglu", "norm": "rmsnorm", "tie_embeddings": False}):
         config = dataclasses.replace(CONFIG, **overrides)
-        assert config.num_params() == sum(p.numel() for p in GPT(config).parameters())
+        assert costmodel.num_params(config) == sum(p.numel() for p in GPT(config).parameters())
     L, h, V, s = CONFIG.n_layers, CONFIG.d_model, CONFIG.padded_vocab, 16
     assert CONFIG.flops_per_token(s) == pytest.approx(72 * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)))
     full = dataclasses.replace(CONFIG, recompute="full")

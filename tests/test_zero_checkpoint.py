@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from optim.policies import Communication
 from tests.dist_utils import run_distributed
 from tests.models import reference_run
 from tests.test_zero_parity import BATCH, LR, MICRO, STEPS, assert_matches
 from tests.zero_runs import zero_train
 
-SMALL = {"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 100}
+SMALL = {"communication": Communication(bucket_numel=1500, unit_numel=500, resident_numel=100)}
 
 
 def test_save_4_ranks_stage3_load_2_ranks_stage1(tmp_path) -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from optim import ZeroOptimizer
+from optim.policies import Communication
 from parallel import comm
 from tests.dist_utils import run_distributed
 from tests.models import batches, make_model
@@ -36,8 +37,7 @@ def norm_with_marks(stage: int) -> float:
         stage=stage,
         process_group=dp,
         model_parallel_group=mp,
-        bucket_numel=1500,
-        unit_numel=500,
+        communication=Communication(bucket_numel=1500, unit_numel=500),
     )
     idx, tgt = batches(1, 8)[0]
     rows = slice(4 * (rank % 2), 4 * (rank % 2) + 4)  # the data-parallel index

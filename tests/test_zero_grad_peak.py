@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from optim import ZeroOptimizer
 from optim.grads import MAX_IN_FLIGHT
+from optim.policies import Communication
 from tests.dist_utils import run_distributed
 
 WIDTH, LAYERS, MICRO = 32, 4, 3
@@ -21,7 +22,9 @@ def peaks(stage: int) -> dict[str, int]:
     for policy in ("no_sync", "every_backward"):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
-        opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, bucket_numel=WIDTH * WIDTH, lr=1e-3)
+        opt = ZeroOptimizer(
+            model, torch.optim.AdamW, stage=stage, communication=Communication(bucket_numel=WIDTH * WIDTH), lr=1e-3
+        )
         at_start = opt.grad_peak_bytes
         for i in range(MICRO):
             defer = policy == "no_sync" and i < MICRO - 1

@@ -1,7 +1,8 @@
-"""ZeRO++ hpZ (`ZeroOptimizer(stage=3, hpz=True, node_groups=ParallelDims.dp_shard_node_groups)`): after a
-unit's first gather in a step each rank keeps 1/k of it (k = shard ranks per node), and the
-later gathers of the step stay inside the node. Exact in fp32 (the same values travel), so
-the run equals torch; bytes per group and the extra memory follow the paper's formulas."""
+"""ZeRO++ hpZ (`ZeroOptimizer(stage=3, zero_plus_plus=ZeroPlusPlus(hpz=True),
+node_groups=ParallelDims.dp_shard_node_groups)`): after a unit's first gather in a step each
+rank keeps 1/k of it (k = shard ranks per node), and the later gathers of the step stay
+inside the node. Exact in fp32 (the same values travel), so the run equals torch; bytes per
+group and the extra memory follow the paper's formulas."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from optim import ZeroOptimizer
+from optim.policies import Communication, ZeroPlusPlus
 from parallel import ParallelDims, comm
 from tests.dist_utils import run_distributed
 from tests.models import reference_run
@@ -20,7 +22,7 @@ from tests.zero_runs import zero_train
 pytestmark = pytest.mark.slow
 
 STEPS, BATCH, MICRO, LR = 10, 16, 2, 1e-2
-SMALL = {"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 100}
+SMALL = {"communication": Communication(bucket_numel=1500, unit_numel=500, resident_numel=100)}
 NODES_OF_2 = {"ranks_per_node": 2}
 
 
@@ -38,7 +40,7 @@ def test_hpz_matches_torch(dims: dict, use_no_sync: bool) -> None:
         BATCH,
         MICRO,
         lr=LR,
-        zero_kwargs={**SMALL, "hpz": True},
+        zero_kwargs={**SMALL, "zero_plus_plus": ZeroPlusPlus(hpz=True)},
         use_no_sync=use_no_sync,
         dims=dims,
     )
@@ -51,8 +53,10 @@ def _one_step(hpz: bool) -> dict:
     """Two micro-batches (four gathers of each unit) of a 4-rank ZeRO-3 step over 2 nodes of 2."""
     dims = ParallelDims(ranks_per_node=2).build()
     model = mlp()
-    kwargs = {"stage": 3, "bucket_numel": 4000, "unit_numel": 1000, "resident_numel": 0}
-    opt = ZeroOptimizer(model, torch.optim.AdamW, node_groups=dims.dp_shard_node_groups, hpz=hpz, **kwargs)
+    kwargs = {"stage": 3, "communication": Communication(bucket_numel=4000, unit_numel=1000, resident_numel=0)}
+    opt = ZeroOptimizer(
+        model, torch.optim.AdamW, node_groups=dims.dp_shard_node_groups, zero_plus_plus=ZeroPlusPlus(hpz=hpz), **kwargs
+    )
     x = torch.randn(2, 4, 31)
     before = opt.memory_breakdown()["params"]
     with comm.tracking() as log:
@@ -88,7 +92,13 @@ def test_hpz_bytes_and_memory() -> None:
 def _refused(kwargs: dict) -> str:
     dims = ParallelDims(ranks_per_node=2).build()
     try:
-        ZeroOptimizer(mlp(), torch.optim.AdamW, node_groups=dims.dp_shard_node_groups, hpz=True, **kwargs)
+        ZeroOptimizer(
+            mlp(),
+            torch.optim.AdamW,
+            node_groups=dims.dp_shard_node_groups,
+            zero_plus_plus=ZeroPlusPlus(hpz=True),
+            **kwargs,
+        )
     except ValueError as e:
         return str(e)
     return "no error"
@@ -104,7 +114,9 @@ def _swapped_node_groups() -> str:
     dims = ParallelDims(ranks_per_node=2).build()
     node, cross = dims.dp_shard_node_groups
     try:
-        ZeroOptimizer(mlp(), torch.optim.AdamW, stage=3, node_groups=(cross, node), hpz=True)
+        ZeroOptimizer(
+            mlp(), torch.optim.AdamW, stage=3, node_groups=(cross, node), zero_plus_plus=ZeroPlusPlus(hpz=True)
+        )
     except ValueError as e:
         return str(e)
     return "no error"

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from optim import ZeroOptimizer
+from optim.policies import Communication
 from parallel import ParallelDims, comm
 from tests.dist_utils import run_distributed
 from tests.models import reference_run
@@ -19,7 +20,7 @@ from tests.zero_runs import zero_train
 pytestmark = pytest.mark.slow
 
 STEPS, BATCH, MICRO, LR = 10, 16, 2, 1e-2
-SMALL = {"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 100}
+SMALL = {"communication": Communication(bucket_numel=1500, unit_numel=500, resident_numel=100)}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -49,7 +50,7 @@ def _bytes_and_memory(stage: int) -> dict:
     3's prefetch order), the bucket sizes, and the memory of the hybrid optimizer and of
     plain ZeRO over the shard group alone."""
     dims = ParallelDims(dp_shard=2, ranks_per_node=2).build()
-    kwargs = {"stage": stage, "bucket_numel": 4000, "unit_numel": 1000, "resident_numel": 0}
+    kwargs = {"stage": stage, "communication": Communication(bucket_numel=4000, unit_numel=1000, resident_numel=0)}
     plain = ZeroOptimizer(mlp(), torch.optim.AdamW, process_group=dims.dp_shard_group, **kwargs)
     model = mlp()
     groups = {"process_group": dims.dp_shard_group, "replicate_group": dims.dp_replicate_group}

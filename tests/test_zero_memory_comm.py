@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from optim import ZeroOptimizer
+from optim.policies import Communication, MixedPrecision
 from parallel import comm
 from tests.dist_utils import run_distributed
 from tests.models import make_model
@@ -39,11 +40,8 @@ def measure_memory(stage: int) -> dict:
         model,
         torch.optim.AdamW,
         stage=stage,
-        param_dtype=torch.bfloat16,
-        reduce_dtype=torch.bfloat16,
-        bucket_numel=4000,
-        unit_numel=1000,
-        resident_numel=0,
+        precision=MixedPrecision(torch.bfloat16, torch.bfloat16),
+        communication=Communication(bucket_numel=4000, unit_numel=1000, resident_numel=0),
     )
     one_step(model, opt, torch.bfloat16)
     padded = sum(b.numel for b in opt.buckets)
@@ -68,7 +66,12 @@ def test_memory_matches_zero_formulas(stage: int, world: int) -> None:
 
 def measure_comm(stage: int) -> dict:
     model = mlp()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, bucket_numel=4000, unit_numel=1000, resident_numel=0)
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        stage=stage,
+        communication=Communication(bucket_numel=4000, unit_numel=1000, resident_numel=0),
+    )
     one_step(model, opt, torch.float32)  # the first step records the order stage 3 prefetches in
     with comm.tracking() as log:
         one_step(model, opt, torch.float32)
@@ -105,7 +108,9 @@ def test_comm_bytes_match_theory(stage: int, world: int) -> None:
 
 def measure_tied_stage3_comm() -> dict:
     model = make_model()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=3, unit_numel=500, resident_numel=0)
+    opt = ZeroOptimizer(
+        model, torch.optim.AdamW, stage=3, communication=Communication(unit_numel=500, resident_numel=0)
+    )
     idx = torch.randint(0, 37, (4, 8))
     for _ in range(2):  # the second step runs with the prefetch order recorded by the first
         with comm.tracking() as log:

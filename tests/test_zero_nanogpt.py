@@ -12,6 +12,7 @@ that never reaches a collective is named by the watchdog within its timeout."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -23,12 +24,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from optim import ZeroOptimizer
+from optim.policies import Communication, MixedPrecision
 from parallel import comm
 from tests.dist_utils import run_distributed
 from tests.models import make_model, no_decay_groups
 
 ITERS, ACCUM, MICRO, EVAL_INTERVAL, EVAL_ITERS = 6, 2, 2, 3, 2
-UNITS = {"bucket_numel": 800, "unit_numel": 700, "resident_numel": 0}  # 4 blocks: several stage-3 units
+UNITS = Communication(bucket_numel=800, unit_numel=700, resident_numel=0)  # 4 blocks: several stage-3 units
 OUT_OF_STEP = "at ZeRO stage 3 every rank must run the same forwards and model state-dict calls"
 
 
@@ -69,8 +71,7 @@ def script(method: str, ckpt: str, eval_everywhere: bool = False, save_everywher
             param_groups=no_decay_groups(model),
             lr=1e-2,
             betas=(0.9, 0.95),
-            comm_timeout_s=30,
-            **UNITS,
+            communication=dataclasses.replace(UNITS, timeout_s=30),
         )
 
     @torch.no_grad()
@@ -162,7 +163,12 @@ def resume(stage: int, ckpt: str, placeholder: bool, param_dtype: torch.dtype | 
     per-rank parameters, empty tensors) as nanoGPT resumes; the full weights after the load."""
     model = gpt(seed=5)
     opt = ZeroOptimizer(
-        model, torch.optim.AdamW, stage=stage, param_groups=no_decay_groups(model), param_dtype=param_dtype, **UNITS
+        model,
+        torch.optim.AdamW,
+        stage=stage,
+        param_groups=no_decay_groups(model),
+        precision=MixedPrecision(param_dtype),
+        communication=UNITS,
     )
     state = torch.load(ckpt)["model"]
     if placeholder:
@@ -194,7 +200,9 @@ def test_a_saved_checkpoint_resumes_into_stage3_and_placeholders_are_refused(
 
 def reductions_per_iteration(stage: int, flag: bool) -> int:
     model = gpt()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, find_unused_parameters=False, **UNITS)
+    opt = ZeroOptimizer(
+        model, torch.optim.AdamW, stage=stage, communication=dataclasses.replace(UNITS, find_unused_parameters=False)
+    )
     with comm.tracking() as log:
         for micro_step in range(ACCUM):
             if flag:
@@ -218,7 +226,7 @@ def stalled(err_dir: str) -> None:
     fd = os.open(os.path.join(err_dir, f"rank{rank}.err"), os.O_WRONLY | os.O_CREAT)
     os.dup2(fd, 2)
     model = gpt()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=3, comm_timeout_s=3, **UNITS)
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=3, communication=dataclasses.replace(UNITS, timeout_s=3))
     model(*get_batch("train", 0, 0, rank)).backward()
     opt.step()
     if rank == 0:
@@ -246,7 +254,7 @@ def saved_by_safetensors(stage: int, path: str) -> dict:
 
     model = gpt()
     model.head.weight = model.emb.weight  # a tied weight: saved once, as torch does
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, **UNITS)
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, communication=UNITS)
     model(*get_batch("train", 0, 0, dist.get_rank())).backward()
     opt.step()
     state = model.state_dict()

@@ -3,24 +3,29 @@ the same training as torch.optim.AdamW on the same batches, for stages 0-3."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
 from optim import ZeroOptimizer
+from optim.policies import Communication, ZeroPlusPlus
 from parallel import comm
 from tests.dist_utils import forbid_collectives, run_distributed
 from tests.models import batches, make_model, micro_slices, no_decay_groups, reference_run
 
 STEPS, BATCH, MICRO = 6, 8, 2
 LR = 1e-2
+SMALL = Communication(bucket_numel=1500, unit_numel=500, resident_numel=100)
 
 
 def train_alone(stage: int, **zero_kwargs: Any) -> tuple[list[float], dict[str, torch.Tensor], dict]:
     """zero_train's loop (two micro-batches, clipping, an LR schedule) on the only rank, with
     every torch.distributed collective raising; also a state_dict round trip. Returns the
-    losses, the full state dict and comm's log (calls counted, 0 bytes)."""
+    losses, the full state dict and comm's log (calls counted, 0 bytes). `communication`
+    defaults to SMALL."""
+    zero_kwargs = {"communication": SMALL, **zero_kwargs}
     forbid_collectives()
     model = make_model()
     opt = ZeroOptimizer(
@@ -29,9 +34,6 @@ def train_alone(stage: int, **zero_kwargs: Any) -> tuple[list[float], dict[str, 
         stage=stage,
         param_groups=no_decay_groups(model),
         lr=LR,
-        bucket_numel=1500,
-        unit_numel=500,
-        resident_numel=100,
         **zero_kwargs,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
@@ -60,8 +62,8 @@ def train_alone(stage: int, **zero_kwargs: Any) -> tuple[list[float], dict[str, 
         (1, {}),
         (2, {}),
         (3, {}),
-        (1, {"overlap_param_gather": True, "find_unused_parameters": False}),
-        (2, {"qwz_block": 64}),
+        (1, {"communication": dataclasses.replace(SMALL, overlap_param_gather=True, find_unused_parameters=False)}),
+        (2, {"zero_plus_plus": ZeroPlusPlus(qwz_block=64)}),
     ],
     ids=["stage0", "stage1", "stage2", "stage3", "stage1-overlap", "stage2-qwz"],
 )

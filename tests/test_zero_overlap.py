@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from optim import ZeroOptimizer
+from optim.policies import Communication
 from parallel import comm
 from tests.dist_utils import run_distributed
 from tests.models import make_model
@@ -19,7 +20,12 @@ def collectives_before_last_gradient(stage: int) -> tuple[int, int]:
     op = "all_reduce" if stage == 0 else "reduce_scatter_tensor"
     # registered first, so it runs before the optimizer's own hook on this parameter
     model.emb.weight.register_post_accumulate_grad_hook(lambda p: seen.append(log.calls(op=op)))
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, bucket_numel=1500, unit_numel=500, resident_numel=0)
+    opt = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        stage=stage,
+        communication=Communication(bucket_numel=1500, unit_numel=500, resident_numel=0),
+    )
     idx = torch.randint(0, 37, (4, 8))
     with comm.tracking() as log:
         opt.backward(model(idx, idx))
@@ -34,7 +40,9 @@ def test_reduction_starts_during_backward(stage: int) -> None:
 
 def gathered_after_forward() -> tuple[int, int]:
     model = make_model()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=3, unit_numel=500, resident_numel=100)
+    opt = ZeroOptimizer(
+        model, torch.optim.AdamW, stage=3, communication=Communication(unit_numel=500, resident_numel=100)
+    )
     resident = sum(b.numel for b in opt.buckets if not b.sharding.parameters)
     idx = torch.randint(0, 37, (4, 8))
     loss = model(idx, idx)

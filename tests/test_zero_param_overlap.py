@@ -1,15 +1,19 @@
-"""Overlapped parameter all-gather at stages 1-2 (`ZeroOptimizer(overlap_param_gather=True)`,
-Megatron's overlap-param-gather): `step()` returns with the gathers in flight, each bucket's
+"""Overlapped parameter all-gather at stages 1-2
+(`ZeroOptimizer(communication=Communication(overlap_param_gather=True))`, Megatron's
+overlap-param-gather): `step()` returns with the gathers in flight, each bucket's
 is finished just before the first forward of a module holding its parameters, and training
 is the same as with the gathers finished inside `step()`."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from optim import ZeroOptimizer
+from optim.policies import Communication, ZeroPlusPlus
 from tests.dist_utils import run_distributed
 from tests.models import reference_run
 from tests.test_zero_memory_comm import mlp
@@ -17,13 +21,13 @@ from tests.test_zero_parity import assert_matches
 from tests.zero_runs import zero_train
 
 STEPS, BATCH, MICRO, LR = 10, 16, 2, 1e-2
-SMALL = {"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 100}
+SMALL = {"communication": Communication(bucket_numel=1500, unit_numel=500, resident_numel=100)}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_overlapped_gathers_match_torch(stage: int) -> None:
     """Stage 3 publishes only its resident units after the step: those overlap too."""
-    zero_kwargs = {**SMALL, "overlap_param_gather": True}
+    zero_kwargs = {"communication": dataclasses.replace(SMALL["communication"], overlap_param_gather=True)}
     out = run_distributed(zero_train, 2, stage, STEPS, BATCH, MICRO, lr=LR, zero_kwargs=zero_kwargs)
     ref = reference_run(STEPS, BATCH, MICRO, 2, torch.optim.AdamW, lr=LR)
     for result in out:
@@ -33,7 +37,11 @@ def test_overlapped_gathers_match_torch(stage: int) -> None:
 def _pending_through_forward(qwz_block: int | None) -> dict:
     model = mlp()
     opt = ZeroOptimizer(
-        model, torch.optim.AdamW, stage=2, bucket_numel=1, overlap_param_gather=True, qwz_block=qwz_block
+        model,
+        torch.optim.AdamW,
+        stage=2,
+        communication=Communication(bucket_numel=1, overlap_param_gather=True),
+        zero_plus_plus=ZeroPlusPlus(qwz_block=qwz_block),
     )
     seen = []
     for layer in model:

@@ -1,8 +1,9 @@
-"""ZeRO++ qgZ (`ZeroOptimizer(qgz_bits=8 or 4, node_groups=...)`): the gradient reduce-scatter
-of stages 2-3 becomes quantized all-to-alls inside the node, then across nodes, summed in
-fp32. 4 ranks as 2 nodes of 2 (and hybrid: 2 replicas of a shard group inside a node):
-bytes per group follow the formulas, the loss curve over 50 steps stays close to the exact
-run's, and the option is refused where there is no gradient reduce-scatter to quantize."""
+"""ZeRO++ qgZ (`ZeroOptimizer(zero_plus_plus=ZeroPlusPlus(qgz_bits=8 or 4), node_groups=...)`):
+the gradient reduce-scatter of stages 2-3 becomes quantized all-to-alls inside the node,
+then across nodes, summed in fp32. 4 ranks as 2 nodes of 2 (and hybrid: 2 replicas of a
+shard group inside a node): bytes per group follow the formulas, the loss curve over 50
+steps stays close to the exact run's, and the option is refused where there is no gradient
+reduce-scatter to quantize."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from optim import ZeroOptimizer
 from optim.grads import QGZ_BLOCK
+from optim.policies import Communication, ZeroPlusPlus
 from parallel import ParallelDims
 from tests.dist_utils import run_distributed
 from tests.models import make_model
@@ -19,7 +21,7 @@ from tests.zero_runs import construction_error, tracked_steps
 pytestmark = pytest.mark.slow
 
 STEPS = 50
-UNITS = {"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 0}
+UNITS = Communication(bucket_numel=1500, unit_numel=500, resident_numel=0)
 
 
 def train(stage: int, qgz_bits: int | None, dp_shard: int | None) -> dict:
@@ -33,8 +35,8 @@ def train(stage: int, qgz_bits: int | None, dp_shard: int | None) -> dict:
         process_group=dims.dp_shard_group,
         replicate_group=dims.dp_replicate_group,
         node_groups=dims.dp_shard_node_groups,
-        qgz_bits=qgz_bits,
-        **UNITS,
+        communication=UNITS,
+        zero_plus_plus=ZeroPlusPlus(qgz_bits=qgz_bits),
     )
     losses, logs = tracked_steps(model, opt, STEPS)
     return {"losses": losses, "log": logs[-1], "sizes": [b.numel for b in opt.buckets]}
@@ -79,5 +81,5 @@ def test_qgz_bytes_and_close_losses(stage: int, bits: int, dp_shard: int | None)
 @pytest.mark.timeout(60)
 def test_qgz_is_refused_at_stages_0_and_1() -> None:
     for stage in (0, 1):
-        (message,) = run_distributed(construction_error, 1, stage, qgz_bits=8)
+        (message,) = run_distributed(construction_error, 1, stage, zero_plus_plus=ZeroPlusPlus(qgz_bits=8))
         assert "needs stage 2 or 3" in message, message

@@ -1,7 +1,8 @@
-"""ZeRO++ qwZ (`ZeroOptimizer(qwz_block=...)`): the parameter all-gathers (stage 3's before use,
-stages 1-2's after the step) send int8 blocks and fp32 scales, a quarter of the fp32 bytes;
-training follows the exact run closely (the masters and the update stay exact, only the
-gathered compute copy of other ranks' shards is rounded); refused at stage 0."""
+"""ZeRO++ qwZ (`ZeroOptimizer(zero_plus_plus=ZeroPlusPlus(qwz_block=...))`): the parameter
+all-gathers (stage 3's before use, stages 1-2's after the step) send int8 blocks and fp32
+scales, a quarter of the fp32 bytes; training follows the exact run closely (the masters and
+the update stay exact, only the gathered compute copy of other ranks' shards is rounded);
+refused at stage 0."""
 
 from __future__ import annotations
 
@@ -11,19 +12,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from optim import ZeroOptimizer
+from optim.policies import Communication, ZeroPlusPlus
 from tests.dist_utils import run_distributed
 from tests.models import batches, make_model
 from tests.zero_runs import construction_error, tracked_steps
 
 pytestmark = pytest.mark.slow
 
-UNITS = {"bucket_numel": 1500, "unit_numel": 500, "resident_numel": 0}  # every stage-3 unit is gathered
+# every stage-3 unit is gathered
+UNITS = {"communication": Communication(bucket_numel=1500, unit_numel=500, resident_numel=0)}
 STEPS, BLOCK = 50, 64
 
 
 def train(stage: int, qwz_block: int | None) -> dict:
     model = make_model()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=3e-3, qwz_block=qwz_block, **UNITS)
+    opt = ZeroOptimizer(
+        model, torch.optim.AdamW, stage=stage, lr=3e-3, zero_plus_plus=ZeroPlusPlus(qwz_block=qwz_block), **UNITS
+    )
     losses, logs = tracked_steps(model, opt, STEPS)
     gathered = sum(
         ops["all_gather_into_tensor"]["bytes"]
@@ -63,7 +68,7 @@ def test_qwz_quarter_bytes_and_close_losses(stage: int) -> None:
 
 @pytest.mark.timeout(60)
 def test_qwz_is_refused_at_stage_0() -> None:
-    (message,) = run_distributed(construction_error, 1, 0, qwz_block=64)
+    (message,) = run_distributed(construction_error, 1, 0, zero_plus_plus=ZeroPlusPlus(qwz_block=64))
     assert "needs stage 1-3" in message, message
 
 
@@ -71,7 +76,9 @@ def _checkpoint_is_exact(path: str) -> dict:
     """5 steps at stage 2 with qwZ and qgZ, a DCP checkpoint, loaded into an exact optimizer."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=3e-3, qwz_block=BLOCK, qgz_bits=8, **UNITS)
+    opt = ZeroOptimizer(
+        model, torch.optim.AdamW, stage=2, lr=3e-3, zero_plus_plus=ZeroPlusPlus(qwz_block=BLOCK, qgz_bits=8), **UNITS
+    )
     for idx, tgt in batches(5, 8):
         mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
         model(idx[mine], tgt[mine]).backward()

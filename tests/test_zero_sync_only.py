@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from optim import ZeroOptimizer
 from optim.buffers import assign_buckets
+from optim.policies import Communication
 from parallel import comm
 from tests.dist_utils import run_distributed
 
@@ -57,9 +58,7 @@ def train(stage: int) -> dict:
         model,
         torch.optim.AdamW,
         stage=stage,
-        bucket_numel=WIDTH * WIDTH,
-        unit_numel=WIDTH * WIDTH,
-        resident_numel=0,
+        communication=Communication(bucket_numel=WIDTH * WIDTH, unit_numel=WIDTH * WIDTH, resident_numel=0),
         lr=1e-2,
         eps=1e-6,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from optim import ZeroOptimizer
+from optim.policies import MixedPrecision
 from parallel import ParallelDims, comm
 from tests.models import batches, make_model, micro_slices, no_decay_groups
 
@@ -40,12 +42,18 @@ def zero_train(
     `save=(k, dir)` writes a torch.distributed.checkpoint after k steps and stops there;
     `load=dir` resumes from one (optimizer + LR scheduler) at the step it was saved.
     `dims`: a `ParallelDims(**dims)` layout (`dp_shard` for hybrid sharding, `ranks_per_node`)
-    whose shard, replicate and node groups the optimizer uses."""
+    whose shard, replicate and node groups the optimizer uses. `param_dtype` is the compute
+    dtype of the optimizer's `precision`, which `zero_kwargs` may give (for its loss scaler or
+    reduce dtype)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make()
+    zero_kwargs = dict(zero_kwargs or {})
+    precision = zero_kwargs.pop("precision", None) or MixedPrecision()
+    if param_dtype is not None:
+        precision = dataclasses.replace(precision, param_dtype=param_dtype)
     if dims is not None:
         layout = ParallelDims(**dims).build()
-        zero_kwargs = {**(zero_kwargs or {}), "process_group": layout.dp_shard_group}
+        zero_kwargs["process_group"] = layout.dp_shard_group
         zero_kwargs["replicate_group"] = layout.dp_replicate_group
         zero_kwargs["node_groups"] = layout.dp_shard_node_groups
     opt = ZeroOptimizer(
@@ -53,8 +61,8 @@ def zero_train(
         optimizer_class,
         stage=stage,
         param_groups=no_decay_groups(model),
-        param_dtype=param_dtype,
-        **(zero_kwargs or {}),
+        precision=precision,
+        **zero_kwargs,
         **opt_kwargs,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))

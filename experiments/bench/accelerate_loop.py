@@ -79,14 +79,16 @@ class Config:
     weight_decay: float = arg(0.1, "AdamW weight decay")
 
 
-def zero_options(cfg: Config) -> dict[str, Any]:
-    """ZeroOptimizer's options: zero_vs_torch's (one stage-3 unit per block, smaller units
-    resident, DDP's promise that every parameter gets a gradient)."""
-    return {
-        "unit_numel": 12 * cfg.dim * cfg.dim + 4 * cfg.dim,  # a block: qkv, proj, fc1, fc2, two LayerNorms
-        "resident_numel": 2**16 if cfg.dim >= 128 else 1024,
-        "find_unused_parameters": False,
-    }
+def zero_options(cfg: Config) -> Any:
+    """ZeroOptimizer's communication: zero_vs_torch's (one stage-3 unit per block, smaller
+    units resident, DDP's promise that every parameter gets a gradient)."""
+    from optim.policies import Communication
+
+    return Communication(
+        unit_numel=12 * cfg.dim * cfg.dim + 4 * cfg.dim,  # a block: qkv, proj, fc1, fc2, two LayerNorms
+        resident_numel=2**16 if cfg.dim >= 128 else 1024,
+        find_unused_parameters=False,
+    )
 
 
 def adam_kwargs() -> dict[str, Any]:
@@ -114,7 +116,9 @@ class Method:
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
             self.model, self.opt, self.sched = self.acc.prepare(model, opt, sched)
         else:
-            zero = ZeroOptimizer(model, torch.optim.AdamW, stage=int(name[-1]), **hyper, **zero_options(cfg))
+            zero = ZeroOptimizer(
+                model, torch.optim.AdamW, stage=int(name[-1]), communication=zero_options(cfg), **hyper
+            )
             sched = torch.optim.lr_scheduler.LambdaLR(zero, lambda s: 1.0)
             self.model, self.opt, self.sched = model, zero, sched
             if name.startswith("zero"):
@@ -248,24 +252,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     return cfg, a
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the methods on `world` ranks, print the tables and the goal; the results as --json writes them."""
-    cfg, args = parse_args(argv)
-    numel = sum(
-        p.numel() for p in dict.fromkeys(make_model(0, cfg.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq).parameters())
-    )
-    print(
-        f"accelerate_loop: TinyGPT dim={cfg.dim} layers={cfg.layers} seq={cfg.seq} vocab={cfg.vocab} ({numel:,} params, "
-        f"fp32), {cfg.world} gloo ranks x 1 thread, micro-batch {cfg.micro_batch}/rank, accumulation {cfg.accum}, "
-        f"clip {cfg.clip}; {cfg.rounds} rounds x {cfg.warmup} warm-up + {cfg.steps} timed steps, interleaved; "
-        f"torch {torch.__version__}, {platform.machine()}"
-    )
-    print(
-        f"  ZeroOptimizer options {zero_options(cfg)}; baseline AdamW {adam_kwargs() or '(torch defaults)'}", flush=True
-    )
-    start = time.perf_counter()
-    per_method = launch(run_rank, cfg.world, cfg)[0]
-    rs = ratios(per_method)
+def print_tables(per_method: dict[str, Any], rs: list[dict[str, Any]]) -> None:
+    """The per-method table, then the ratios against their goals."""
     rows = [
         [
             m,
@@ -292,6 +280,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     headers = ["ours / theirs", "ratio of medians", "goal", "met", "paired median (p25-p75)", "cpu ratio"]
     print(format_table(headers, rows))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the methods on `world` ranks, print the tables and the goal; the results as --json writes them."""
+    cfg, args = parse_args(argv)
+    numel = sum(
+        p.numel() for p in dict.fromkeys(make_model(0, cfg.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq).parameters())
+    )
+    print(
+        f"accelerate_loop: TinyGPT dim={cfg.dim} layers={cfg.layers} seq={cfg.seq} vocab={cfg.vocab} ({numel:,} params, "
+        f"fp32), {cfg.world} gloo ranks x 1 thread, micro-batch {cfg.micro_batch}/rank, accumulation {cfg.accum}, "
+        f"clip {cfg.clip}; {cfg.rounds} rounds x {cfg.warmup} warm-up + {cfg.steps} timed steps, interleaved; "
+        f"torch {torch.__version__}, {platform.machine()}"
+    )
+    print(
+        f"  ZeroOptimizer options {zero_options(cfg)}; baseline AdamW {adam_kwargs() or '(torch defaults)'}", flush=True
+    )
+    start = time.perf_counter()
+    per_method = launch(run_rank, cfg.world, cfg)[0]
+    rs = ratios(per_method)
+    print_tables(per_method, rs)
     results = {
         "config": asdict(cfg),
         "numel": numel,

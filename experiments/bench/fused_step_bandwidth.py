@@ -20,6 +20,7 @@ import torch
 
 from experiments.bench.common import timed
 from optim import fused
+from optim.policies import DTYPES
 from research.cli import arg, config_from, config_parser
 
 # HBM peak bandwidth in GB/s by device-name fragment (vendor data sheets).
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     args = config_from(Config, config_parser(Config, __doc__).parse_args(argv))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n = int(args.numel or (1e9 if device.type == "cuda" else 4e6))
-    grad_dtype = torch.bfloat16 if args.grad_dtype == "bf16" else torch.float32
+    grad_dtype = DTYPES[args.grad_dtype]
     peak = hbm_peak(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from optim.policies import DTYPES
 from research import data, metrics
 from research.cli import arg, config_from, config_parser
 from research.config import parse_args as parse_run_args
@@ -76,7 +77,7 @@ def plain_loop(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
         weight_decay=cfg.train.weight_decay,
         fused=True,
     )
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
+    dtype = DTYPES[cfg.train.precision]
     m = cfg.train.micro_batches
     times = []
     for step in range(warmup + steps):

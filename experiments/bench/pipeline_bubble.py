@@ -58,6 +58,7 @@ import torch.distributed as dist
 from experiments.bench.common import batch as make_batch
 from experiments.bench.common import bench_parser, finish, format_table, launch, median, percentile
 from research.cli import arg, config_from
+from research.costmodel import num_params
 
 SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 CAVEAT = (
@@ -392,7 +393,7 @@ def print_setup(cfg: Config, cores: int, caveat: str) -> None:
     what the idle columns mean."""
     print(
         f"pipeline_bubble: GPT layers={cfg.layers} d_model={cfg.d_model} heads={cfg.heads} seq={cfg.seq} "
-        f"vocab={cfg.vocab} (fp32, {_model_config(cfg).num_params():,} params), micro-batch {cfg.micro_batch}; "
+        f"vocab={cfg.vocab} (fp32, {num_params(_model_config(cfg)):,} params), micro-batch {cfg.micro_batch}; "
         f"pp={cfg.pp}, interleaved v={cfg.virtual_stages}; forward+backward only"
     )
     print(

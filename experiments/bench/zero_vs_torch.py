@@ -113,7 +113,7 @@ class Config:
     weight_decay: float = arg(0.1, "AdamW weight decay (every parameter)")
     seed: int = arg(0, "model seed")
     bucket_numel: int | None = arg(
-        None, "ZeroOptimizer bucket_numel (None: its default, optim.zero.DEFAULT_BUCKET_NUMEL)"
+        None, "ZeroOptimizer bucket_numel (None: its default, optim.policies.Communication.bucket_numel)"
     )
     unit_numel: int | None = arg(None, "ZeroOptimizer unit_numel (None: one transformer block's numel)")
     resident_numel: int = arg(
@@ -144,21 +144,21 @@ def block_numel(cfg: Config) -> int:
 
 
 def zero_options(cfg: Config) -> dict[str, Any]:
-    """ZeroOptimizer keyword options used. Gradient buckets: ZeroOptimizer's default against
+    """ZeroOptimizer's options, as a JSON record ({"communication": Communication's fields,
+    "step_backend"}). Gradient buckets: ZeroOptimizer's default against
     DDP's default buckets, so defaults meet defaults (other sizes measured: docs/benchmarks.md).
     Stage-3 units of one block each, the root unit holding the embeddings and the final norm:
     the same grouping as the FSDP2 wrapping. find_unused_parameters=False: the promise DDP's
     default makes (every parameter gets a gradient in every step), which the model keeps."""
-    from optim.zero import DEFAULT_BUCKET_NUMEL
+    from optim.policies import DEFAULT_BUCKET_NUMEL
 
-    n = block_numel(cfg)
-    return {
+    communication = {
         "bucket_numel": cfg.bucket_numel if cfg.bucket_numel is not None else DEFAULT_BUCKET_NUMEL,
-        "unit_numel": cfg.unit_numel if cfg.unit_numel is not None else n,
+        "unit_numel": cfg.unit_numel if cfg.unit_numel is not None else block_numel(cfg),
         "resident_numel": cfg.resident_numel,
-        "step_backend": cfg.step_backend,
         "find_unused_parameters": False,
     }
+    return {"communication": communication, "step_backend": cfg.step_backend}
 
 
 def torch_adam_kwargs(cfg: Config) -> dict[str, Any]:
@@ -182,10 +182,18 @@ def torch_adam_kwargs(cfg: Config) -> dict[str, Any]:
 class Ours:
     def __init__(self, model: torch.nn.Module, stage: int, cfg: Config) -> None:
         from optim import ZeroOptimizer
+        from optim.policies import Communication
 
         self.model = model
+        opts = zero_options(cfg)
         self.opt = ZeroOptimizer(
-            model, torch.optim.AdamW, stage=stage, lr=cfg.lr, weight_decay=cfg.weight_decay, **zero_options(cfg)
+            model,
+            torch.optim.AdamW,
+            stage=stage,
+            communication=Communication(**opts["communication"]),
+            step_backend=opts["step_backend"],
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
         )
 
     def forward_backward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -615,8 +623,8 @@ def print_setup(cfg: Config, numel: int, opts: dict[str, Any]) -> None:
     )
     backend = opts["step_backend"] or f"None (auto: {_auto_backend()})"
     print(
-        f"  ZeroOptimizer options: bucket_numel={opts['bucket_numel']:,} unit_numel={opts['unit_numel']:,} "
-        f"resident_numel={opts['resident_numel']:,} step_backend={backend}"
+        f"  ZeroOptimizer options: {', '.join(f'{k}={v}' for k, v in opts['communication'].items())} "
+        f"step_backend={backend}"
     )
     print(
         f"  baselines: torch.optim.AdamW {torch_adam_kwargs(cfg) or '(torch defaults)'} (--torch-adam {cfg.torch_adam}); "

@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
+from optim.policies import MixedPrecision
 from optim.zero_setup import check_stage
 
-# ZeroOptimizer's layout and precision options, which an adapter passes on; hyperparameters
-# come from the trainer's own optimizer settings.
-LAYOUT_OPTIONS = ("param_dtype", "reduce_dtype", "bucket_numel", "unit_numel", "resident_numel", "step_backend")
+# ZeroOptimizer's options (optim.policies) an adapter passes on; hyperparameters come from the
+# trainer's own optimizer settings, the groups from its launcher.
+ZERO_OPTIONS = ("precision", "communication", "zero_plus_plus", "step_backend")
 
 
 def check_zero_options(
@@ -31,10 +32,13 @@ def check_zero_options(
             f"{options_name} {unknown} are not options {adapter} passes to ZeroOptimizer ({', '.join(allowed)}); "
             f"optimizer hyperparameters go to {instead}"
         )
-    if options.get("param_dtype") == torch.float16:
+    precision = options.get("precision")
+    if precision is not None and not isinstance(precision, MixedPrecision):
+        raise TypeError(f"{options_name} precision= must be an optim.policies.MixedPrecision, got {precision!r}")
+    if precision is not None and precision.param_dtype == torch.float16:
         raise ValueError(
-            f"{options_name} param_dtype=torch.float16 needs a loss-scaled backward, which {adapter} does not run; "
-            "use torch.bfloat16"
+            f"{options_name} precision param_dtype=torch.float16 needs a loss-scaled backward, which {adapter} does "
+            "not run; use torch.bfloat16"
         )
 
 

@@ -140,7 +140,7 @@ def _check_accelerator(accelerator: Accelerator) -> None:
     if accelerator.mixed_precision not in ("no", "bf16"):
         raise ValueError(
             f"accelerate's mixed_precision={accelerator.mixed_precision!r} needs its gradient scaler, which cannot see "
-            "ZeroOptimizer's gradients; use mixed_precision='bf16' (or ZeroOptimizer(param_dtype=torch.bfloat16))"
+            "ZeroOptimizer's gradients; use mixed_precision='bf16' (or ZeroOptimizer(precision=optim.policies.MixedPrecision(torch.bfloat16)))"
         )
 
 

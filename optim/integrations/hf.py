@@ -27,6 +27,7 @@ the weights and must run on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -37,7 +38,8 @@ from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
-from optim.integrations import LAYOUT_OPTIONS, check_zero_options
+from optim.integrations import ZERO_OPTIONS, check_zero_options
+from optim.policies import Communication
 from optim.zero import ZeroOptimizer
 
 # Trainer's internal steps that ZeroTrainer replaces (transformers 5.23); a version without one
@@ -73,12 +75,12 @@ class ZeroTrainer(Trainer):
     (any elementwise optimizer class), over Trainer's weight-decay / no-decay groups; plus
 
         zero_stage: ZeRO stage 0, 1, 2 or 3.
-        zero_kwargs: ZeroOptimizer's layout and precision options (`optim.integrations.LAYOUT_OPTIONS`:
-            param_dtype None or torch.bfloat16, reduce_dtype, bucket_numel, unit_numel,
-            resident_numel, step_backend).
+        zero_kwargs: ZeroOptimizer's options (`optim.integrations.ZERO_OPTIONS`: precision
+            with param_dtype None or torch.bfloat16, communication, zero_plus_plus,
+            step_backend).
 
     `ddp_find_unused_parameters=False` in TrainingArguments makes ZeroOptimizer's
-    `find_unused_parameters=False` promise (every parameter gets a gradient in every step),
+    `Communication(find_unused_parameters=False)` promise (every parameter gets a gradient in every step),
     which saves two small all-reduces per step; otherwise parameters without a gradient in a
     step are found and left alone, as in torch.
 
@@ -93,7 +95,7 @@ class ZeroTrainer(Trainer):
         check_zero_options(
             zero_stage,
             zero_kwargs or {},
-            LAYOUT_OPTIONS,
+            ZERO_OPTIONS,
             names=("ZeroTrainer", "zero_stage", "zero_kwargs"),
             instead="TrainingArguments",
         )
@@ -129,6 +131,15 @@ class ZeroTrainer(Trainer):
                 f"{', '.join(ELEMENTWISE_OPTIMS)}, or pass an elementwise class with optimizer_cls_and_kwargs="
             )
 
+    def _communication(self) -> Communication:
+        """zero_kwargs' communication, with `ddp_find_unused_parameters=False` in
+        TrainingArguments making DDP's promise (every parameter gets a gradient each step)."""
+        communication = self.zero_kwargs.get("communication") or Communication()
+        promised = self.args.ddp_find_unused_parameters is False
+        return dataclasses.replace(
+            communication, find_unused_parameters=communication.find_unused_parameters and not promised
+        )
+
     @property
     def zero_optimizer(self) -> ZeroOptimizer | None:
         """The ZeroOptimizer (None until `create_optimizer`; `self.optimizer` is its wrapper)."""
@@ -152,9 +163,8 @@ class ZeroTrainer(Trainer):
                 cls,
                 stage=self.zero_stage,
                 param_groups=[g for g in groups if g["params"]],
-                find_unused_parameters=self.args.ddp_find_unused_parameters is not False,
+                **{**self.zero_kwargs, "communication": self._communication()},
                 **kwargs,
-                **self.zero_kwargs,
             )
             self.optimizer = _AcceleratedZero(zero)
         return self.optimizer

@@ -28,7 +28,7 @@ What the strategy does in place of DDP's:
   stage 3 `module.state_dict()` holds empty tensors between uses).
 
 Precision: "32-true" or "bf16-mixed" (autocast); bf16 compute weights with fp32 masters
-are `ZeroStrategy(param_dtype=torch.bfloat16)`. Imports Lightning (`pytorch_lightning`, else
+are `ZeroStrategy(precision=optim.policies.MixedPrecision(torch.bfloat16))`. Imports Lightning (`pytorch_lightning`, else
 `lightning.pytorch`) at import time: `optim` itself never imports this module.
 """
 
@@ -47,7 +47,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.constants import default_pg_timeout
 
-from optim.integrations import LAYOUT_OPTIONS, check_zero_options
+from optim.integrations import ZERO_OPTIONS, check_zero_options
 from optim.zero import ZeroOptimizer
 
 try:
@@ -62,8 +62,6 @@ except ImportError:
 
 __all__ = ["ZeroPrecision", "ZeroStrategy"]
 
-# ZeroOptimizer options the strategy passes on; hyperparameters belong to configure_optimizers.
-ZERO_OPTIONS = (*LAYOUT_OPTIONS, "find_unused_parameters")
 META = "meta.pt"
 CLIP_BY_VALUE = (
     "ZeroStrategy clips gradients only by their global norm (ZeroOptimizer.clip_grad_norm_); "
@@ -105,7 +103,8 @@ class ZeroPrecision(pl.plugins.precision.Precision):
 class ZeroStrategy(pl.strategies.DDPStrategy):
     """Data parallelism through `optim.ZeroOptimizer` at ZeRO `stage` 0-3 (see the module
     docstring). Launch and process-group arguments are DDPStrategy's; `zero_kwargs` are
-    ZeroOptimizer options (`ZERO_OPTIONS`: param_dtype, bucket_numel, unit_numel, ...).
+    ZeroOptimizer options (`optim.integrations.ZERO_OPTIONS`: precision, communication, ...);
+    hyperparameters belong to configure_optimizers.
     `zero_optimizer` is the ZeroOptimizer once fit() has set it up."""
 
     def __init__(
@@ -343,7 +342,7 @@ def _zero_precision(plugin: pl.plugins.precision.Precision) -> ZeroPrecision:
         return ZeroPrecision("bf16-mixed", plugin.device)
     raise ValueError(
         f"ZeroStrategy supports precision '32-true' or 'bf16-mixed', not {getattr(plugin, 'precision', type(plugin).__name__)!r}; "
-        "for bf16 weights with fp32 master copies use ZeroStrategy(param_dtype=torch.bfloat16)"
+        "for bf16 weights with fp32 master copies use ZeroStrategy(precision=optim.policies.MixedPrecision(torch.bfloat16))"
     )
 
 

@@ -27,7 +27,7 @@ from research.costmodel.memory import (
     predict_memory,
     predict_model_states,
 )
-from research.costmodel.params import RankParams, rank_params, unit_sizes
+from research.costmodel.params import RankParams, num_params, rank_params, unit_sizes
 from research.costmodel.search import COMM_SCHEMES, Estimate, Plan, candidate_layouts, comm_variants, estimate, plan
 from research.costmodel.steptime import StepTime, forward_flops_per_token, pipeline_bubble, predict_step_time
 
@@ -54,6 +54,7 @@ __all__ = [
     "forward_flops_per_token",
     "in_flight",
     "layer_activation_bytes",
+    "num_params",
     "pipeline_bubble",
     "plan",
     "predict_memory",

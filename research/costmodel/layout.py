@@ -7,15 +7,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from optim.policies import DEFAULT_UNIT_NUMEL, DTYPES
 from optim.sharding import Sharding
-from optim.zero import DEFAULT_UNIT_NUMEL
 from research.model import GPTConfig
 
 if TYPE_CHECKING:
     from research.config import RunConfig
 
 Recompute = Literal["none", "selective", "full"]
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ N = the shard group's size: dp, or `dp_shard` under hybrid sharding (each replic
 same shards).
 
 In fp32 the master is the parameter itself. At stage 3 a unit (`optim.stage3.stage3_units`)
-smaller than `optim.zero.default_resident_numel(layout.unit_numel)` stays whole on every rank
+smaller than `optim.policies.default_resident_numel(layout.unit_numel)` stays whole on every rank
 (Ψ_res). Ψ and the units of a pipeline rank are read off the model itself, built on the meta
 device (`research.costmodel.params`). Each parameter is aligned to `optim.buffers.ALIGN`
 elements; bucket padding is ignored.

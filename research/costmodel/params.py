@@ -31,8 +31,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from optim.buffers import ALIGN, bucket_key
+from optim.policies import DEFAULT_BUCKET_NUMEL, DEFAULT_UNIT_NUMEL, default_resident_numel
 from optim.stage3 import has_own_forward, stage3_units
-from optim.zero import DEFAULT_BUCKET_NUMEL, DEFAULT_UNIT_NUMEL, default_resident_numel
 from parallel.comm import NO_MARKS, ParamMarks, param_marks
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import stage_of
@@ -268,3 +268,9 @@ def rank_params(
             bucket_passes=tuple(Pass.of(_bucket_slots(c, DEFAULT_BUCKET_NUMEL)) for c in chunks),
         )
     return _RANK_PARAMS[key]
+
+
+def num_params(model: GPTConfig) -> int:
+    """Trainable parameters of the tp = 1 model (padded vocabulary, tied head counted once),
+    counted on the model itself built on the meta device."""
+    return rank_params(model, 1, 1, 1, 0).numel

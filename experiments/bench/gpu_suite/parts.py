@@ -23,13 +23,14 @@ from experiments.bench.common import median, timed
 from experiments.bench.gpu_suite.runner import ROOT, Context
 from optim import ZeroOptimizer, fused
 from optim import quantize as quant
+from optim.policies import DTYPES
 from research import data, metrics
 from research.config import RunConfig
 from research.config import parse_args as parse_run_args
-from research.costmodel import Layout, predict_memory
+from research.costmodel import Layout, num_params, predict_memory
 from research.costmodel.memory import RESERVED_BYTES
 from research.model import GPT, GPTConfig
-from research.trainer import DTYPES, build_optimizer, weight_decay_groups
+from research.trainer import build_optimizer, weight_decay_groups
 
 MiB = 2**20
 GiB = 2**30
@@ -57,9 +58,7 @@ def _model_config(cfg: RunConfig) -> GPTConfig:
 
 def _describe(cfg: RunConfig) -> str:
     mc = _model_config(cfg)
-    return (
-        f"{mc.n_layers} layers, d_model {mc.d_model}, {mc.num_params() / 1e6:,.1f}M parameters, {cfg.train.precision}"
-    )
+    return f"{mc.n_layers} layers, d_model {mc.d_model}, {num_params(mc) / 1e6:,.1f}M parameters, {cfg.train.precision}"
 
 
 def _build_model(cfg: RunConfig, device: torch.device) -> GPT:
@@ -374,7 +373,7 @@ def _step_fns(method: str, cfg: RunConfig, device: torch.device) -> tuple[Callab
         dtype = DTYPES[tr.precision]
 
         def forward_backward(ids: torch.Tensor, labels: torch.Tensor) -> None:
-            with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 loss = model(ids, labels)
             loss.backward()
 

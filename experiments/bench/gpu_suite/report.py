@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from experiments.bench.common import format_table
 from research.costmodel.memory import RESERVED_BYTES
-
-if TYPE_CHECKING:
-    from experiments.bench.gpu_suite.runner import Part
-
 
 MiB = 2**20
 GiB = 2**30
@@ -215,21 +212,22 @@ def _header(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def markdown(results: dict[str, Any], parts: list[Part]) -> str:
-    """The header, a summary table, then one section per part (its table when ok)."""
+def markdown(results: dict[str, Any], tables: dict[str, Callable[[dict[str, Any]], str]]) -> str:
+    """The header, a summary table, then one section per part, in the order of `tables` (part
+    name -> the markdown of its `ok` result), with that table when ok."""
     summary = [
-        [p.name, r["status"], f"{r.get('seconds', 0):.1f}", r.get("limit_s", "-"), note(r)]
-        for p in parts
-        if (r := results["parts"].get(p.name))
+        [name, r["status"], f"{r.get('seconds', 0):.1f}", r.get("limit_s", "-"), note(r)]
+        for name in tables
+        if (r := results["parts"].get(name))
     ]
     lines = [*_header(results), "", format_table(["part", "status", "seconds", "limit s", "note"], summary)]
-    for p in parts:
-        r = results["parts"].get(p.name)
+    for name, table in tables.items():
+        r = results["parts"].get(name)
         if r is None:
             continue
-        lines += ["", f"#### {p.name}", ""]
+        lines += ["", f"#### {name}", ""]
         if r["status"] == "ok":
-            lines.append(p.table(r))
+            lines.append(table(r))
         else:
             lines.append(f"**{r['status']}**: {note(r)}")
             if r.get("traceback"):

@@ -169,4 +169,4 @@ def _commit() -> str | None:
 
 def write_results(results: dict[str, Any], parts: list[Part], out: Path) -> None:
     (out / "gpu_suite.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "gpu_suite.md").write_text(markdown(results, parts))
+    (out / "gpu_suite.md").write_text(markdown(results, {p.name: p.table for p in parts}))

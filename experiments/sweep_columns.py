@@ -1,0 +1,39 @@
+"""The columns of a sweep's results table (results.csv, results.md): the run's name and
+status, the config keys a point can vary, what each run measured, and its error."""
+
+CONFIG_COLUMNS = (
+    "nproc",
+    "tp",
+    "pp",
+    "dp",
+    "zero",
+    "schedule",
+    "virtual_stages",
+    "micro_batches",
+    "micro_batch_size",
+    "precision",
+    "recompute",
+    "sequence_parallel",
+    "grad_sync",
+)
+RESULT_COLUMNS = (
+    "tokens_per_s",
+    "tflops_per_device",
+    "mfu",
+    "mem_per_rank_bytes",
+    "mem_model_states_bytes",
+    "mem_params_bytes",
+    "mem_grads_bytes",
+    "mem_master_and_optimizer_bytes",
+    "mem_activations_bytes",
+    "mem_grads_peak_bytes",
+    "mem_peak_bytes",
+    "comm_tp_bytes",
+    "comm_pp_bytes",
+    "comm_dp_bytes",
+    "comm_total_bytes",
+    "model_states_predicted_error",
+    "final_loss",
+    "wall_time_s",
+)
+COLUMNS = ("name", "status", *CONFIG_COLUMNS, *RESULT_COLUMNS, "error")

@@ -1,0 +1,179 @@
+"""Rules of the source that keep it readable, checked on its syntax trees:
+
+- the package arrows (README's layout): experiments -> research -> (parallel, optim); optim
+  imports nothing of the repo but parallel/comm.py (so other trainers can take it alone);
+  parallel never imports research or optim. Every import statement counts, also those inside
+  functions;
+- no import cycle between modules of the repo;
+- no function longer than 50 lines (its docstring not counted);
+- no class of optim/ inherits from another class of the repo: the optimizer is composed of
+  objects, not mixins."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+PACKAGES = ("optim", "parallel", "research", "experiments")
+ALLOWED = {
+    "optim": {"optim", "parallel.comm"},
+    "parallel": {"parallel"},
+    "research": {"research", "parallel", "optim"},
+}
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the source packages, by dotted name (a package by its own name)."""
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def repo_imports(path: Path) -> set[str]:
+    """The repo modules a file imports (`from parallel import comm` counts as parallel.comm)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
+    return {name for name in found if name.split(".")[0] in PACKAGES}
+
+
+def allowed(name: str, rules: set[str]) -> bool:
+    """Whether `name` or the module it names from (`parallel.comm.mark_tied`) is allowed."""
+    return any(name == rule or name.startswith(rule + ".") or rule.startswith(name + ".") for rule in rules)
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_imports_point_one_way(package: str) -> None:
+    broken = {
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for name in repo_imports(path)
+        if not allowed(name, ALLOWED[package])
+    }
+    assert not broken, f"imports against the package arrows: {sorted(broken)}"
+
+
+def test_the_rule_sees_a_breach(tmp_path: Path) -> None:
+    """A lazy import of research inside an optim function is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from parallel.dims import ParallelDims\n    import research.model\n")
+    names = repo_imports(bad)
+    assert {n for n in names if not allowed(n, ALLOWED["optim"])} == {
+        "parallel.dims",
+        "parallel.dims.ParallelDims",
+        "research.model",
+    }
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the repo modules it imports (`from optim import fused` is optim.fused,
+    `from optim import ZeroOptimizer` is optim)."""
+    found = modules()
+
+    def module_of(name: str) -> str | None:
+        while name and name not in found:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    def imported(path: Path) -> set[str | None]:
+        names: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names |= {module_of(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names |= {module_of(f"{node.module}.{alias.name}") for alias in node.names}
+        return names
+
+    return {name: imported(path) - {None, name} for name, path in found.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(module_graph()) == [], "modules that import each other, directly or through others"
+
+
+def test_the_cycle_check_sees_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+MAX_FUNCTION_LINES = 50
+
+
+def long_functions(path: Path) -> list[str]:
+    """The functions of a file longer than MAX_FUNCTION_LINES, docstring left out."""
+    long = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if ast.get_docstring(node) is not None:
+                doc = node.body[0]
+                lines -= doc.end_lineno - doc.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    return long
+
+
+def test_functions_are_short() -> None:
+    long = [f for path in sorted(modules().values()) for f in long_functions(path)]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: split them ({long})"
+
+
+def test_optim_composes_rather_than_inherits() -> None:
+    """Bases of optim's classes come from torch, the standard library or the framework an
+    integration adapts, never from a class of the repo (defined in the file or imported from
+    a repo module)."""
+    inherited = []
+    for path in sorted((ROOT / "optim").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        ours = {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES:
+                ours |= {alias.asname or alias.name for alias in node.names}
+        inherited += [
+            f"{path.relative_to(ROOT)}: {node.name}({ast.unparse(base)})"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ClassDef)
+            for base in node.bases
+            if ast.unparse(base).split(".")[0] in ours
+        ]
+    assert not inherited, f"classes of optim/ built on another class of the repo: {inherited}"
