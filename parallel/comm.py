@@ -7,7 +7,7 @@ under the ring algorithm. With N = group size and S = tensor bytes:
 
     all_reduce               2·S·(N−1)/N     (reduce-scatter, then all-gather)
     reduce_scatter_tensor    S_in·(N−1)/N    (S_in: the full, unsharded input)
-    all_to_all_single        S_in·(N−1)/N    (equal splits: all but its own part leave)
+    all_to_all_single        S_in·(N−1)/N    (equal splits; uneven ones: the bytes of the parts sent to other ranks)
     all_gather_into_tensor   S_out·(N−1)/N   (S_out: the full, gathered output)
     broadcast                S on src, 0 elsewhere
     send / isend             S
@@ -642,19 +642,33 @@ def reduce_scatter_tensor(
 
 
 def all_to_all_single(
-    output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Group = None,
+    async_op: bool = False,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
 ) -> dist.Work | None:
-    """Split ``input`` into N equal parts and send part j to rank j; ``output`` holds the part
-    from each rank, in rank order. bytes = S_in·(N−1)/N, payload = S_in."""
+    """Split ``input`` along dim 0 (into N equal parts, or ``input_split_sizes``) and send
+    part j to rank j; ``output`` holds the part from each rank, in rank order (sized by
+    ``output_split_sizes``). bytes = what leaves this rank (all parts but its own: S_in·(N−1)/N
+    for equal parts), payload = S_in."""
     _note(group, "all_to_all_single", _nbytes(input))
     if _alone(group):
         _copy(output, input)
         work = _local(async_op, output)
     else:
-        work = dist.all_to_all_single(output, input, group=group, async_op=async_op)
+        work = dist.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+        )
     if _log is not None:
         s = _nbytes(input)
-        _record(group, "all_to_all_single", s, _ring(group, s))
+        if input_split_sizes is None:
+            sent = _ring(group, s)
+        else:
+            row = s // max(input.shape[0], 1)
+            sent = row * (sum(input_split_sizes) - input_split_sizes[dist.get_rank(group)])
+        _record(group, "all_to_all_single", s, sent)
     return work
 
 

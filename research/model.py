@@ -33,6 +33,7 @@ from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
 from parallel import comm
+from parallel.expert.aux_loss import attach as attach_aux_loss
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import stage_of
 from parallel.random import get_rng_tracker
@@ -47,6 +48,7 @@ from parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from parallel.tensor.mappings import tp_size
+from research.moe import ExpertGroups, MoE, MoEConfig
 
 IGNORE_INDEX = -100
 
@@ -76,6 +78,15 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_seed: int = 0
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1
+    moe_d_ff: int | None = None
+    moe_shared_experts: int = 0
+    moe_capacity_factor: float | None = None
+    moe_aux_loss_coeff: float = 0.01
+    moe_z_loss_coeff: float = 0.001
+    moe_renormalize: bool = True
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -91,6 +102,30 @@ class GPTConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}")
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head dim, got d_model/n_heads={self.head_dim}")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"moe_top_k={self.moe_top_k} must be between 1 and moe_experts={self.moe_experts}")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) has an MoE MLP: every `moe_every`-th block."""
+        return self.moe_experts > 0 and (layer + 1) % self.moe_every == 0
+
+    @property
+    def moe(self) -> MoEConfig:
+        """The MoE layers' shape and losses (expert width `moe_d_ff`, default the dense
+        MLP's; the shared experts together are `moe_shared_experts` experts wide)."""
+        d_ff = self.moe_d_ff or self.ffn_dim
+        return MoEConfig(
+            d_model=self.d_model,
+            experts=self.moe_experts,
+            top_k=self.moe_top_k,
+            d_ff=d_ff,
+            swiglu=self.activation == "swiglu",
+            shared_d_ff=self.moe_shared_experts * d_ff,
+            capacity_factor=self.moe_capacity_factor,
+            aux_loss_coeff=self.moe_aux_loss_coeff,
+            z_loss_coeff=self.moe_z_loss_coeff,
+            renormalize=self.moe_renormalize,
+        )
 
     @property
     def head_dim(self) -> int:
@@ -121,21 +156,32 @@ class GPTConfig:
                 raise ValueError(f"{name}={value} is not divisible by tp={tp}")
 
     def forward_flops_per_token(self, seq_len: int) -> tuple[float, float, float]:
-        """(one layer, its attention core, the head): forward matmul FLOPs per token. Per layer:
-        QKV 6h², scores and weighted sum 4·s·h (full causal square, as in Narayanan et al.
-        2021), projection 2h², MLP 2·h·f per matrix (3 with SwiGLU); head 2·h·v."""
-        h, f = self.d_model, self.ffn_dim
+        """(one dense layer, its attention core, the head): forward matmul FLOPs per token.
+        Per layer: QKV 6h², scores and weighted sum 4·s·h (full causal square, as in Narayanan
+        et al. 2021), projection 2h², MLP 2·h·f per matrix (3 with SwiGLU); head 2·h·v."""
+        h = self.d_model
         core = 4 * seq_len * h
-        mlp_mats = 3 if self.activation == "swiglu" else 2
-        return 6 * h * h + core + 2 * h * h + mlp_mats * 2 * h * f, core, 2 * h * self.padded_vocab
+        return 8 * h * h + core + self._mlp_flops(self.ffn_dim), core, 2 * h * self.padded_vocab
+
+    def _mlp_flops(self, width: int) -> float:
+        return (3 if self.activation == "swiglu" else 2) * 2 * self.d_model * width
+
+    def moe_layer_extra_flops(self) -> float:
+        """Forward FLOPs per token of an MoE layer beyond a dense one: the router 2·h·E, k
+        experts and the shared ones in place of the dense MLP (the active path only)."""
+        moe = self.moe
+        active = self._mlp_flops(moe.top_k * moe.d_ff + moe.shared_d_ff)
+        return 2 * self.d_model * moe.experts + active - self._mlp_flops(self.ffn_dim)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 3 × the forward matmuls of the layers and the head
-        (forward + 2 for backward), plus one more forward of the layers under full recompute
-        (of their attention core under selective)."""
+        """Training FLOPs per token (of the active path): 3 × the forward matmuls of the
+        layers and the head (forward + 2 for backward), plus one more forward of the layers
+        under full recompute (of their attention core under selective)."""
         layer, core, head = self.forward_flops_per_token(seq_len)
-        extra = {"none": 0, "selective": core, "full": layer}[self.recompute]
-        return 3 * (self.n_layers * layer + head) + self.n_layers * extra
+        moe_layers = sum(map(self.is_moe, range(self.n_layers)))
+        layers = self.n_layers * layer + moe_layers * self.moe_layer_extra_flops()
+        extra = {"none": 0, "selective": self.n_layers * core, "full": layers}[self.recompute]
+        return 3 * (layers + head) + extra
 
 
 class Norm(nn.Module):
@@ -257,24 +303,42 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)), dropout on each branch."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)), dropout on each branch. The
+    MLP of an MoE block (`moe` given) is `research.moe.MoE`, with always-on shared experts
+    as a dense MLP beside it."""
 
-    def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        config: GPTConfig,
+        group: dist.ProcessGroup | None,
+        sequence_parallel: bool,
+        moe: ExpertGroups | None = None,
+    ) -> None:
         super().__init__()
         self.config, self.sp = config, sequence_parallel
         self.norm1 = Norm(config, group, sequence_parallel)
         self.attn = Attention(config, group, sequence_parallel)
         self.norm2 = Norm(config, group, sequence_parallel)
-        self.mlp = MLP(config, group, sequence_parallel)
+        self.is_moe = moe is not None
+        if moe is None:
+            self.mlp = MLP(config, group, sequence_parallel)
+        else:
+            shared_d_ff = config.moe.shared_d_ff
+            shared = MLP(replace(config, d_ff=shared_d_ff), group, sequence_parallel) if shared_d_ff else None
+            self.mlp = MoE(config.moe, group, sequence_parallel, moe, shared)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+    def _forward(
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         p, train = self.config.dropout, self.training
         x = x + _dropout(self.attn(self.norm1(x), cos, sin), p, train, self.sp)
-        return x + _dropout(self.mlp(self.norm2(x)), p, train, self.sp)
+        out, aux = self.mlp(self.norm2(x)) if self.is_moe else (self.mlp(self.norm2(x)), None)
+        return x + _dropout(out, p, train, self.sp), aux
 
     def forward(
         self, x_sbh: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block's output and, for an MoE block, its auxiliary losses (else None)."""
         if self.config.recompute == "full" and torch.is_grad_enabled():
             return checkpoint(self._forward, x_sbh, cos, sin, use_reentrant=False)
         return self._forward(x_sbh, cos, sin)
@@ -319,6 +383,7 @@ class GPT(nn.Module):
         layers: range | None = None,
         pre: bool = True,
         post: bool = True,
+        expert_groups: ExpertGroups | None = None,
     ) -> None:
         super().__init__()
         config.validate_tp(tp_size(tp_group))
@@ -343,7 +408,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict()
         for i in layers if layers is not None else range(config.n_layers):
             with _part_rng(config, f"block{i}"):
-                self.blocks[str(i)] = Block(config, tp_group, self.sp)
+                moe = (expert_groups or ExpertGroups()) if config.is_moe(i) else None
+                self.blocks[str(i)] = Block(config, tp_group, self.sp, moe)
         self.norm = self.head = None
         if post:
             self.norm = Norm(config, tp_group, self.sp)
@@ -374,14 +440,17 @@ class GPT(nn.Module):
         cos = sin = None
         if self.config.position == "rope":
             cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        aux = []
         for block in self.blocks.values():
-            x = block(x, cos, sin)
+            x, block_aux = block(x, cos, sin)
+            aux += [block_aux] if block_aux is not None else []
         if not self.post:
-            return x
+            return attach_aux_loss(x, sum(aux)) if aux else x
         logits_sbv = self.logits(self.norm(x))
         if labels_bs is None:
             return logits_sbv.transpose(0, 1)
-        return self.loss(logits_sbv, labels_bs.t())
+        loss = self.loss(logits_sbv, labels_bs.t())
+        return loss + sum(aux) if aux else loss
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits, [s, b, v/tp], from the (SP-sharded)
@@ -407,6 +476,7 @@ def pipeline_chunks(
     embedding_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
     allow_uneven: bool = False,
+    expert_groups: ExpertGroups | None = None,
 ) -> list[GPT]:
     """This pipeline rank's model chunks: chunk c is virtual stage c·pp + pp_rank of the
     layers split by `layer_ranges`; the first stage holds the embedding, the last the final
@@ -418,7 +488,15 @@ def pipeline_chunks(
     for c in range(virtual_stages):
         stage = stage_of(pp_rank, c, pp)
         chunks.append(
-            GPT(config, tp_group, sequence_parallel, layers=ranges[stage], pre=stage == 0, post=stage == stages - 1)
+            GPT(
+                config,
+                tp_group,
+                sequence_parallel,
+                layers=ranges[stage],
+                pre=stage == 0,
+                post=stage == stages - 1,
+                expert_groups=expert_groups,
+            )
         )
     if config.tie_embeddings and stages > 1:
         holders = [chunk for chunk in chunks if chunk.embed is not None]
