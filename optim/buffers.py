@@ -57,6 +57,8 @@ class FlatBucket:
     on_grad_bytes: Callable[[int], None] | None = None  # told +/- bytes of each transient full gradient buffer
     keeps_reduced_sum: bool = True  # False on all but the first replica (hybrid sharding): see the reduced-sum rule
     marks: ParamMarks = NO_MARKS  # the groups its parameters (all alike in these) are replicated and tied over
+    group: object = None  # the data-parallel group it is sharded and reduced over (`rank`, `world` in it)
+    replicate_group: object = None  # hybrid sharding: the ranks holding the same shard in other replicas
 
     def __post_init__(self) -> None:
         self.shapes = [p.shape for p in self.params]
@@ -69,6 +71,11 @@ class FlatBucket:
         self.has_grad = [False] * len(self.params)  # parameter i has a gradient (torch: .grad is not None)
 
     # ---- layout -------------------------------------------------------------------------
+    @property
+    def dp_groups(self) -> list:
+        """Its shard group, then its replicate group if any: every rank holding its parameters."""
+        return [self.group] + ([self.replicate_group] if self.replicate_group is not None else [])
+
     @property
     def shard_numel(self) -> int:
         return self.numel // self.world
@@ -257,8 +264,10 @@ class FlatBucket:
 
 def bucket_key(group: object, root: int | None, marks: ParamMarks) -> tuple:
     """What the parameters of one bucket share: the param group, the root module (a pipeline
-    rank's chunk) and the groups they are replicated and tied over."""
-    return group, root, tuple(map(id, marks.replicated)), tuple(map(id, marks.tied))
+    rank's chunk), the groups they are replicated and tied over, and for experts their
+    data-parallel groups."""
+    expert = (id(marks.expert.shard), id(marks.expert.replicate)) if marks.expert is not None else None
+    return group, root, tuple(map(id, marks.replicated)), tuple(map(id, marks.tied)), expert
 
 
 def assign_buckets(

@@ -84,7 +84,6 @@ class GradTracker:
         scaler: DynamicLossScaler | None,
     ) -> None:
         self.model, self.buckets, self.names, self.group, self.stage = model, buckets, names, group, stage
-        self.world = dist.get_world_size(group)
         self._dp_groups, self._norm_groups = dp_groups, norm_groups
         self.sharding = Sharding.of_zero_stage(stage)
         self.param_dtype, self.find_unused_parameters = param_dtype, find_unused_parameters
@@ -180,25 +179,34 @@ class GradTracker:
                     p.grad = self.placeholders[k][i]
 
     def _agree_on_has_grad(self, tied: bool) -> int:
-        """As DDP finds unused parameters: one max all-reduce of a flag per parameter, whose last
-        entry carries `_hand_set`; returns the agreed `_hand_set` (1 + a flat index, 0: none)."""
-        flags = torch.tensor(
-            [g for b in self.buckets for g in b.has_grad] + [self._hand_set],
-            dtype=torch.int32,
-            device=self.buckets[0].grad_shard.device,
-        )
-        for group in self._dp_groups:
-            if dist.get_world_size(group) > 1:
-                comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        """As DDP finds unused parameters: one max all-reduce of a flag per parameter over the
+        ranks holding it (the data-parallel ranks; an expert's own ranks for experts), the
+        first one's last entry carrying `_hand_set`; returns the agreed `_hand_set` (1 + a flat
+        index, 0: none)."""
+        hand_set = self._hand_set
+        dense = tuple(self._dp_groups)
+        by_groups: dict[tuple, list[int]] = {dense: []}  # data-parallel groups -> their buckets
         for k, b in enumerate(self.buckets):
-            for group in b.marks.tied if tied else ():
-                start = self._first_index[k]
-                comm.all_reduce(flags[start : start + len(b.params)], op=dist.ReduceOp.MAX, group=group)
-        everyone = flags.tolist()
-        for k, b in enumerate(self.buckets):
-            start = self._first_index[k]
-            b.has_grad = [bool(f) for f in everyone[start : start + len(b.params)]]
-        return everyone[-1]
+            by_groups.setdefault(tuple(b.dp_groups) if b.marks.expert is not None else dense, []).append(k)
+        for groups, ks in by_groups.items():
+            flags = torch.tensor(
+                [g for k in ks for g in self.buckets[k].has_grad] + ([hand_set] if groups is dense else []),
+                dtype=torch.int32,
+                device=self.buckets[0].grad_shard.device,
+            )
+            for group in groups:
+                if dist.get_world_size(group) > 1:
+                    comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            start = 0
+            for k in ks:
+                b = self.buckets[k]
+                for group in b.marks.tied if tied else ():
+                    comm.all_reduce(flags[start : start + len(b.params)], op=dist.ReduceOp.MAX, group=group)
+                b.has_grad = [bool(f) for f in flags[start : start + len(b.params)].tolist()]
+                start += len(b.params)
+            if groups is dense:
+                hand_set = int(flags[-1])
+        return hand_set
 
     def backward_end(self, synced: bool) -> None:
         """After every backward: stage 3 frees what it gathered; a backward that reduced every
@@ -249,8 +257,13 @@ class GradTracker:
                 if part.numel():
                     local[at] = torch.linalg.vector_norm(part, norm_type, dtype=torch.float32).double()
             local = local if inf else local**norm_type
-            if self.world > 1:
-                comm.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.group)
+            owners = [b.group for b in self.buckets for _ in b.params]  # each parameter's shard group
+            for group in dict.fromkeys(owners):
+                if dist.get_world_size(group) > 1:
+                    mine = torch.tensor([o is group for o in owners], device=local.device)
+                    part = local[mine]
+                    comm.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+                    local[mine] = part
             norms = local if inf else local ** (1.0 / norm_type)
             self._param_norms = (norm_type, (norms * self.unscale).float())
         return self._param_norms[1][self._first_index[k] + i]
@@ -271,7 +284,7 @@ class GradTracker:
         self.finish()
         grads = {}
         for b in self.buckets:
-            flat = gather_flat(b, b.grad_shard.float() * self.unscale, self.group)
+            flat = gather_flat(b, b.grad_shard.float() * self.unscale, b.group)
             for i, p in enumerate(b.params):
                 if b.has_grad[i]:
                     grads[self.names[p]] = b.param_view(flat, i).clone()

@@ -199,7 +199,7 @@ class GradReducer:
         full = bucket.grads_for_reduction()
         if not bucket.sharding.optimizer_state:
             out = full
-            yield [comm.all_reduce(full, group=self.group, async_op=True)]
+            yield [comm.all_reduce(full, group=bucket.group, async_op=True)]
         elif self.quantized is not None and bucket.sharding.gradients:
             q = self.quantized
             out = torch.empty_like(bucket.grad_shard)
@@ -208,9 +208,9 @@ class GradReducer:
             lo, hi = bucket.shard_range
             out = bucket.grad_shard if bucket.sharding.gradients else full[lo:hi]
             # the full buffer is not read after its reduction (optim.buffers' reduced-sum rule)
-            yield [comm.reduce_scatter_tensor(out, full, group=self.group, async_op=True, reuse_input=True)]
-        if self.replicate_group is not None:
-            yield [comm.all_reduce(out, group=self.replicate_group, async_op=True)]
+            yield [comm.reduce_scatter_tensor(out, full, group=bucket.group, async_op=True, reuse_input=True)]
+        if bucket.replicate_group is not None:
+            yield [comm.all_reduce(out, group=bucket.replicate_group, async_op=True)]
         if out is not bucket.grad_shard and bucket.sharding.gradients:
             bucket.grad_shard.add_(out)
 

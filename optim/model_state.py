@@ -108,7 +108,7 @@ class ModelStateHooks:
         if id(bucket) not in self._full:
             full = torch.empty(bucket.numel, dtype=bucket.param_dtype, device=bucket.param_shard.device)
             with comm.doing("model.state_dict() at stage 3 (a collective)"):
-                comm.all_gather_into_tensor(full, bucket.param_shard, group=self.group)
+                comm.all_gather_into_tensor(full, bucket.param_shard, group=bucket.group)
             self._full[id(bucket)] = full
         return self._full[id(bucket)]
 

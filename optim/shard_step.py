@@ -179,14 +179,14 @@ class ShardStep:
         resident stage-3 units)."""
         if b.sharding.optimizer_state and not b.sharding.parameters:
             with comm.doing("the parameter all-gather after step()"):
-                self.gathers[b] = all_gather_shards(b.param_buffer, b.param_shard, self.group, self.qwz_block)
+                self.gathers[b] = all_gather_shards(b.param_buffer, b.param_shard, b.group, self.qwz_block)
 
     def wait(self, buckets: list[FlatBucket] | None = None) -> None:
         """Finish the parameter all-gathers still in flight (of `buckets`; None: all)."""
         for b in list(self.gathers) if buckets is None else buckets:
             gather = self.gathers.pop(b, None)
             if gather is not None:
-                gather.finish(keep=self.rank)
+                gather.finish(keep=b.rank)
 
 
 def _clone_state(state: dict[str, Any]) -> dict[str, Any]:

@@ -196,7 +196,7 @@ class ParamGatherer:
             ]
         else:
             unit.gathers = [
-                all_gather_shards(full, b.param_shard, self.group, self.qwz_block)
+                all_gather_shards(full, b.param_shard, b.group, self.qwz_block)
                 for full, b in zip(unit.full, unit.buckets)
             ]
 

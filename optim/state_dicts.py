@@ -31,6 +31,7 @@ from optim.collectives import gather_flat
 from optim.shard_step import ShardStep
 from optim.sharding import Sharding
 from parallel import comm
+from parallel.comm import ExpertMark
 
 RANK_LOCAL = "zero3d_rank_local"
 
@@ -146,6 +147,7 @@ class StateDicts:
     ) -> None:
         self.model, self.buckets, self.names, self.group, self.stage = model, buckets, names, group, stage
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self._ep_members: dict[ExpertMark, dict[int, list[int]]] = {}  # `_experts_tiled`
         self.sharding = Sharding.of_zero_stage(stage)
         self.inner, self.optimizer_class, self.scaler = inner, optimizer_class, scaler
         self.state, self.param_groups = inner.state, inner.param_groups
@@ -163,7 +165,7 @@ class StateDicts:
         self._shard_step.wait()
         full: dict[torch.nn.Parameter, torch.Tensor] = {}
         for b in self.buckets:
-            flat = gather_flat(b, b.master, self.group)
+            flat = gather_flat(b, b.master, b.group)
             for i, p in enumerate(b.params):
                 full[p] = b.param_view(flat, i).to(self._orig_dtypes[id(p)]).clone()
         return {
@@ -209,13 +211,26 @@ class StateDicts:
 
     def _sharded_views(self, bucket: FlatBucket, shard: torch.Tensor) -> dict[str, Any]:
         """name -> sharded tensor whose local pieces view `shard` (master-shaped)."""
-        all_ranges = [{i: (s, e) for i, s, e, _ in bucket.shard_ranges(r)} for r in range(self.world)]
+        all_ranges = [{i: (s, e) for i, s, e, _ in bucket.shard_ranges(r)} for r in range(bucket.world)]
         out = {}
         for i, p in enumerate(bucket.params):
             piece = bucket.param_slice(shard, i, bucket.shard_range)
             ranges = [[rs[i]] if i in rs else [] for rs in all_ranges]
-            out[self.names[p]] = sharded_state.sharded_tensor_from_flat(bucket.shapes[i], [piece], ranges, self.group)
+            st = sharded_state.sharded_tensor_from_flat(bucket.shapes[i], [piece], ranges, bucket.group)
+            out[self.names[p]] = self._experts_tiled(st, bucket.marks.expert) if bucket.marks.expert else st
         return out
+
+    def _experts_tiled(self, st: Any, mark: ExpertMark) -> Any:
+        """An expert parameter's sharded tensor as its block of the tensor of all E experts,
+        stacked along `mark.dim` over the ranks of `mark.ep`: a checkpoint names each expert
+        once, whatever ep it was saved under."""
+        if mark not in self._ep_members:  # the ep group of each rank holding these experts
+            mine = dist.get_process_group_ranks(mark.ep)
+            everyone = comm.all_gather_object(mine, group=mark.shard)
+            self._ep_members[mark] = {ranks[dist.get_rank(mark.ep)]: ranks for ranks in everyone}
+        members = self._ep_members[mark]
+        ep = dist.get_world_size(mark.ep)
+        return sharded_state.tile_sharded_tensor(st, mark.dim, ep, dist.get_rank(mark.ep), lambda r, p: members[r][p])
 
     def _materialize_state(self) -> None:
         """Create the inner optimizer's state before its first step, so a checkpoint can be
@@ -357,7 +372,7 @@ class StateDicts:
         for b in self.buckets:
             lo, hi = b.shard_range
             for t in [b.master, *(v for v in self.state[b.master].values() if v.numel() == b.master.numel())]:
-                comm.all_gather_into_tensor(t, t[lo:hi].clone(), group=self.group)
+                comm.all_gather_into_tensor(t, t[lo:hi].clone(), group=b.group)
 
 
 def _copy_into(mine: dict[str, Any], theirs: dict[str, Any]) -> None:

@@ -36,6 +36,7 @@ from optim.stage3 import ParamGatherer, root_modules, stage3_units
 from optim.state_dicts import StateDicts
 from optim.zero_setup import (
     OUT_OF_STEP_ADVICE,
+    check_experts,
     check_same_model_on_all_ranks,
     check_zero_plus_plus,
     param_names,
@@ -119,6 +120,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.zero_plus_plus = zpp = policies["zero_plus_plus"] or ZeroPlusPlus()
         validate(model, optimizer_class, stage, zpp.qwz_block)
         check_zero_plus_plus(stage, zpp.hpz, zpp.qgz_bits, node_groups, process_group)
+        check_experts(model, zpp.hpz, zpp.qgz_bits)
         self.model, self.optimizer_class, self.stage = model, optimizer_class, stage
         self.sharding = Sharding.of_zero_stage(stage)
         self._set_groups(process_group, replicate_group, node_groups, model_parallel_group)
@@ -270,9 +272,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The shard group, then the replicate group if any: together every data-parallel rank."""
         return [self.group] + ([self.replicate_group] if self.replicate_group is not None else [])
 
-    def _broadcast_from_first(self, tensor: torch.Tensor) -> None:
-        """Give every data-parallel rank the tensor of the first rank of the first replica."""
-        for group in self._dp_groups:
+    def _broadcast_from_first(self, tensor: torch.Tensor, groups: list | None = None) -> None:
+        """Give every rank of `groups` (None: every data-parallel rank, `_dp_groups`) the
+        tensor of the first rank of the first group."""
+        for group in self._dp_groups if groups is None else groups:
             comm.broadcast(tensor, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
 
     def _cast_untrained(self, model: torch.nn.Module) -> None:
@@ -300,23 +303,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
         position = {p: i for i, p in enumerate(arrival)}
         root_of = {p: i for i, r in enumerate(root_modules(self.model)) for p in r.parameters()}
         # what a bucket's parameters share: the groups they are replicated and tied over
-        marks_of = {p: ParamMarks(replicated=m.replicated, tied=m.tied) for p, m in param_marks(self.model).items()}
+        marks_of = {
+            p: ParamMarks(replicated=m.replicated, tied=m.tied, expert=m.expert)
+            for p, m in param_marks(self.model).items()
+        }
 
         def key(p: torch.nn.Parameter) -> tuple:
             return bucket_key(group_of[p], root_of.get(p), marks_of.get(p, NO_MARKS))
 
         def make(params: list, sharding: Sharding) -> FlatBucket:
+            marks = marks_of.get(params[0], NO_MARKS)
+            group, replicate = self._data_parallel_groups(marks)
             return FlatBucket(
                 params,
                 group_of[params[0]],
                 sharding,
-                self.rank,
-                self.world,
+                dist.get_rank(group),
+                dist.get_world_size(group),
                 self.param_dtype,
                 self.precision.reduce_dtype,
                 on_grad_bytes=self._grad_bytes_changed,
-                marks=marks_of.get(params[0], NO_MARKS),
-                keeps_reduced_sum=self._keeps_reduced_sum(sharding),
+                marks=marks,
+                group=group,
+                replicate_group=replicate,
+                keeps_reduced_sum=self._keeps_reduced_sum(sharding, replicate),
             )
 
         units: list[tuple[torch.nn.Module, list[FlatBucket]]] = []
@@ -338,18 +348,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._allocate(buckets)
         return buckets, units
 
-    def _keeps_reduced_sum(self, sharding: Sharding) -> bool:
+    def _data_parallel_groups(self, marks: ParamMarks) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+        """The groups a parameter is sharded and replicated over: an expert's own
+        (`parallel.comm.mark_expert`: the ranks holding the same experts), else this
+        optimizer's."""
+        if marks.expert is not None:
+            return marks.expert.shard, marks.expert.replicate
+        return self.group, self.replicate_group
+
+    def _keeps_reduced_sum(self, sharding: Sharding, replicate_group: dist.ProcessGroup | None) -> bool:
         """Whether a bucket carries earlier reductions of the step through its full buffer
         (`optim.buffers`): not on the replicas after the first, nor under qgZ at stages 2-3,
         whose reductions are added to the shard."""
-        first_replica = self.replicate_group is None or dist.get_rank(self.replicate_group) == 0
+        first_replica = replicate_group is None or dist.get_rank(replicate_group) == 0
         return first_replica and not (self.zero_plus_plus.qgz_bits is not None and sharding.gradients)
 
     def _allocate(self, buckets: list[FlatBucket]) -> None:
-        """Give each bucket its storage, holding the values of the first data-parallel rank."""
+        """Give each bucket its storage, holding the values of the first rank of its
+        data-parallel groups."""
         for bucket in buckets:
             flat = bucket.flat_values([p.detach() for p in bucket.params], torch.float32)
-            self._broadcast_from_first(flat)
+            self._broadcast_from_first(flat, bucket.dp_groups)
             bucket.allocate(flat)
 
     # ---- training API -------------------------------------------------------------------

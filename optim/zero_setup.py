@@ -85,6 +85,16 @@ def check_zero_plus_plus(
     agree(problem, group)  # raised on every rank, so none waits for the others
 
 
+def check_experts(model: torch.nn.Module, hpz: bool, qgz_bits: int | None) -> None:
+    """ZeRO++ hpZ and qgZ follow the shard group's split into nodes, which expert parameters
+    (sharded over their own groups) do not have yet: refused, one sentence."""
+    if (hpz or qgz_bits is not None) and any(m.expert is not None for m in comm.param_marks(model).values()):
+        raise ValueError(
+            "ZeRO++ hpZ and qgZ split the data-parallel group by node, which the expert parameters of this model "
+            "(parallel.comm.mark_expert) are not split by: drop hpz / qgz_bits for a model with experts (qwZ composes)"
+        )
+
+
 def param_names(model: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
     """The first name of each parameter (a tied parameter keeps the first)."""
     names: dict[torch.nn.Parameter, str] = {}

@@ -83,6 +83,7 @@ Group = dist.ProcessGroup | None
 __all__ = [
     "NO_MARKS",
     "CommLog",
+    "ExpertMark",
     "ParamMarks",
     "all_gather_into_tensor",
     "all_gather_object",
@@ -94,6 +95,7 @@ __all__ = [
     "group_name",
     "irecv",
     "isend",
+    "mark_expert",
     "mark_partitioned",
     "mark_replicated",
     "mark_sequence_parallel",
@@ -793,6 +795,22 @@ def batch_isend_irecv(p2p_ops: list[dist.P2POp]) -> list[dist.Work]:
 
 # ---- marks (module docstring) ---------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
+class ExpertMark:
+    """A parameter holding this rank's experts of an MoE layer, stacked along `dim`: the
+    experts are split over the ranks of `ep`, and the ranks holding the same experts (the
+    expert-data-parallel ranks) are `shard` (and, with hybrid sharding, its `replicate`
+    group): the groups a data-parallel optimizer reduces and shards it over, in place of its own."""
+
+    ep: Group
+    shard: Group
+    replicate: Group = None
+    dim: int = 0
+
+    def __deepcopy__(self, memo: dict) -> ExpertMark:
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
 class ParamMarks:
     """The marks of one parameter (groups in marking order, each once)."""
 
@@ -800,6 +818,7 @@ class ParamMarks:
     tied: tuple[Group, ...] = ()
     partition_dim: int | None = None
     sequence_parallel: tuple[Group, ...] = ()
+    expert: ExpertMark | None = None
 
     def __deepcopy__(self, memo: dict) -> ParamMarks:
         return self  # immutable, and process groups are shared, never copied
@@ -847,6 +866,12 @@ def mark_partitioned(module: nn.Module, name: str, dim: int) -> None:
     _update(module, name, lambda m: dataclasses.replace(m, partition_dim=dim))
 
 
+def mark_expert(module: nn.Module, name: str, ep: Group, shard: Group, replicate: Group = None, dim: int = 0) -> None:
+    """Declare parameter `name` of `module` this rank's experts, stacked along `dim`, split
+    over `ep`; its data-parallel groups are `shard` (and `replicate`): see `ExpertMark`."""
+    _update(module, name, lambda m: dataclasses.replace(m, expert=ExpertMark(ep, shard, replicate, dim)))
+
+
 def mark_sequence_parallel(module: nn.Module, name: str, group: Group) -> None:
     """Declare that parameter `name`'s gradient is summed over `group` before accumulation;
     it is replicated there too."""
@@ -868,5 +893,7 @@ def param_marks(model: nn.Module) -> dict[torch.Tensor, ParamMarks]:
                     have = have.adding(field, group)
             if marks.partition_dim is not None:
                 have = dataclasses.replace(have, partition_dim=marks.partition_dim)
+            if marks.expert is not None:
+                have = dataclasses.replace(have, expert=marks.expert)
             out[p] = have
     return out

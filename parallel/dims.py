@@ -29,6 +29,13 @@ the ranks holding the same shard in each replica. E.g. tp=1 pp=1 dp=4 dp_shard=2
 groups {0,1} {2,3}, replicate groups {0,2} {1,3}. Without dp_shard (dp_shard = dp) there is
 no replicate group and the shard group is the dp group.
 
+Expert parallelism borrows data-parallel ranks (as DeepSpeed-MoE and torchtitan do): ep
+consecutive ranks of a shard group exchange tokens and split an MoE layer's experts, so ep
+divides dp_shard. The ranks of a shard group holding the same experts (shard rank ≡ s mod
+ep) are the expert shard group, over which ZeRO shards and reduces the experts; across
+replicas they are the replicate group. E.g. tp=1 pp=1 dp=4 ep=2: ep groups {0,1} {2,3},
+expert shard groups {0,2} {1,3}.
+
 Nodes: ranks [n·k, (n+1)·k) are node n, k = ``ranks_per_node`` (torchrun's
 ``$LOCAL_WORLD_SIZE``, its processes per node); ``crosses_nodes(group)`` says whether a
 group's traffic leaves a node.
@@ -60,6 +67,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel import comm, desync
+from parallel.expert.groups import ExpertGroups
 
 __all__ = ["LayoutError", "ParallelDims"]
 
@@ -124,6 +132,8 @@ class ParallelDims:
             else ``$WORLD_SIZE`` (set by torchrun), else 1.
         dp_shard: hybrid sharding: ZeRO shards over groups of this many dp ranks and the
             dp / dp_shard replicas reduce gradients across them; None = dp (no replicas).
+        ep: expert parallelism: MoE experts split over this many consecutive ranks of each
+            shard group (it divides dp_shard); 1: every rank holds every expert.
         ranks_per_node: processes per node (default ``$LOCAL_WORLD_SIZE``, else the world).
 
     Raises ``LayoutError`` (a ``ValueError``) with one sentence for an invalid layout,
@@ -142,6 +152,7 @@ class ParallelDims:
     world_size: int | None = None
     dp_shard: int | None = None
     ranks_per_node: int | None = None
+    ep: int = 1
 
     # Set by build(); not part of the layout's identity.
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
@@ -166,13 +177,21 @@ class ParallelDims:
                 "dp = replicas × dp_shard",
                 ("dp_shard", "dp"),
             )
+        _check_positive("ep", self.ep)
+        if self.dp_shard % self.ep:
+            raise LayoutError(
+                f"{{ep}}={self.ep} does not divide {{dp_shard}}={self.dp_shard}: expert parallelism splits the "
+                "experts over ranks of one shard group",
+                ("ep", "dp_shard") if self.dp_shard != self.dp else ("ep", "dp"),
+            )
         if self.ranks_per_node is None:
             self.ranks_per_node = _default_ranks_per_node(self.world_size)
         _check_positive("ranks_per_node", self.ranks_per_node)
 
     def __str__(self) -> str:
         hybrid = f" ({self.dp_replicate}×{self.dp_shard})" if self.dp_replicate > 1 else ""
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}{hybrid} (world {self.world_size})"
+        experts = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{hybrid}{experts} (world {self.world_size})"
 
     @property
     def dp_replicate(self) -> int:
@@ -253,7 +272,27 @@ class ParallelDims:
                 ],
                 group_desc="embedding",
             )
-        return {"mp": mp_group, "embedding": embedding_group, **self._hybrid_groups(), **self._node_groups()}
+        return {
+            "mp": mp_group,
+            "embedding": embedding_group,
+            **self._hybrid_groups(),
+            **self._node_groups(),
+            **self._expert_groups(),
+        }
+
+    def _expert_groups(self) -> dict[str, dist.ProcessGroup | None]:
+        """ep: ep consecutive ranks of a shard group; ep_shard: the ranks of a shard group at
+        the same place in their ep groups (the same experts). None when ep == 1."""
+        if self.ep == 1:
+            return {"ep": None, "ep_shard": None}
+        shards = self.shard_groups()
+        ep, _ = dist.new_subgroups_by_enumeration(
+            [ranks[i : i + self.ep] for ranks in shards for i in range(0, len(ranks), self.ep)], group_desc="ep"
+        )
+        ep_shard, _ = dist.new_subgroups_by_enumeration(
+            [ranks[j :: self.ep] for ranks in shards for j in range(self.ep)], group_desc="ep_shard"
+        )
+        return {"ep": ep, "ep_shard": ep_shard}
 
     def shard_groups(self) -> list[list[int]]:
         """The global ranks of every shard group (one replica's dp ranks for each (pp, tp))."""
@@ -352,6 +391,25 @@ class ParallelDims:
         labelled "dp_replicate"."""
         self._built()
         return self._groups["dp_replicate"]
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The ranks splitting an MoE layer's experts with this one (None when ep == 1);
+        labelled "ep"."""
+        self._built()
+        return self._groups["ep"]
+
+    @property
+    def ep_shard_group(self) -> dist.ProcessGroup:
+        """The ranks of this rank's shard group holding its experts, over which ZeRO shards
+        and reduces them (the shard group when ep == 1); labelled "ep_shard"."""
+        self._built()
+        return self._groups["ep_shard"] or self.dp_shard_group
+
+    @property
+    def expert_groups(self) -> ExpertGroups:
+        """What an MoE layer of this rank communicates over (`parallel.expert.ExpertGroups`)."""
+        return ExpertGroups(self.ep_group, self.dp_group, self.ep_shard_group, self.dp_replicate_group)
 
     @property
     def mp_group(self) -> dist.ProcessGroup:

@@ -56,15 +56,17 @@ def canonical_name(name: str) -> str:
 
 
 def full_shapes(model: nn.Module, opt: ZeroOptimizer, tp: int) -> dict[str, list[int]]:
-    """Canonical name -> shape in the tp = 1 model, of each parameter `opt` names: from the
-    optimizer's record of the parameters' shapes (a stage-3 parameter is empty between uses)."""
+    """Canonical name -> shape in the tp = 1, ep = 1 model, of each parameter `opt` names: from
+    the optimizer's record of the parameters' shapes (a stage-3 parameter is empty between uses)."""
     marks_of = param_marks(model)
     trained = opt.param_shapes()
     shapes = {}
     for p, name in opt.names.items():
-        shape, dim = list(trained.get(p, p.shape)), marks_of.get(p, NO_MARKS).partition_dim
-        if dim is not None:
-            shape[dim] *= tp
+        shape, marks = list(trained.get(p, p.shape)), marks_of.get(p, NO_MARKS)
+        if marks.partition_dim is not None:
+            shape[marks.partition_dim] *= tp
+        if marks.expert is not None:  # this rank's experts of all of them
+            shape[marks.expert.dim] *= dist.get_world_size(marks.expert.ep)
         shapes[canonical_name(name)] = shape
     return shapes
 

@@ -51,6 +51,7 @@ class ParallelConfig:
     pp: int = 1
     dp: int | None = None
     dp_shard: int | None = None
+    ep: int = 1
     zero: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -178,11 +179,23 @@ HELP = {
     "rope_theta": "RoPE base",
     "norm_eps": "epsilon of the norms",
     "init_seed": "weight init seed (default: --seed)",
+    "moe_experts": "Mixture-of-Experts: routed experts per MoE block (0: dense MLPs)",
+    "moe_top_k": "experts each token is sent to",
+    "moe_every": "every N-th block is an MoE block (1: all)",
+    "moe_d_ff": "width of each expert's MLP (None: --d-ff's width)",
+    "moe_shared_experts": "always-on shared experts per MoE block, as one MLP this many experts wide",
+    "moe_capacity_factor": "each expert takes at most factor·tokens·k/E of a rank's slots, the rest are dropped "
+    "and counted (None: dropless)",
+    "moe_aux_loss_coeff": "coefficient of the Switch load-balancing loss E·Σ f·P",
+    "moe_z_loss_coeff": "coefficient of the router z-loss mean(logsumexp(logits)²)",
+    "moe_renormalize": "renormalize the top-k router weights to sum to 1",
     "tp": "tensor-parallel degree",
     "pp": "pipeline-parallel degree",
     "dp": "data-parallel degree (None: world size / (tp·pp))",
     "dp_shard": "hybrid sharding: ZeRO shards over groups of this many dp ranks (keep dp_shard·tp within a node) "
     "and the dp/dp_shard replicas all-reduce the sharded gradients (None: dp, no replicas)",
+    "ep": "expert parallelism: MoE experts split over this many consecutive dp ranks (it divides dp, and dp_shard), "
+    "tokens exchanged by all-to-all; ZeRO shards each expert over the dp/ep ranks holding it",
     "zero": "ZeRO stage 0-3 over the dp group (over each dp_shard group with --dp-shard)",
     "schedule": "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1",
     "virtual_stages": "model chunks per pipeline rank (interleaved-1f1b)",
@@ -284,6 +297,10 @@ RULES: dict[str, Rule] = {
             "max_seq_len",
             "sliding_window",
             "vocab_multiple",
+            "moe_top_k",
+            "moe_every",
+            "moe_d_ff",
+            "ep",
             "tp",
             "pp",
             "dp",
@@ -304,8 +321,21 @@ RULES: dict[str, Rule] = {
         ),
         AT_LEAST_1,
     ),
-    **dict.fromkeys(("warmup_steps", "min_lr", "weight_decay", "clip_grad", "save_every"), AT_LEAST_0),
-    **dict.fromkeys(("rope_theta", "norm_eps", "comm_timeout", "lr", "eps"), POSITIVE),
+    **dict.fromkeys(
+        (
+            "warmup_steps",
+            "min_lr",
+            "weight_decay",
+            "clip_grad",
+            "save_every",
+            "moe_experts",
+            "moe_shared_experts",
+            "moe_aux_loss_coeff",
+            "moe_z_loss_coeff",
+        ),
+        AT_LEAST_0,
+    ),
+    **dict.fromkeys(("rope_theta", "norm_eps", "comm_timeout", "lr", "eps", "moe_capacity_factor"), POSITIVE),
     **dict.fromkeys(("dropout", "beta1", "beta2"), FRACTION),
     **dict.fromkeys(("init_seed", "seed"), SEED),
     "zero": one_of(0, 1, 2, 3),
@@ -481,7 +511,7 @@ def resolve_batch(cfg: RunConfig, world_size: int, given_cli: set[str], given_fi
     the one batch size not given (see the module docstring)."""
     par, tr = cfg.parallel, cfg.train
     try:
-        par.dp = ParallelDims(par.tp, par.pp, par.dp, world_size, par.dp_shard).dp
+        par.dp = ParallelDims(par.tp, par.pp, par.dp, world_size, par.dp_shard, ep=par.ep).dp
     except LayoutError as e:
         raise ConfigError(e.worded(lambda size: cli.flag_name(size) if size in field_specs() else size)) from None
     order = [k for k in BATCH_KEYS if k in given_cli] + [k for k in BATCH_KEYS if k in given_file - given_cli]
@@ -529,6 +559,26 @@ def validate_zero_options(par: ParallelConfig) -> None:
         )
 
 
+def validate_moe(m: GPTConfig, par: ParallelConfig) -> None:
+    """The MoE keys against each other, the model and the layout (ep dividing dp is
+    `parallel.dims.ParallelDims`' check)."""
+    if not m.moe_experts:
+        if par.ep > 1:
+            raise ConfigError(f"--ep={par.ep} splits the experts of MoE blocks: set --moe-experts (0 means dense)")
+        return
+    if m.moe_experts % par.ep:
+        raise ConfigError(f"--moe-experts={m.moe_experts} is not divisible by --ep={par.ep}")
+    if not any(map(m.is_moe, range(m.n_layers))):
+        raise ConfigError(f"--moe-every={m.moe_every} leaves no MoE block among --n-layers={m.n_layers}")
+    if m.moe.d_ff % par.tp:
+        raise ConfigError(f"the experts' width {m.moe.d_ff} (--moe-d-ff) is not divisible by --tp={par.tp}")
+    if par.ep > 1 and (par.hpz or par.qgz_bits is not None):
+        raise ConfigError(
+            "--hpz and --qgz-bits split the dp group by node, which the experts' own groups under --ep are not: "
+            "drop them with --ep > 1 (--qwz-block composes)"
+        )
+
+
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Reject every invalid combination with one sentence naming the flags. Each field's own
     type and range were checked where it entered (`check_value`); here: the pipeline
@@ -547,6 +597,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if par.virtual_stages > 1 and par.pp == 1:
         raise ConfigError(f"--virtual-stages={par.virtual_stages} needs --pp > 1")
     validate_zero_options(par)
+    validate_moe(m, par)
     try:
         source = resolve_source(data.data)
         if isinstance(source, str):

@@ -7,7 +7,7 @@ sequences, and one global-batch order shared by every (tp, pp, dp) layout.
               (by global rank 0), memory-mapped by every rank       load_tokens
     sequence k = t[k*L : k*L + L + 1]; inputs = [:-1], labels = [1:]          GlobalBatches
     global batch s = sequences at positions [s*B, (s+1)*B) of perm_0 ‖ perm_1 ‖ ...
-    dp rank d: rows [d*B/dp, (d+1)*B/dp), cut into m micro-batches    local_micro_batches
+    micro-batch j: rows [j*B/m, (j+1)*B/m), split over the dp ranks  local_micro_batches
 
 Bad data is a `DataError`: one sentence naming the file (and line) at fault, what is wrong
 and what to do. Only rank 0 reads the data, and it meets the other ranks in `raise_together`,
@@ -499,16 +499,16 @@ class GlobalBatches:
 def local_micro_batches(
     inputs_bs: torch.Tensor, labels_bs: torch.Tensor, dp_rank: int, dp: int, micro_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """DP rank d's share of a global batch of B rows, rows [d*B/dp, (d+1)*B/dp) (Megatron
-    order), as ``micro_batches`` consecutive (inputs, labels) pairs of B/(dp*micro_batches) rows."""
+    """DP rank d's share of a global batch of B rows: ``micro_batches`` (inputs, labels) pairs
+    of b = B/(dp·m) rows, micro-batch j holding rows [j·B/m + d·b, j·B/m + (d+1)·b). Micro-batch
+    j of all dp ranks together is then rows [j·B/m, (j+1)·B/m), micro-batch j of a
+    one-process run with the same m, whatever dp is: statistics taken over a micro-batch
+    (MoE load balancing) do not depend on the layout."""
     rows = inputs_bs.shape[0]
     if not 0 <= dp_rank < dp:
         raise ValueError(f"dp_rank={dp_rank} is not in [0, dp={dp}).")
     if rows % dp or (rows // dp) % micro_batches:
         raise ValueError(f"global_batch_size={rows} is not divisible by dp={dp} x micro_batches={micro_batches}.")
-    local, b = rows // dp, rows // dp // micro_batches
-    lo = dp_rank * local
-    return [
-        (inputs_bs[lo + j * b : lo + (j + 1) * b], labels_bs[lo + j * b : lo + (j + 1) * b])
-        for j in range(micro_batches)
-    ]
+    per_micro, b = rows // micro_batches, rows // dp // micro_batches
+    starts = [j * per_micro + dp_rank * b for j in range(micro_batches)]
+    return [(inputs_bs[lo : lo + b], labels_bs[lo : lo + b]) for lo in starts]

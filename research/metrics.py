@@ -381,6 +381,8 @@ def _gib(v: float) -> str:
 # (key, label, format) of the progress line and of the summary line
 _STEP_FIELDS = (
     ("loss", "loss ", _loss),
+    ("moe_aux_loss", "aux ", _loss),
+    ("moe_dropped_fraction", "dropped ", _pct),
     ("tokens_per_s", "", _tok),
     ("tflops_per_device", "", _tflops),
     ("mfu", "MFU ", _pct),

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from parallel import comm
 from parallel.expert.aux_loss import attach as attach_aux_loss
+from parallel.expert.groups import ExpertGroups
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import stage_of
 from parallel.random import get_rng_tracker
@@ -48,7 +49,7 @@ from parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from parallel.tensor.mappings import tp_size
-from research.moe import ExpertGroups, MoE, MoEConfig
+from research.moe import MoE, MoEConfig
 
 IGNORE_INDEX = -100
 
@@ -103,7 +104,7 @@ class GPTConfig:
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head dim, got d_model/n_heads={self.head_dim}")
         if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
-            raise ValueError(f"moe_top_k={self.moe_top_k} must be between 1 and moe_experts={self.moe_experts}")
+            raise ValueError(f"--moe-top-k={self.moe_top_k} must be between 1 and --moe-experts={self.moe_experts}")
 
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer` (0-based) has an MoE MLP: every `moe_every`-th block."""

@@ -34,6 +34,7 @@ mean of the gradients divides again (the cross-entropy's rank gradients carry th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 from parallel import comm
 from parallel.expert.dispatch import TokenDispatcher
 from parallel.expert.grouped import grouped_mm
+from parallel.expert.groups import ExpertGroups
 from parallel.tensor import copy_to_tp, gather_from_sp, reduce_from_tp, sequence_parallel_grad_sync
 from parallel.tensor.mappings import reduce_scatter_to_sp, tp_rank, tp_size
 
@@ -63,16 +65,6 @@ class MoEConfig:
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
     renormalize: bool = True
-
-
-@dataclass(frozen=True)
-class ExpertGroups:
-    """The groups an MoE layer communicates over: `ep` exchanges tokens (the experts are
-    split over it), `dp` holds every data-parallel rank of this model slice (the tokens whose
-    statistics the auxiliary losses share). None: this rank alone."""
-
-    ep: Group = None
-    dp: Group = None
 
 
 @dataclass
@@ -170,6 +162,9 @@ class MoE(nn.Module):
         self.dispatcher = TokenDispatcher(cfg.experts, self.groups.ep, cfg.capacity_factor)
         self.router = Router(cfg, tp_group, self.sp)
         self.experts = Experts(cfg, self.dispatcher.ep, self.dispatcher.ep_rank, tp_group)
+        if self.groups.ep is not None:  # ZeRO reduces and shards them over the ranks holding the same experts
+            for name in ("up", "down"):
+                comm.mark_expert(self.experts, name, self.groups.ep, self.groups.shard, self.groups.replicate)
         self.shared = shared
         self.stats = RouterStats()
 
@@ -245,3 +240,50 @@ class MoE(nn.Module):
 def _recording() -> bool:
     """Outside a backward pass: a recomputed forward (activation recompute) is not counted twice."""
     return torch._C._current_graph_task_id() == -1
+
+
+def router_metrics(chunks: nn.ModuleList, count_slots: bool) -> dict[str, Any]:
+    """The MoE layers of this rank's model chunks since the last call (their statistics
+    start afresh): per layer the mean auxiliary and z-loss per micro-batch, whether its chunk
+    adds them to the loss it returns (`post`), and the tokens per expert (min, max,
+    coefficient of variation, over the whole micro-batches of every dp rank); the slots this
+    rank dropped and routed (`count_slots`: counted on one rank of each TP group, which all
+    route the same tokens)."""
+    layers, dropped, slots = {}, 0, 0
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if not isinstance(module, MoE):
+                continue
+            stats = module.take_stats()
+            if not stats.micro_batches:
+                continue
+            load = stats.tokens_per_expert
+            layers[name] = {
+                "aux_loss": stats.aux_loss / stats.micro_batches,
+                "z_loss": stats.z_loss / stats.micro_batches,
+                "in_loss": bool(getattr(chunk, "post", True)),
+                "tokens_min": float(load.min()),
+                "tokens_max": float(load.max()),
+                "tokens_cv": float(load.std(correction=0) / load.mean()) if load.sum() else 0.0,
+            }
+            dropped += stats.dropped if count_slots else 0
+            slots += stats.slots if count_slots else 0
+    return {"layers": layers, "dropped": dropped, "slots": slots}
+
+
+def merge_router_metrics(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row's MoE fields from every rank's `router_metrics`: the auxiliary and z-losses
+    summed over layers (the terms they add to the loss), the dropped fraction of all slots,
+    each layer's expert load; and `in_loss`, the part of the first two that the last pipeline
+    stage's returned loss already holds (the other stages back-propagate theirs unseen)."""
+    layers = {name: layer for r in per_rank for name, layer in r["layers"].items()}
+    slots = sum(r["slots"] for r in per_rank)
+    return {
+        "in_loss": sum(layer["aux_loss"] + layer["z_loss"] for layer in layers.values() if layer["in_loss"]),
+        "moe_aux_loss": sum(layer["aux_loss"] for layer in layers.values()),
+        "moe_z_loss": sum(layer["z_loss"] for layer in layers.values()),
+        "moe_dropped_fraction": sum(r["dropped"] for r in per_rank) / slots if slots else 0.0,
+        "moe_expert_load": {
+            name: {k: layer[k] for k in ("tokens_min", "tokens_max", "tokens_cv")} for name, layer in layers.items()
+        },
+    }

@@ -32,7 +32,7 @@ from parallel import comm
 from parallel.dims import ParallelDims
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.random import seed_everything
-from research import checkpoint, costmodel, data, metrics
+from research import checkpoint, costmodel, data, metrics, moe
 from research.config import RunConfig, save_yaml
 from research.errors import NonFiniteLossError
 from research.model import GPTConfig, pipeline_chunks
@@ -132,7 +132,7 @@ class Trainer:
         self.cfg = cfg
         par, tr = cfg.parallel, cfg.train
         self.device = _device()
-        self.dims = ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp, dp_shard=par.dp_shard).build(
+        self.dims = ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp, dp_shard=par.dp_shard, ep=par.ep).build(
             timeout_s=par.comm_timeout
         )
         self.rank = dist.get_rank()
@@ -149,6 +149,7 @@ class Trainer:
             dims.tp_group,
             dims.embedding_group,
             par.sequence_parallel,
+            expert_groups=dims.expert_groups,
         )
         self.model = nn.ModuleList(chunks).to(self.device)
         self.param_dtype = DTYPES[tr.precision]
@@ -367,6 +368,12 @@ class Trainer:
             **metrics.throughput(tokens, step_time, flops_per_token, world, peak),
             "mem_peak_bytes": metrics.max_over_ranks(metrics.peak_memory_bytes(self.device), self.device),
         }
+        if self.cfg.model.moe_experts:  # the loss: cross-entropy and every MoE layer's auxiliary losses
+            merged = moe.merge_router_metrics(
+                metrics.all_ranks(moe.router_metrics(self.model, count_slots=self.dims.tp_rank == 0))
+            )
+            row["loss"] += merged["moe_aux_loss"] + merged["moe_z_loss"] - merged.pop("in_loss")
+            row.update(merged)
         return row, log.as_dict(), meter.peak_bytes if measure_activations else None
 
     def _summary(

@@ -263,14 +263,15 @@ def test_epoch_wrap() -> None:
     assert batches.epoch(5) == 2.0
 
 
-def test_local_micro_batches_reassemble_the_global_batch() -> None:
+def test_local_micro_batches_are_slices_of_the_one_process_micro_batches() -> None:
     inputs, labels = D.GlobalBatches(np.arange(200, dtype=np.uint16), 5, 12, seed=0).batch(2)
     dp, m = 2, 3
     parts = [D.local_micro_batches(inputs, labels, d, dp, m) for d in range(dp)]
     assert all(len(p) == m and all(x.shape == y.shape == (2, 5) for x, y in p) for p in parts)
-    assert torch.equal(torch.cat([x for p in parts for x, _ in p]), inputs)
-    assert torch.equal(torch.cat([y for p in parts for _, y in p]), labels)
-    assert torch.equal(parts[1][0][0], inputs[6:8])  # rank 1 holds rows [6, 12)
+    # micro-batch j of every rank together: rows [4j, 4j + 4), the one-process micro-batch j
+    assert torch.equal(torch.cat([parts[d][j][0] for j in range(m) for d in range(dp)]), inputs)
+    assert torch.equal(torch.cat([parts[d][j][1] for j in range(m) for d in range(dp)]), labels)
+    assert torch.equal(parts[1][0][0], inputs[2:4])
     with pytest.raises(ValueError, match="global_batch_size=12 is not divisible by dp=5"):
         D.local_micro_batches(inputs, labels, 0, 5, 1)
     with pytest.raises(ValueError, match="micro_batches=4"):

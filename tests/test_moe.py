@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parallel import ParallelDims
 from parallel.expert import TokenDispatcher, grouped_mm
-from research.moe import ExpertGroups, MoE, MoEConfig
+from research.moe import MoE, MoEConfig
 from tests.conftest import slow_except
 from tests.dist_utils import run_distributed
 
@@ -184,26 +185,9 @@ SEQ, BATCH = 4, 2  # per data-parallel rank
 
 
 def layout_groups(tp: int, ep: int) -> tuple:
-    """tp × dp over the 4 ranks (tp fastest); ep consecutive dp ranks exchange tokens. Returns
-    (tp group, dp group, ep group, dp rank)."""
-    rank, dp = dist.get_rank(), WORLD // tp
-    mine = {}
-    for t in range(tp):
-        ranks = [d * tp + t for d in range(dp)]
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine["dp"] = group
-        for start in range(0, dp, ep):
-            ep_ranks = ranks[start : start + ep]
-            ep_group = dist.new_group(ep_ranks)
-            if rank in ep_ranks:
-                mine["ep"] = ep_group
-    for d in range(dp):
-        ranks = list(range(d * tp, (d + 1) * tp))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine["tp"] = group
-    return mine["tp"], mine["dp"], mine["ep"], rank // tp
+    """`ParallelDims(tp, dp=4/tp, ep)` over the 4 ranks: (tp group, its expert groups, dp rank)."""
+    dims = ParallelDims(tp=tp, ep=ep).build()
+    return dims.tp_group, dims.expert_groups, dims.dp_rank
 
 
 def inputs(dp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,10 +219,11 @@ def one_layout(cfg: MoEConfig, tp: int, ep: int, sp: bool) -> dict:
     """This rank's slice of the tokens through the layer; the gradients reduced as the
     optimizer will: dense ones averaged over dp, expert ones summed over the ranks holding
     the same experts and divided by dp."""
-    tp_group, dp_group, ep_group, d = layout_groups(tp, ep)
+    tp_group, groups, d = layout_groups(tp, ep)
+    dp_group, ep_group = groups.dp, groups.ep
     dp = WORLD // tp
     torch.manual_seed(0)
-    layer = MoE(cfg, tp_group, sp, ExpertGroups(ep=ep_group, dp=dp_group))
+    layer = MoE(cfg, tp_group, sp, groups)
     x_all, g_all = inputs(dp)
     mine = slice(d * BATCH, (d + 1) * BATCH)
     x, g = x_all[:, mine].clone(), g_all[:, mine]
@@ -270,7 +255,7 @@ def one_layout(cfg: MoEConfig, tp: int, ep: int, sp: bool) -> dict:
         "x": x.grad,
         "d": d,
         "tp_rank": dist.get_rank(tp_group),
-        "ep_rank": dist.get_rank(ep_group),
+        "ep_rank": dist.get_rank(ep_group) if ep_group is not None else 0,
     }
 
 

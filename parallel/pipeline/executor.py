@@ -42,6 +42,7 @@ import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
 
 from parallel import comm
+from parallel.expert import aux_loss
 from parallel.pipeline.schedules import COMM, Action, rank_chunk_of, schedule, splits_backward, stage_of, validate
 from parallel.pipeline.split_backward import backward_input
 
@@ -244,7 +245,11 @@ class PipelineExecutor:
             x = self._s.inputs[a.microbatch] if stage == 0 else self._received("F", *key).requires_grad_()
             start = time.perf_counter() - self._s.t0
             chunk = self.chunks[a.chunk]
-            out = chunk(x, self._s.targets[a.microbatch]) if last else chunk(x)
+            if last:
+                out = chunk(x, self._s.targets[a.microbatch])
+            else:  # its MoE auxiliary losses join the backward as the loss of the micro-batch does
+                with aux_loss.backward_scale(self.optimizer.scale_loss(torch.ones(()) / self.m)):
+                    out = chunk(x)
             if stage > 0:
                 self._s.x[key] = x
             if last:
