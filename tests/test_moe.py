@@ -282,3 +282,72 @@ def test_every_layout_equals_one_process(tp: int, ep: int, sp: bool, capacity: f
         for name, dim in (("up", 2), ("down", 1)):
             full = ref[name][experts].chunk(tp, dim)[r["tp_rank"]]
             torch.testing.assert_close(r[name], full, rtol=1e-5, atol=1e-7)
+
+
+# ---- what the exchange costs, and ranks without tokens ---------------------------------------
+def _bytes_of_a_layer(capacity: float | None) -> dict:
+    """All-to-all bytes of one forward + backward of the layer at ep = world, and the rows
+    this rank sends to and receives from the other ranks, from the routing recomputed here."""
+    from parallel import comm
+
+    dims = ParallelDims(ep=dist.get_world_size()).build()
+    cfg = dataclasses.replace(CFG, capacity_factor=capacity)
+    torch.manual_seed(0)
+    layer = MoE(cfg, dims.tp_group, False, dims.expert_groups)
+    x = torch.randn(SEQ, BATCH, CFG.d_model, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x.requires_grad_()  # as inside a model: the dispatch's backward sends the input gradients back
+    with comm.tracking() as log:
+        y, aux = layer(x)
+        (y.sum() + aux).backward()
+    chosen = F.linear(x.detach().reshape(-1, CFG.d_model), layer.router.weight).topk(CFG.top_k, -1).indices
+    per_rank = torch.bincount(chosen.reshape(-1) // (CFG.experts // dims.ep), minlength=dims.ep)
+    everyone = comm.all_gather_object(per_rank.tolist())
+    me = dims.dp_rank
+    return {
+        "bytes": log.as_dict()["ep"]["all_to_all_single"]["bytes"],
+        "out": sum(per_rank.tolist()) - per_rank[me].item(),
+        "in": sum(r[me] for j, r in enumerate(everyone) if j != me),
+        "ep": dims.ep,
+        "capacity": layer.dispatcher.slots_per_expert,
+    }
+
+
+@pytest.mark.parametrize("ep", slow_except([2], [4]))
+@pytest.mark.parametrize("capacity", [None, 1.0])
+def test_all_to_all_bytes_are_the_rows_that_leave_each_rank(capacity: float | None, ep: int) -> None:
+    """Dropless: the expert counts (E int64 in equal parts), then each row this rank sends
+    out and each it sends back, twice (forward and backward): E·8·(ep−1)/ep + 2·4h·(out + in).
+    With a capacity C: 4 exchanges of exactly E·C·(ep−1)/ep rows of 4h bytes."""
+    h, e = CFG.d_model, CFG.experts
+    for r in run_distributed(_bytes_of_a_layer, ep, capacity):
+        if capacity is None:
+            assert r["bytes"] == e * 8 * (ep - 1) // ep + 2 * 4 * h * (r["out"] + r["in"])
+        else:
+            assert r["bytes"] == 4 * 4 * h * e * r["capacity"] * (ep - 1) // ep
+
+
+def _a_rank_without_tokens() -> dict:
+    """Positive inputs and a router that always prefers experts 0 and 1: ep rank 1 (experts 2
+    and 3) receives no token, forward and backward run, its experts' gradients are zero."""
+    dims = ParallelDims(ep=2).build()
+    torch.manual_seed(0)
+    layer = MoE(CFG, dims.tp_group, False, dims.expert_groups)
+    with torch.no_grad():
+        layer.router.weight[:2] = 1.0
+        layer.router.weight[2:] = -1.0
+    x = torch.rand(SEQ, BATCH, CFG.d_model, generator=torch.Generator().manual_seed(dist.get_rank()))
+    y, aux = layer(x)
+    (y.sum() + aux).backward()
+    return {"rank": dims.dp_rank, "y": y.detach(), "up": layer.experts.up.grad, "x": x}
+
+
+def test_a_rank_whose_experts_get_no_token_runs_and_stays_exact() -> None:
+    results = run_distributed(_a_rank_without_tokens, 2)
+    torch.manual_seed(0)
+    single = MoE(CFG)
+    with torch.no_grad():
+        single.router.weight[:2] = 1.0
+        single.router.weight[2:] = -1.0
+    for r in results:
+        torch.testing.assert_close(r["y"], single(r["x"])[0].detach(), rtol=1e-5, atol=1e-6)
+    assert results[1]["up"].abs().sum() == 0 and results[0]["up"].abs().sum() > 0
