@@ -179,10 +179,11 @@ class ParallelDims:
             )
         _check_positive("ep", self.ep)
         if self.dp_shard % self.ep:
+            shard = "dp_shard" if self.dp_shard != self.dp else "dp"
             raise LayoutError(
-                f"{{ep}}={self.ep} does not divide {{dp_shard}}={self.dp_shard}: expert parallelism splits the "
+                f"{{ep}}={self.ep} does not divide {{{shard}}}={self.dp_shard}: expert parallelism splits the "
                 "experts over ranks of one shard group",
-                ("ep", "dp_shard") if self.dp_shard != self.dp else ("ep", "dp"),
+                ("ep", shard),
             )
         if self.ranks_per_node is None:
             self.ranks_per_node = _default_ranks_per_node(self.world_size)

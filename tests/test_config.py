@@ -195,6 +195,19 @@ def test_help_lists_every_key_with_its_default() -> None:
         (["--resume", "r", "--load", "r"], 1, "--resume=r loads its own latest checkpoint; drop --load=r"),
         (["--resume", "r", "--save", "s"], 1, "--resume=r saves there too; drop --save=s"),
         (["--d-model", "30", "--n-heads", "4"], 1, "d_model=30 is not divisible by n_heads=4"),
+        (["--moe-experts", "6", "--ep", "4"], 4, "--moe-experts=6 is not divisible by --ep=4"),
+        (["--moe-experts", "4", "--ep", "3"], 4, "--ep=3 does not divide --dp=4: expert parallelism splits"),
+        (["--moe-experts", "4", "--ep", "4", "--dp-shard", "2"], 4, "--ep=4 does not divide --dp-shard=2"),
+        (["--moe-experts", "4", "--moe-top-k", "5"], 1, "--moe-top-k=5 must be between 1 and --moe-experts=4"),
+        (["--moe-experts", "4", "--moe-top-k", "0"], 1, "--moe-top-k=0 must be at least 1"),
+        (["--moe-experts", "4", "--moe-capacity-factor", "0"], 1, "--moe-capacity-factor=0 must be greater than 0"),
+        (["--ep", "2"], 2, "--ep=2 splits the experts of MoE blocks: set --moe-experts"),
+        (["--moe-experts", "4", "--moe-every", "5", "--n-layers", "4"], 1, "--moe-every=5 leaves no MoE block"),
+        (
+            ["--moe-experts", "4", "--ep", "2", "--zero", "3", "--hpz"],
+            2,
+            "--hpz and --qgz-bits split the dp group by node, which the experts' own groups under --ep are not",
+        ),
     ],
 )
 def test_bad_input_fails_with_one_sentence_naming_the_flag(argv: list[str], world: int, message: str) -> None:

@@ -32,8 +32,17 @@ LAYOUTS = {
     "dp4-ep2-zero0": ["--ep", "2", "--zero", "0"],
     "tp2-sp-dp2-ep2-zero2": ["--tp", "2", "--sequence-parallel", "--ep", "2", "--zero", "2", "--bucket-numel", "3000"],
     "pp2-dp2-ep2-zero1-1f1b": ["--pp", "2", "--ep", "2", "--zero", "1", "--schedule", "1f1b"],
+    "pp2-dp2-ep2-zero3-gpipe": ["--pp", "2", "--ep", "2", "--zero", "3", "--schedule", "gpipe", *UNITS],
+    "pp2-dp2-ep2-zero2-zb-h1": ["--pp", "2", "--ep", "2", "--zero", "2", "--schedule", "zb-h1"],
     "dp4-hybrid2x2-ep2-zero3": ["--dp-shard", "2", "--ep", "2", "--zero", "3", *UNITS],
 }
+
+
+# 4 layers, so that 2 pipeline ranks hold 2 chunks each; against its own one-process run
+FOUR_LAYERS = ["--n-layers", "4"]
+INTERLEAVED = [*FOUR_LAYERS, "--pp", "2", "--ep", "2", "--zero", "1", "--schedule", "interleaved-1f1b"]
+INTERLEAVED += ["--virtual-stages", "2"]
+BF16 = ["--ep", "2", "--zero", "2", "--precision", "bf16"]
 
 
 def train(base: str, name: str, *extra: str) -> list[dict]:
@@ -48,29 +57,28 @@ def train(base: str, name: str, *extra: str) -> list[dict]:
 
 def launch_single(base: str) -> dict[str, list[dict]]:
     export = ["--save", os.path.join(base, "single", "ckpt"), "--export", os.path.join(base, "single.safetensors")]
-    return {"single": train(base, "single", "--steps", str(STEPS), *export)}
+    return {
+        "single": train(base, "single", "--steps", str(STEPS), *export),
+        "single-4-layers": train(base, "single-4-layers", "--steps", str(STEPS), *FOUR_LAYERS),
+    }
+
+
+def launch_single_resumed(base: str) -> dict[str, list[dict]]:
+    """ep 2 -> ep 4 -> ep 1: the ep 4 run's checkpoint of step 6, finished in one process."""
+    ckpt = os.path.join(base, "ep4", "ckpt")
+    export = ["--save", os.path.join(base, "ep1", "ckpt"), "--export", os.path.join(base, "resumed.safetensors")]
+    return {"ep4->ep1": train(base, "ep1", "--steps", str(STEPS), "--load", ckpt, *export)}
 
 
 def launch_four(base: str) -> dict[str, list[dict]]:
     out = {name: train(base, name, "--steps", str(STEPS), *argv) for name, argv in LAYOUTS.items()}
+    decay = ["--lr-decay-steps", str(STEPS)]
     ckpt = os.path.join(base, "ep2", "ckpt")
-    export = ["--export", os.path.join(base, "resumed.safetensors")]
-    first = train(
-        base, "ep2", "--steps", "4", "--lr-decay-steps", str(STEPS), "--save", ckpt, *LAYOUTS["dp4-ep2-zero3"]
-    )
-    out["ep2-saved"] = first
-    out["ep2->ep4"] = train(
-        base,
-        "ep4",
-        "--steps",
-        str(STEPS),
-        "--load",
-        ckpt,
-        "--save",
-        os.path.join(base, "ep4", "ckpt"),
-        *export,
-        *LAYOUTS["dp4-ep4-zero3"],
-    )
+    out["ep2-saved"] = train(base, "ep2", "--steps", "4", *decay, "--save", ckpt, *LAYOUTS["dp4-ep2-zero3"])
+    ep4 = [*decay, "--load", ckpt, "--save", os.path.join(base, "ep4", "ckpt")]
+    out["ep2->ep4"] = train(base, "ep4", "--steps", "6", *ep4, *LAYOUTS["dp4-ep4-zero3"])
+    out["pp2-interleaved"] = train(base, "pp2-interleaved", "--steps", str(STEPS), *INTERLEAVED)
+    out["dp4-ep2-zero2-bf16"] = train(base, "bf16", "--steps", str(STEPS), *BF16)
     return out
 
 
@@ -78,7 +86,7 @@ def launch_four(base: str) -> dict[str, list[dict]]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, list[dict]]]:
     base = str(tmp_path_factory.mktemp("moe-train"))
     rows: dict[str, list[dict]] = {}
-    for fn, world in ((launch_single, 1), (launch_four, 4)):
+    for fn, world in ((launch_single, 1), (launch_four, 4), (launch_single_resumed, 1)):
         rows.update(run_distributed(fn, world, base, timeout=600)[0])
     return base, rows
 
@@ -97,12 +105,27 @@ def test_every_layout_follows_the_single_process_curve(runs, layout: str) -> Non
 
 
 def test_resume_under_another_ep_continues_the_curve(runs) -> None:
+    """ep 2 for steps 1-4, ep 4 for 5-6, one process for 7-8 (each in a fresh folder, whose
+    metrics.jsonl holds the steps it ran)."""
     _, rows = runs
-    resumed = rows["ep2-saved"] + rows["ep2->ep4"]  # a fresh folder: metrics.jsonl holds the steps it ran
+    resumed = rows["ep2-saved"] + rows["ep2->ep4"] + rows["ep4->ep1"]
     torch.testing.assert_close(losses(resumed), losses(rows["single"]), rtol=1e-5, atol=0)
 
 
+def test_interleaved_pipeline_chunks_with_experts_follow_the_single_process_curve(runs) -> None:
+    _, rows = runs
+    torch.testing.assert_close(losses(rows["pp2-interleaved"]), losses(rows["single-4-layers"]), rtol=1e-5, atol=0)
+
+
+def test_bf16_tracks_fp32(runs) -> None:
+    """bf16 compute copies with fp32 masters: within 1e-2 of the fp32 curve (a token near a
+    tie between two experts may be routed the other way, which fp32 never sees)."""
+    _, rows = runs
+    torch.testing.assert_close(losses(rows["dp4-ep2-zero2-bf16"]), losses(rows["single"]), rtol=1e-2, atol=0)
+
+
 def test_the_export_holds_every_expert_of_the_single_process_run(runs) -> None:
+    """The export of the run resumed from ep 2 through ep 4 into one process."""
     base, _ = runs
     single, sharded = (
         load_file(os.path.join(base, "single.safetensors")),
