@@ -6,6 +6,7 @@ CONFIG_COLUMNS = (
     "tp",
     "pp",
     "dp",
+    "ep",
     "zero",
     "schedule",
     "virtual_stages",
@@ -15,6 +16,8 @@ CONFIG_COLUMNS = (
     "recompute",
     "sequence_parallel",
     "grad_sync",
+    "moe_experts",
+    "moe_top_k",
 )
 RESULT_COLUMNS = (
     "tokens_per_s",
@@ -31,9 +34,13 @@ RESULT_COLUMNS = (
     "comm_tp_bytes",
     "comm_pp_bytes",
     "comm_dp_bytes",
+    "comm_ep_bytes",
     "comm_total_bytes",
     "model_states_predicted_error",
     "final_loss",
     "wall_time_s",
 )
 COLUMNS = ("name", "status", *CONFIG_COLUMNS, *RESULT_COLUMNS, "error")
+# the process groups whose bytes per step get a column (comm_<group>_bytes): the all-to-all
+# of expert parallelism runs on "ep"
+COMM_GROUPS = ("tp", "pp", "dp", "ep")

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from experiments.sweep_columns import COLUMNS, CONFIG_COLUMNS
+from experiments.sweep_columns import COLUMNS, COMM_GROUPS, CONFIG_COLUMNS
 from research import costmodel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,8 +54,8 @@ def point_row(summary: dict[str, Any], name: str, status: str) -> dict[str, Any]
     row["mem_model_states_bytes"] = max(total(r) - r["memory_bytes"]["activations"] for r in ranks)
     row.update({f"mem_{k}_bytes": worst["memory_bytes"][k] for k in MEMORY_PARTS})
     row["mem_grads_peak_bytes"] = worst["grads_peak_bytes"]
-    busiest = max(ranks, key=lambda r: sum(comm(r, g) for g in ("tp", "pp", "dp")))
-    row.update({f"comm_{g}_bytes": comm(busiest, g) for g in ("tp", "pp", "dp")})
+    busiest = max(ranks, key=lambda r: sum(comm(r, g) for g in COMM_GROUPS))
+    row.update({f"comm_{g}_bytes": comm(busiest, g) for g in COMM_GROUPS})
     row["comm_total_bytes"] = sum(comm(busiest, g) for g in busiest["comm_per_step"])
     row["model_states_predicted_error"] = planner_error(summary)
     row.update(
@@ -129,6 +129,7 @@ MD_HEADERS = {
     "comm_tp_bytes": "comm tp",
     "comm_pp_bytes": "comm pp",
     "comm_dp_bytes": "comm dp",
+    "comm_ep_bytes": "comm ep",
     "model_states_predicted_error": "planner err",
     "final_loss": "loss",
 }

@@ -109,9 +109,11 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """This rank's E/ep experts, each an MLP (GELU, or SwiGLU with (f, {gate, up}) columns)
-    sliced over TP like the dense MLP: up [E/ep, h, width/tp], down [E/ep, f/tp, h]. Every
-    expert's full weights are drawn in expert order, so they do not depend on the layout."""
+    """This rank's E/ep experts, each an MLP (GELU, or SwiGLU: silu(x W_gate) ⊙ x W_up)
+    sliced over TP like the dense MLP: up [E/ep, h, G, f/tp] (G = 2: {gate, up}; 1 for
+    GELU), down [E/ep, f/tp, h]. Up is one GEMM of width G·f/tp whose gate and up halves are
+    contiguous. Every expert's full weights are drawn in expert order, so they do not depend
+    on the layout."""
 
     def __init__(self, cfg: MoEConfig, ep: int, ep_rank: int, tp_group: Group) -> None:
         super().__init__()
@@ -119,22 +121,21 @@ class Experts(nn.Module):
         if cfg.d_ff % tp:
             raise ValueError(f"moe_d_ff={cfg.d_ff} is not divisible by tp={tp}")
         self.swiglu = cfg.swiglu
-        width = 2 * cfg.d_ff if cfg.swiglu else cfg.d_ff
-        up = torch.empty(cfg.experts, cfg.d_model, width)
+        up = torch.empty(cfg.experts, cfg.d_model, 2 if cfg.swiglu else 1, cfg.d_ff)
         down = torch.empty(cfg.experts, cfg.d_ff, cfg.d_model)
         nn.init.normal_(up, std=0.02)
         nn.init.normal_(down, std=0.02)
         mine = slice(ep_rank * cfg.experts // ep, (ep_rank + 1) * cfg.experts // ep)
-        self.up = nn.Parameter(up[mine].chunk(tp, dim=2)[r].contiguous())
+        self.up = nn.Parameter(up[mine].chunk(tp, dim=3)[r].contiguous())
         self.down = nn.Parameter(down[mine].chunk(tp, dim=1)[r].contiguous())
-        comm.mark_partitioned(self, "up", 2)
+        comm.mark_partitioned(self, "up", 3)
         comm.mark_partitioned(self, "down", 1)
 
     def forward(self, rows_nh: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows sorted by local expert (`counts` of each) -> this TP rank's partial outputs."""
-        u = grouped_mm(rows_nh, self.up.to(rows_nh.dtype), counts)
+        u = grouped_mm(rows_nh, self.up.flatten(2).to(rows_nh.dtype), counts)
         if self.swiglu:
-            gate, up = u.unflatten(-1, (-1, 2)).unbind(-1)
+            gate, up = u.chunk(2, dim=-1)
             a = F.silu(gate) * up
         else:
             a = F.gelu(u)
@@ -175,8 +176,7 @@ class MoE(nn.Module):
         x_all, w_all, e_all = self._tokens_of_the_tp_group(x_sbh, weights.view(s, b, -1), experts.view(s, b, -1))
         k = self.cfg.top_k
         rows, counts, plan = self.dispatcher.dispatch(x_all.reshape(-1, h), e_all.reshape(-1, k))
-        slots = self.dispatcher.combine(self.experts(rows, counts), plan).view(-1, k, h)
-        y = (slots * w_all.reshape(-1, k, 1).to(slots.dtype)).sum(1).view(x_all.shape)
+        y = self.dispatcher.combine(self.experts(rows, counts), plan, w_all.reshape(-1, k)).view(x_all.shape)
         if tp_size(self.tp_group) > 1:
             y = reduce_scatter_to_sp(y, self.tp_group) if self.sp else reduce_from_tp(y, self.tp_group)
         if _recording():

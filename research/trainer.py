@@ -222,6 +222,7 @@ class Trainer:
                 "pp": self.dims.pp,
                 "dp": self.dims.dp,
                 "dp_shard": self.dims.dp_shard,
+                "ep": self.dims.ep,
                 "zero": cfg.parallel.zero,
                 "schedule": cfg.parallel.schedule,
                 "virtual_stages": cfg.parallel.virtual_stages,
@@ -392,7 +393,7 @@ class Trainer:
                 "activations": activation_peak,
             },
             "grads_peak_bytes": self.opt.grad_peak_bytes,
-            "comm_per_step": metrics.comm_per_step(comm_total, max(1, len(rows)), groups=("tp", "pp", "dp")),
+            "comm_per_step": metrics.comm_per_step(comm_total, max(1, len(rows)), groups=("tp", "pp", "dp", "ep")),
         }
         ranks = metrics.all_ranks(mine)
         return {

@@ -134,8 +134,8 @@ def reference_moe(layer: MoE, x_sbh: torch.Tensor) -> torch.Tensor:
         y = 0
         for j in range(cfg.top_k):
             e = chosen[t, j]
-            u = x[t] @ layer.experts.up[e]
-            a = F.silu(u.view(-1, 2)[:, 0]) * u.view(-1, 2)[:, 1] if cfg.swiglu else F.gelu(u)
+            u = x[t] @ layer.experts.up[e].flatten(1)
+            a = F.silu(u.chunk(2)[0]) * u.chunk(2)[1] if cfg.swiglu else F.gelu(u)
             y = y + w[t, j] * (a @ layer.experts.down[e])
         out.append(y)
     return torch.stack(out).view(x_sbh.shape)
@@ -279,7 +279,7 @@ def test_every_layout_equals_one_process(tp: int, ep: int, sp: bool, capacity: f
         assert r["aux"] == pytest.approx(ref["aux"], rel=1e-6)
         torch.testing.assert_close(r["router"], ref["router"], rtol=1e-5, atol=1e-7)
         experts = slice(r["ep_rank"] * CFG.experts // ep, (r["ep_rank"] + 1) * CFG.experts // ep)
-        for name, dim in (("up", 2), ("down", 1)):
+        for name, dim in (("up", 3), ("down", 1)):
             full = ref[name][experts].chunk(tp, dim)[r["tp_rank"]]
             torch.testing.assert_close(r[name], full, rtol=1e-5, atol=1e-7)
 

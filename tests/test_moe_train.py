@@ -132,7 +132,7 @@ def test_the_export_holds_every_expert_of_the_single_process_run(runs) -> None:
         load_file(os.path.join(base, "resumed.safetensors")),
     )
     assert single.keys() == sharded.keys()
-    assert single["blocks.0.mlp.experts.up"].shape == (4, 32, 128)
+    assert single["blocks.0.mlp.experts.up"].shape == (4, 32, 1, 128)
     for name, value in single.items():
         torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 

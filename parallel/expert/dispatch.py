@@ -63,6 +63,7 @@ class DispatchPlan:
 
     order: torch.Tensor  # kept slots (flat token·k + choice), in the order they were sent
     slots: int  # T·k
+    k: int
     send: list[int]  # rows sent to each ep rank
     recv: list[int]  # rows received from each ep rank
     regroup: torch.Tensor | None  # received row -> position in expert-major order
@@ -111,7 +112,7 @@ class TokenDispatcher:
         rows = x_th[order // k]
         self.dropped = 0
         if self.ep == 1:
-            plan = DispatchPlan(order, slots, [slots], [slots], None, None)
+            plan = DispatchPlan(order, slots, k, [slots], [slots], None, None)
             return rows, counts.tolist(), plan
         # counts[j, e]: slots of this rank for local expert e of rank j; arrived[j, e]: from rank j
         arrived = torch.empty_like(counts)
@@ -120,7 +121,7 @@ class TokenDispatcher:
         send, recv = counts.sum(1).tolist(), arrived.sum(1).tolist()
         received = all_to_all(rows, send, recv, self.group)
         regroup = _source_to_expert_major(arrived)
-        plan = DispatchPlan(order, slots, send, recv, regroup, None)
+        plan = DispatchPlan(order, slots, k, send, recv, regroup, None)
         return _permuted(received, regroup), arrived.sum(0).tolist(), plan
 
     def _with_capacity(
@@ -148,18 +149,22 @@ class TokenDispatcher:
         received = all_to_all(rows, send, recv, self.group) if self.ep > 1 else rows
         arrived = torch.full((self.ep, self.local_experts), c, dtype=torch.int64, device=flat.device)
         regroup = _source_to_expert_major(arrived) if self.ep > 1 else None
-        plan = DispatchPlan(order, slots, send, recv, regroup, padded)
+        plan = DispatchPlan(order, slots, k, send, recv, regroup, padded)
         return _permuted(received, regroup), [self.ep * c] * self.local_experts, plan
 
-    def combine(self, y_nh: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    def combine(self, y_nh: torch.Tensor, plan: DispatchPlan, weights_tk: torch.Tensor | None = None) -> torch.Tensor:
         """The local experts' rows [n, h] (as `dispatch` gave them) -> one row per slot
-        [T·k, h] in (token, choice) order, zeros for dropped slots."""
+        [T·k, h] in (token, choice) order, zeros for dropped slots; with `weights_tk` [T, k],
+        each token's weighted sum of its slots instead, [T, h] (Σ_j w_tj · y_tj in one pass)."""
         y = _unpermuted(y_nh, plan.regroup)
         if self.ep > 1:
             y = all_to_all(y, plan.recv, plan.send, self.group)
         if plan.padded is not None:
             y = y[plan.padded]
-        return y.new_zeros(plan.slots, y.shape[-1]).index_copy(0, plan.order, y)
+        if weights_tk is None:
+            return y.new_zeros(plan.slots, y.shape[-1]).index_copy(0, plan.order, y)
+        w = weights_tk.reshape(-1)[plan.order].to(y.dtype).unsqueeze(1)
+        return y.new_zeros(plan.slots // plan.k, y.shape[-1]).index_add(0, plan.order // plan.k, y * w)
 
 
 def _source_to_expert_major(arrived: torch.Tensor) -> torch.Tensor:
