@@ -12,6 +12,17 @@ that keeps torch.optim + DDP semantics under other people's habits.
   forgets that gradient; one assigned by hand is refused on every rank.
 * Whether the model is still the one the buffers were built for: a forward pre-hook refuses
   moved or cast parameters, a DDP wrapper and compilation at stage 3.
+* The global gradient norm, counting replicated parameters once:
+
+      ‖g‖ = sqrt( Σ_ranks Σ_{owned elements e} w_e · g_e² )
+
+  Every element of every bucket is owned by exactly one rank of its data-parallel group (its
+  shard; an expert's by one rank of its expert group, and the experts of the other ranks of
+  the shard group are other experts), so summing each rank's owned part over the shard group
+  counts it once. Across model-parallel ranks (tensor / pipeline) each rank holds different
+  parameters, except those marked replicated with `parallel.comm.mark_replicated` (norms and
+  row-parallel biases under TP, tied embeddings across pipeline stages): their bucket counts
+  only on the rank that is rank 0 of every group it is replicated over (w_e ∈ {0, 1}).
 """
 
 from __future__ import annotations
@@ -23,7 +34,6 @@ import torch.distributed as dist
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.nn.parallel import DistributedDataParallel
 
-from optim import clip
 from optim.collectives import gather_flat
 from optim.grad_placeholder import GradPlaceholder
 from optim.integrations import WRAPPED_BY, wrapped_by
@@ -141,7 +151,7 @@ class GradTracker:
         if self._norm is None:
             self.finish()
             with comm.doing("the global gradient norm"):
-                self._norm = clip.global_grad_norm(self.buckets, self._norm_groups, self.unscale)
+                self._norm = global_grad_norm(self.buckets, self._norm_groups, self.unscale)
         return self._norm
 
     def check_grads(self, arriving: tuple[int, int] | None = None) -> None:
@@ -289,3 +299,42 @@ class GradTracker:
                 if b.has_grad[i]:
                     grads[self.names[p]] = b.param_view(flat, i).clone()
         return grads
+
+
+# ---- the global norm (module docstring) ----------------------------------------------------
+def counts_in_norm(bucket: FlatBucket) -> bool:
+    """Whether this rank's copy of the bucket's (equally marked) parameters enters the norm."""
+    return all(dist.get_rank(g) == 0 for g in bucket.marks.replicated)
+
+
+def owned_grad(bucket: FlatBucket) -> torch.Tensor:
+    """This rank's owned part of the reduced gradient (stage 0 holds all of it)."""
+    if not bucket.sharding.optimizer_state:
+        lo, hi = bucket.shard_range
+        return bucket.grad_shard[lo:hi]
+    return bucket.grad_shard
+
+
+def global_grad_norm(
+    buckets: list[FlatBucket],
+    groups: list[dist.ProcessGroup | None],
+    multiplier: float = 1.0,
+) -> torch.Tensor:
+    """‖multiplier · g‖₂ over all ranks of `groups` (summed over each group in turn), fp32.
+
+    Non-finite gradients give a non-finite norm on every rank, which is how an fp16
+    overflow on any one rank is seen by all of them.
+    """
+    device = buckets[0].grad_shard.device if buckets else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for bucket in buckets:
+        if counts_in_norm(bucket):
+            sq += torch.linalg.vector_norm(owned_grad(bucket), dtype=torch.float32).double() ** 2
+    for group in groups:
+        comm.all_reduce(sq, group=group)
+    return (sq.sqrt() * multiplier).float()
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> float:
+    """min(1, max_norm / (‖g‖ + 1e-6)), as in torch.nn.utils.clip_grad_norm_."""
+    return min(1.0, max_norm / (float(norm) + 1e-6))

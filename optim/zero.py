@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from optim import clip, fused
+from optim import fused
 from optim.buffers import FlatBucket, arrival_key, assign_buckets, bucket_key
-from optim.grad_tracker import GradTracker
+from optim.grad_tracker import GradTracker, clip_coefficient
 from optim.grads import GradReducer, QuantizedReduction
 from optim.model_state import ModelStateHooks
 from optim.policies import Communication, MixedPrecision, ZeroPlusPlus, from_flat_kwargs
@@ -411,7 +411,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(f"norm_type={norm_type} is not supported; ZeroOptimizer clips by the L2 norm (2.0)")
         norm = self._grads.grad_norm()
         if torch.isfinite(norm):
-            self._clip_coef = clip.clip_coefficient(norm, max_norm)
+            self._clip_coef = clip_coefficient(norm, max_norm)
         return norm
 
     @torch.no_grad()
