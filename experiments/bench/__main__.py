@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from experiments.bench import one_process, pipeline_bubble, zero_vs_torch
-from experiments.bench.common import finish, format_table
+from experiments.bench.common import finish, format_table, goal_cell
 from research.cli import HelpFormatter
 
 
@@ -26,11 +26,11 @@ def ratio_rows(zero: dict, pipe: dict, one: dict | None = None) -> list[list[str
     rows = []
     for world, w in zero["worlds"].items():
         for r in w["ratios"]:
-            goal = "-" if r["goal"] is None else f"{r['goal']} 1 ({'met' if r['met'] else 'missed'})"
+            goal = goal_cell(None if r["goal"] is None else r["met"], f"{r['goal']} 1")
             rows.append(["zero_vs_torch", f"dp={world}", r["ours"], r["theirs"], f"{r['ratio']:.3f}", goal])
     for r in one["rows"] if one is not None else []:
         if r["met"] is not None:
-            goal = f"<= {one_process.GOAL} ({'met' if r['met'] else 'missed'})"
+            goal = goal_cell(r["met"], f"<= {one_process.GOAL}")
             rows.append(["one_process", "1 process", r["method"], "AdamW(fused=True)", f"{r['ratio']:.3f}", goal])
     for r in pipe["rows"]:
         rows.append(

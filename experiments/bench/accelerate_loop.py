@@ -53,7 +53,16 @@ import torch
 import torch.distributed as dist
 
 from experiments.bench.common import batch as make_batch
-from experiments.bench.common import bench_parser, finish, format_table, launch, make_model, median, percentile
+from experiments.bench.common import (
+    bench_parser,
+    finish,
+    format_table,
+    launch,
+    make_model,
+    median,
+    percentile,
+    spread_ms,
+)
 from research.cli import arg, config_from
 
 METHODS = ["ddp", "zero0", "zero1", "zero2", "zero3", "plain0", "plain1", "plain2", "plain3"]
@@ -196,9 +205,7 @@ def run_rank(cfg: Config) -> dict[str, Any] | None:
     return {
         m: {
             "times_ms": times[m],
-            "median_ms": median(times[m]),
-            "p25_ms": percentile(times[m], 25),
-            "p75_ms": percentile(times[m], 75),
+            **spread_ms(times[m]),
             "cpu_median_ms": median(cpu[m]),
             "final_loss": losses[m],
         }

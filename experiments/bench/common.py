@@ -201,6 +201,16 @@ def median(values: list[float]) -> float:
     return percentile(values, 50)
 
 
+def spread_ms(times_ms: list[float]) -> dict[str, float]:
+    """{"median_ms", "p25_ms", "p75_ms"} of step times."""
+    return {"median_ms": median(times_ms), "p25_ms": percentile(times_ms, 25), "p75_ms": percentile(times_ms, 75)}
+
+
+def goal_cell(met: bool | None, goal: str) -> str:
+    """A table's goal column: "-" without a goal, else "<goal> (met)" or "<goal> (missed)"."""
+    return "-" if met is None else f"{goal} ({'met' if met else 'missed'})"
+
+
 def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     """A plain-text table (also valid Markdown)."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]

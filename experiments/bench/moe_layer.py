@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from experiments.bench.common import bench_parser, finish, format_table, launch, median, percentile
+from experiments.bench.common import bench_parser, finish, format_table, goal_cell, launch, median, spread_ms
 from research.cli import arg, config_from
 
 GOAL = 1.0
@@ -140,9 +140,7 @@ def rows(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(
             {
                 "method": m,
-                "median_ms": median(e["times_ms"]),
-                "p25_ms": percentile(e["times_ms"], 25),
-                "p75_ms": percentile(e["times_ms"], 75),
+                **spread_ms(e["times_ms"]),
                 "ours_over_it": ratio,
                 "met": None if ratio is None else ratio <= GOAL,
                 "max_diff": e["max_diff"],
@@ -160,7 +158,7 @@ def table(rs: list[dict[str, Any]]) -> str:
                 f"{r['median_ms']:.2f}",
                 f"{r['p25_ms']:.2f}-{r['p75_ms']:.2f}",
                 "-" if r["ours_over_it"] is None else f"{r['ours_over_it']:.3f}",
-                "-" if r["met"] is None else f"<= {GOAL} ({'met' if r['met'] else 'missed'})",
+                goal_cell(r["met"], f"<= {GOAL}"),
                 f"{r['max_diff']:.1e}",
             ]
             for r in rs

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from experiments.bench.common import bench_parser, finish, format_table, launch, median, percentile
+from experiments.bench.common import bench_parser, finish, format_table, goal_cell, launch, median, spread_ms
 from research.cli import arg, config_from
 
 GOAL = 1.1
@@ -103,9 +103,7 @@ def rows(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(
             {
                 "method": m,
-                "median_ms": median(e["times_ms"]),
-                "p25_ms": percentile(e["times_ms"], 25),
-                "p75_ms": percentile(e["times_ms"], 75),
+                **spread_ms(e["times_ms"]),
                 "ratio": ratio,
                 "round_ratios": [a / b for a, b in zip(e["round_medians_ms"], ref["round_medians_ms"])],
                 "met": None if m == "torch" else ratio <= GOAL,
@@ -124,7 +122,7 @@ def table(rs: list[dict[str, Any]]) -> str:
                 f"{r['median_ms']:.1f}",
                 f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}",
                 f"{r['ratio']:.3f}",
-                "-" if r["met"] is None else f"<= {GOAL} ({'met' if r['met'] else 'missed'})",
+                goal_cell(r["met"], f"<= {GOAL}"),
                 " ".join(f"{x:.2f}" for x in r["round_ratios"]),
                 f"{r['loss']:.6f}",
             ]

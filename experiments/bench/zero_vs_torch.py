@@ -74,6 +74,7 @@ from experiments.bench.common import (
     model_state_bytes,
     optimizer_state_tensors,
     percentile,
+    spread_ms,
 )
 from research.cli import arg, config_from
 
@@ -420,9 +421,7 @@ def run_rank(cfg: Config) -> dict[str, Any] | None:
     if dist.get_rank() != 0:
         return None
     for entry in per_method.values():
-        entry["median_ms"] = median(entry["times_ms"])
-        entry["p25_ms"] = percentile(entry["times_ms"], 25)
-        entry["p75_ms"] = percentile(entry["times_ms"], 75)
+        entry.update(spread_ms(entry["times_ms"]))
         entry["fwd_bwd_median_ms"] = median(entry["fwd_bwd_ms"])
         entry["cpu_median_ms"] = median(entry["cpu_ms"])
         entry["final_loss"] = entry["losses"][-1]
