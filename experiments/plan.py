@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> None:
         seq_len, gpus, name = args.seq_len or seq_len, None, args.config
         if seq_len > model.max_seq_len:
             sys.exit(f"error: --seq-len={seq_len} exceeds the config's max_seq_len={model.max_seq_len}")
+        if model.moe_experts:
+            sys.exit(f"error: {args.config}: {costmodel.MOE_NOT_MODELLED}")
     batch = args.global_batch_size or batch
     gpus = args.gpus or gpus
     if gpus is None:

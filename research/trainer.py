@@ -401,6 +401,7 @@ class Trainer:
             "first_step": self.start_step + 1,
             "wall_time_s": wall,
             "num_params": costmodel.num_params(self.cfg.model),
+            "active_params": costmodel.active_params(self.cfg.model),
             "comm_per_step": ranks[0]["comm_per_step"],
             "ranks": ranks,
             "config": self.cfg.to_dict(),

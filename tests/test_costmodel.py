@@ -943,3 +943,36 @@ def test_planner_chooses_hybrid_and_zeropp_where_they_pay() -> None:
     assert not refused.ranked and "qgZ reduces sharded gradients: stages 2-3" in refused.rejected
     refused = costmodel.plan(model, slow, 2048, 2048, dp_shard=3, **fixed)
     assert not refused.ranked and "dp_shard does not divide dp" in refused.rejected
+
+
+# ---- Mixture-of-Experts ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "d_model, total_billion, dense_billion",
+    [(1024, 13.0, 0.35), (2048, 52.0, 1.3)],
+    ids=["350M+MoE-128", "1.3B+MoE-128"],
+)
+def test_moe_sizes_are_deepspeed_moes(d_model: int, total_billion: float, dense_billion: float) -> None:
+    """DeepSpeed-MoE (Rajbhandari et al. 2022, Table 1): the 350M and 1.3B dense bases with
+    128 experts in every other layer are 13B and 52B parameters; top-1 routing keeps the dense
+    model's active parameters."""
+    model = GPTConfig(
+        vocab_size=50257,
+        n_layers=24,
+        n_heads=16,
+        d_model=d_model,
+        max_seq_len=2048,
+        moe_experts=128,
+        moe_top_k=1,
+        moe_every=2,
+    )
+    assert costmodel.num_params(model) / 1e9 == pytest.approx(total_billion, rel=0.02)
+    assert costmodel.active_params(model) / 1e9 == pytest.approx(dense_billion, rel=0.03)
+    dense = dataclasses.replace(model, moe_experts=0)
+    # 12 MoE blocks: + their routers, - their dense MLPs' biases (experts have none)
+    assert costmodel.active_params(model) == costmodel.num_params(dense) + 12 * (128 * d_model - 5 * d_model)
+
+
+def test_the_planner_refuses_moe_models_it_does_not_model() -> None:
+    model = GPTConfig(n_layers=2, moe_experts=4)
+    with pytest.raises(ValueError, match="the planner does not model Mixture-of-Experts blocks yet"):
+        costmodel.rank_params(model, 1, 1, 1, 0)

@@ -27,7 +27,7 @@ from research.costmodel.memory import (
     predict_memory,
     predict_model_states,
 )
-from research.costmodel.params import RankParams, num_params, rank_params, unit_sizes
+from research.costmodel.params import MOE_NOT_MODELLED, RankParams, active_params, num_params, rank_params, unit_sizes
 from research.costmodel.search import COMM_SCHEMES, Estimate, Plan, candidate_layouts, comm_variants, estimate, plan
 from research.costmodel.steptime import StepTime, forward_flops_per_token, pipeline_bubble, predict_step_time
 
@@ -35,6 +35,7 @@ __all__ = [
     "COMM_SCHEMES",
     "GPU",
     "GPUS",
+    "MOE_NOT_MODELLED",
     "Cluster",
     "Collective",
     "Estimate",
@@ -47,6 +48,7 @@ __all__ = [
     "RankParams",
     "StepTime",
     "Traffic",
+    "active_params",
     "candidate_layouts",
     "comm_variants",
     "dp_traffic",

@@ -37,7 +37,7 @@ from parallel.comm import NO_MARKS, ParamMarks, param_marks
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import stage_of
 from parallel.tensor import ShapeGroup
-from research.model import GPTConfig, pipeline_chunks
+from research.model import GPT, GPTConfig, pipeline_chunks
 
 
 class _NoInit(TorchFunctionMode):
@@ -253,6 +253,8 @@ def rank_params(
     model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int, unit_numel: int = DEFAULT_UNIT_NUMEL
 ) -> RankParams:
     """`RankParams` of pipeline rank `pp_rank` (memoized)."""
+    if model.moe_experts:
+        raise ValueError(MOE_NOT_MODELLED)
     key = (*vars(model).values(), tp, pp, virtual_stages, pp_rank, unit_numel)
     if key not in _RANK_PARAMS:
         chunks = _chunk_units(model, tp, pp, virtual_stages, pp_rank, unit_numel)
@@ -271,6 +273,22 @@ def rank_params(
 
 
 def num_params(model: GPTConfig) -> int:
-    """Trainable parameters of the tp = 1 model (padded vocabulary, tied head counted once),
-    counted on the model itself built on the meta device."""
-    return rank_params(model, 1, 1, 1, 0).numel
+    """Trainable parameters of the tp = 1 model (padded vocabulary, tied head counted once,
+    every expert of every MoE block), counted on the whole model built on the meta device."""
+    with torch.device("meta"), _NoInit():
+        whole = GPT(model, tp_group=ShapeGroup(1))  # tp = 1 even inside a distributed run
+    return sum(p.numel() for p in dict.fromkeys(whole.parameters()) if p.requires_grad)
+
+
+def active_params(model: GPTConfig) -> int:
+    """The parameters one token's forward uses: all but the experts it is not routed to
+    (each MoE block keeps its router, shared experts and k of its E experts)."""
+    moe_blocks = sum(map(model.is_moe, range(model.n_layers)))
+    per_expert = model.moe.d_ff * model.d_model * (3 if model.moe.swiglu else 2) if model.moe_experts else 0
+    return num_params(model) - moe_blocks * (model.moe_experts - model.moe_top_k) * per_expert
+
+
+MOE_NOT_MODELLED = (
+    "the planner does not model Mixture-of-Experts blocks yet (--moe-experts): its memory and step time would "
+    "be the dense model's; measure MoE layouts with a sweep (experiments/sweeps/experts.yaml) instead"
+)
