@@ -100,8 +100,9 @@ def test_every_layout_follows_the_single_process_curve(runs, layout: str) -> Non
     _, rows = runs
     assert len(rows[layout]) == STEPS
     torch.testing.assert_close(losses(rows[layout]), losses(rows["single"]), rtol=1e-5, atol=0)
-    aux = torch.tensor([r["moe_aux_loss"] for r in rows[layout]])
-    torch.testing.assert_close(aux, torch.tensor([r["moe_aux_loss"] for r in rows["single"]]), rtol=1e-5, atol=0)
+    for key in ("moe_aux_loss", "grad_norm"):  # the global norm over dense and expert parameters, each once
+        value = torch.tensor([r[key] for r in rows[layout]])
+        torch.testing.assert_close(value, torch.tensor([r[key] for r in rows["single"]]), rtol=1e-5, atol=0)
 
 
 def test_resume_under_another_ep_continues_the_curve(runs) -> None:
