@@ -361,8 +361,10 @@ class TiedHead(nn.Module):
 
 class GPT(nn.Module):
     """GPT decoder. `model(input_ids_bs, labels_bs)` returns the mean token cross-entropy
-    (a scalar, the same on every TP rank; labels equal to -100 are ignored);
-    `model(input_ids_bs)` returns logits [b, s, v/tp] (this rank's vocabulary shard).
+    (a scalar, the same on every TP rank; labels equal to -100 are ignored) plus the
+    auxiliary losses of its MoE blocks (`research.moe`); `model(input_ids_bs)` returns logits
+    [b, s, v/tp] (this rank's vocabulary shard). With `expert_groups`
+    (`ParallelDims.expert_groups`) the MoE blocks split their experts over its ep ranks.
 
     A pipeline stage builds only `layers` (global block indices; parameter names keep
     them: `blocks.5.attn.qkv.weight`), plus the embedding when `pre` and the final norm and

@@ -7,7 +7,8 @@ requires grad); the last virtual stage returns the micro-batch loss, and its bac
 starts from optimizer.scale_loss(loss_i / m) (an fp16 loss scale), so the gradients are
 those of the mean loss over micro-batches.
 Every other backward starts from its output with the gradient received from the next
-stage, and sends its input's gradient back.
+stage, and sends its input's gradient back; a chunk's MoE auxiliary losses ride on that
+output (`parallel.expert.aux_loss`), back-propagated × scale_loss(1/m) like the loss.
 
 Communication: each run of consecutive SEND / RECV actions becomes one
 `batch_isend_irecv`; sends are never waited for before the end of the step and a receive
