@@ -93,3 +93,41 @@ def _refused(hpz: bool, qgz_bits: int | None) -> str:
 def test_hpz_and_qgz_are_refused_for_experts(hpz: bool, qgz_bits: int | None) -> None:
     for message in run_distributed(_refused, 2, hpz, qgz_bits):
         assert "drop hpz / qgz_bits for a model with experts" in message
+
+
+def _expert_grads(stage: int, ep: int) -> dict:
+    """One step's reduced gradients of an MoE GPT under ZeroOptimizer at `stage`, every rank
+    on its own tokens, experts split over `ep` ranks; the experts of all ep ranks gathered."""
+    from research.model import GPT, GPTConfig
+
+    dims = ParallelDims(ep=ep).build()
+    config = GPTConfig(
+        vocab_size=64, n_layers=2, n_heads=2, d_model=16, max_seq_len=8, moe_experts=4, vocab_multiple=64
+    )
+    model = GPT(config, dims.tp_group, expert_groups=dims.expert_groups)
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, process_group=dims.dp_group, communication=SMALL)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(ids[:, :-1], ids[:, 1:]).backward()
+    grads = opt.full_grads()
+    for name in [n for n in grads if ".experts." in n]:
+        parts = [torch.empty_like(grads[name]) for _ in range(ep)]
+        if ep > 1:
+            dist.all_gather(parts, grads[name].contiguous(), group=dims.ep_group)
+        else:
+            parts = [grads[name]]
+        grads[name] = torch.cat(parts)
+    return {"grads": grads, "norm": float(opt.clip_grad_norm_(math.inf))}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_expert_gradients_at_ep_1_and_ep_n_are_equal(stage: int) -> None:
+    """DeepSpeed's TestExpertWeightGradWithZero, here at every stage: the reduced gradients
+    of every parameter (experts gathered over ep) and the global norm at ep 2 and 4 equal
+    those at ep 1 on the same 4 ranks and tokens."""
+    reference = run_distributed(_expert_grads, 4, stage, 1)[0]
+    for ep in (2, 4):
+        r = run_distributed(_expert_grads, 4, stage, ep)[0]
+        assert r["grads"].keys() == reference["grads"].keys()
+        for name, g in reference["grads"].items():
+            torch.testing.assert_close(r["grads"][name], g, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+        assert r["norm"] == pytest.approx(reference["norm"], rel=1e-6)
