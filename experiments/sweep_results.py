@@ -85,13 +85,10 @@ def collect(out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return meta, rows
 
 
-def planner_error(summary: dict[str, Any]) -> float | None:
+def planner_error(summary: dict[str, Any]) -> float:
     """max over ranks of |predicted − measured| / measured model-state bytes, the planner's
-    `costmodel.predict_model_states` against the run's own `memory_breakdown` (None for an
-    MoE model, which the planner does not model yet)."""
+    `costmodel.predict_model_states` against the run's own `memory_breakdown`."""
     model, layout, _ = costmodel.run_spec(summary["config"])
-    if model.moe_experts:
-        return None
     errors = []
     for rank in summary["ranks"]:
         measured = sum(rank["memory_bytes"][k] for k in ("params", "grads", "master_and_optimizer"))

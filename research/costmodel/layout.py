@@ -27,7 +27,8 @@ class Layout:
     dp / dp_shard replicas, and ZeRO++ (Wang et al. 2023): qwZ (parameters all-gathered as
     int8, one fp32 scale per `qwz_block` elements), hpZ (stage 3: the backward gathers from a
     copy partitioned inside the node) and qgZ (stages 2-3: gradients reduced as int4 / int8
-    by a hierarchical all-to-all)."""
+    by a hierarchical all-to-all); and `ep`, the ranks of a shard group that split the
+    experts of MoE blocks (each expert sharded over the shard group's N/ep ranks holding it)."""
 
     tp: int = 1
     pp: int = 1
@@ -47,6 +48,7 @@ class Layout:
     qwz_block: int | None = None
     hpz: bool = False
     qgz_bits: int | None = None
+    ep: int = 1
 
     @property
     def sharding(self) -> Sharding:
@@ -89,6 +91,7 @@ class Layout:
             + (f" qwz_block={self.qwz_block}" if self.qwz_block is not None else "")
             + (" hpz" if self.hpz else "")
             + (f" qgz_bits={self.qgz_bits}" if self.qgz_bits is not None else "")
+            + (f" ep={self.ep}" if self.ep > 1 else "")
         )
 
 
@@ -115,5 +118,6 @@ def run_spec(config: Mapping[str, Mapping[str, Any]]) -> tuple[GPTConfig, Layout
         qwz_block=par.get("qwz_block"),
         hpz=par.get("hpz", False),
         qgz_bits=par.get("qgz_bits"),
+        ep=par.get("ep", 1),
     )
     return GPTConfig(**config["model"]), layout, config["data"]["seq_len"]

@@ -55,7 +55,7 @@ from parallel.pipeline.schedules import validate as validate_schedule
 from parallel.pipeline.simulate import peak_in_flight
 from research.costmodel.hardware import GiB, ranks_per_node
 from research.costmodel.layout import DTYPE_BYTES, Layout, Recompute
-from research.costmodel.params import rank_params
+from research.costmodel.params import MOE_NOT_MODELLED, rank_params
 from research.model import GPTConfig
 
 RESERVED_BYTES = 2 * GiB
@@ -78,11 +78,11 @@ def predict_model_states(model: GPTConfig, layout: Layout, pp_rank: int = 0) -> 
     """Model-state bytes of one rank of pipeline rank `pp_rank` (the table in the module
     docstring), for the Trainer's ZeroOptimizer."""
     P, G, d, sharded = DTYPE_BYTES[layout.precision], DTYPE_BYTES[layout.reduce_dtype], layout.shard, layout.sharding
-    rank = rank_params(model, layout.tp, layout.pp, layout.virtual_stages, pp_rank, layout.unit_numel)
-    psi = rank.aligned
-    params = P * (rank.resident + (psi - rank.resident) / d if sharded.parameters else psi)
-    grads = G * psi / (d if sharded.gradients else 1)
-    optimized = psi / (d if sharded.optimizer_state else 1)
+    rank = rank_params(model, layout.tp, layout.pp, layout.virtual_stages, pp_rank, layout.unit_numel, layout.ep)
+    psi, whole = rank.aligned, rank.held  # ZeRO shards psi over N; a rank holds `whole` unsharded
+    params = P * (rank.resident + (psi - rank.resident_volume) / d if sharded.parameters else whole)
+    grads = G * (psi / d if sharded.gradients else whole)
+    optimized = psi / d if sharded.optimizer_state else whole
     master = 4 * optimized if P < 4 else 0
     return ModelStates(params, grads, master + 8 * optimized)
 
@@ -123,6 +123,8 @@ class Memory:
 
 
 def _rank_memory(model: GPTConfig, layout: Layout, seq_len: int, pp_rank: int, gpus_per_node: int) -> Memory:
+    if model.moe_experts:  # the model states are modelled, the MoE layers' activations not yet
+        raise ValueError(MOE_NOT_MODELLED)
     s, b, h, t = seq_len, layout.micro_batch_size, model.d_model, layout.tp
     p, v, m = layout.pp, layout.virtual_stages, layout.micro_batches
     states = predict_model_states(model, layout, pp_rank)
@@ -141,7 +143,7 @@ def _rank_memory(model: GPTConfig, layout: Layout, seq_len: int, pp_rank: int, g
         buffers += DTYPE_BYTES[layout.precision] * rank.largest_units
     if layout.hpz:
         k = ranks_per_node(layout.shard, t, gpus_per_node)
-        buffers += DTYPE_BYTES[layout.precision] * (rank.aligned - rank.resident) / k
+        buffers += DTYPE_BYTES[layout.precision] * (rank.aligned - rank.resident_volume) / k
     return Memory(pp_rank, states, acts, buffers)
 
 

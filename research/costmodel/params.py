@@ -7,10 +7,11 @@ group that sizes the layers without torch.distributed), so each parameter has th
 rank holds.
 
 One block per chunk, exactly: every `Block` is built from the config alone (its index only
-seeds its weights), and the blocks sit in a ModuleDict, which has no forward and so never
-claims a unit. A chunk of n blocks therefore has n copies of one block's units, and its root
-unit holds n copies of what the block left unclaimed (`tests/test_costmodel.py` compares
-with the chunks built whole).
+seeds its weights, and decides whether its MLP is an MoE one), and the blocks sit in a
+ModuleDict, which has no forward and so never claims a unit. A chunk of n blocks therefore
+has n copies of one block's units (with MoE: of a dense or an MoE block's, as each layer is),
+and its root unit holds n copies of what the block left unclaimed (`tests/test_costmodel.py`
+compares with the chunks built whole).
 
 Passes. What the step-time model needs of a rank's collectives (`research.costmodel.dpcomm`):
 each chunk's units in the order forward uses them (the chunk's root unit first, as its
@@ -38,6 +39,7 @@ from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import stage_of
 from parallel.tensor import ShapeGroup
 from research.model import GPT, GPTConfig, pipeline_chunks
+from research.moe import Experts
 
 
 class _NoInit(TorchFunctionMode):
@@ -58,17 +60,18 @@ Key = tuple  # what a bucket's parameters share (`_bucket_key`)
 Parts = dict[Key, Size]  # a unit's parameters by bucket key
 
 
-def _bucket_key(p: torch.Tensor, marks: dict[torch.Tensor, ParamMarks]) -> Key:
+def _bucket_key(p: torch.Tensor, marks: dict[torch.Tensor, ParamMarks], experts: set[int]) -> Key:
     """`optim.buffers.bucket_key` inside one root module, with the Trainer's param group
-    (`research.trainer.weight_decay_groups`: matrices decay, vectors do not)."""
-    return bucket_key(p.dim() >= 2, None, marks.get(p, NO_MARKS))
+    (`research.trainer.weight_decay_groups`: matrices decay, vectors do not), and last
+    whether the parameter holds MoE experts (their own buckets, split over ep)."""
+    return (*bucket_key(p.dim() >= 2, None, marks.get(p, NO_MARKS)), id(p) in experts)
 
 
-def _parts(params: list[torch.Tensor], marks: dict[torch.Tensor, ParamMarks]) -> Parts:
+def _parts(params: list[torch.Tensor], marks: dict[torch.Tensor, ParamMarks], experts: set[int]) -> Parts:
     """(numel, aligned numel) of `params` by bucket key."""
     parts: Parts = {}
     for p in params:
-        key = _bucket_key(p, marks)
+        key = _bucket_key(p, marks, experts)
         numel, aligned = parts.get(key, (0, 0))
         parts[key] = (numel + p.numel(), aligned + -(-p.numel() // ALIGN) * ALIGN)
     return parts
@@ -112,8 +115,14 @@ class _ChunkUnits:
     def with_layers(self, n: int) -> list[Parts]:
         """The units of the same chunk with n blocks, in the order forward uses them: the root
         unit first (its forward hook fires first), then post-order."""
-        root = _merged((self.root_rest, 1), (self.root_block, n))
-        return ([root] if root else []) + [*self.before, *self.block * n, *self.after]
+        return self.with_blocks([self] * n)
+
+    def with_blocks(self, kinds: list[_ChunkUnits]) -> list[Parts]:
+        """The units of this chunk with one block of each of `kinds` (a dense block's
+        `_ChunkUnits` or an MoE block's), in order: the root unit holds each block's unclaimed
+        part."""
+        root = _merged((self.root_rest, 1), *((kind.root_block, 1) for kind in kinds))
+        return ([root] if root else []) + [*self.before, *(u for kind in kinds for u in kind.block), *self.after]
 
 
 def _classify(chunks: nn.ModuleList, unit_numel: int) -> list[_ChunkUnits]:
@@ -126,20 +135,21 @@ def _classify(chunks: nn.ModuleList, unit_numel: int) -> list[_ChunkUnits]:
         for m in chunk.modules():
             owner.setdefault(id(m), (id(chunk), False))
     marks = param_marks(chunks)
+    experts = {id(p) for m in chunks.modules() if isinstance(m, Experts) for p in m.parameters(recurse=False)}
     found = {id(chunk): ([], [], [], [], []) for chunk in chunks}  # before, block, after, root_block, root_rest
     for module, params in stage3_units(chunks, set(chunks.parameters()), unit_numel):
         chunk, in_block = owner[id(module)]
         before, block, after, root_block, root_rest = found[chunk]
         if in_block:
-            block.append(_parts(params, marks))
+            block.append(_parts(params, marks, experts))
         elif id(module) == chunk:
             held = {id(p) for b in module.blocks.values() for p in b.parameters()}
             root_block += [p for p in params if id(p) in held]
             root_rest += [p for p in params if id(p) not in held]
         else:
-            (after if block else before).append(_parts(params, marks))
+            (after if block else before).append(_parts(params, marks, experts))
     return [
-        _ChunkUnits(tuple(b), tuple(k), tuple(a), _parts(rb, marks), _parts(rr, marks))
+        _ChunkUnits(tuple(b), tuple(k), tuple(a), _parts(rb, marks, experts), _parts(rr, marks, experts))
         for b, k, a, rb, rr in found.values()
     ]
 
@@ -157,11 +167,29 @@ def _chunk_units(
     stages = pp * virtual_stages
     ranges = layer_ranges(model.n_layers, stages)
     chunk_stages = [stage_of(pp_rank, c, pp) for c in range(virtual_stages)]
-    places = tuple((stage == 0, stage == stages - 1) for stage in chunk_stages)
+    if not model.moe_experts:
+        one = _one_block_units(model, tp, pp, virtual_stages, pp_rank, unit_numel)
+        return [c.with_layers(len(ranges[stage])) for c, stage in zip(one, chunk_stages)]
+    # MoE every `moe_every` blocks: one-block chunks of each kind, each layer taking its own
+    dense = _one_block_units(dataclasses.replace(model, moe_experts=0), tp, pp, virtual_stages, pp_rank, unit_numel)
+    moe = _one_block_units(dataclasses.replace(model, moe_every=1), tp, pp, virtual_stages, pp_rank, unit_numel)
+    return [
+        d.with_blocks([m if model.is_moe(i) else d for i in ranges[stage]])
+        for d, m, stage in zip(dense, moe, chunk_stages)
+    ]
+
+
+def _one_block_units(
+    model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int, unit_numel: int
+) -> list[_ChunkUnits]:
+    """`_classify` of one-block chunks (every block alike), memoized by what their structure
+    depends on: the model less its depth, tp, each chunk's place (first / last)."""
+    stages = pp * virtual_stages
+    places = tuple((s == 0, s == stages - 1) for s in (stage_of(pp_rank, c, pp) for c in range(virtual_stages)))
     key = (*(v for k, v in vars(model).items() if k != "n_layers"), tp, places, unit_numel)
     if key not in _CHUNK_UNITS:
         _CHUNK_UNITS[key] = _classify(rank_chunks(model, tp, pp, virtual_stages, pp_rank), unit_numel)
-    return [c.with_layers(len(ranges[stage])) for c, stage in zip(_CHUNK_UNITS[key], chunk_stages)]
+    return _CHUNK_UNITS[key]
 
 
 def unit_sizes(
@@ -236,12 +264,16 @@ def _bucket_slots(units: list[Parts], bucket_numel: int) -> list[Slot]:
 
 @dataclass(frozen=True)
 class RankParams:
-    """The parameters of one rank of a pipeline rank, as ZeroOptimizer holds them."""
+    """The parameters of one rank of a pipeline rank, as ZeroOptimizer holds them. With MoE
+    blocks and `ep` > 1 a rank holds 1/ep of the experts whole, while ZeRO still shards
+    all of them over the shard group (each expert over the ranks holding it: N/ep)."""
 
     numel: int
-    aligned: int  # each parameter aligned to ALIGN elements: what the buckets hold
-    resident: int  # aligned numel in stage-3 units below the resident size (kept whole)
-    largest_units: int  # aligned numel of the two largest sharded stage-3 units (gathered at once)
+    aligned: int  # each parameter aligned to ALIGN elements: what the buckets hold (every expert)
+    held: int  # aligned numel this rank holds whole: the dense parameters and 1/ep of the experts
+    resident: int  # held numel in stage-3 units below the resident size (kept whole)
+    resident_volume: int  # aligned numel of those units (every expert)
+    largest_units: int  # held numel of the two largest sharded stage-3 units (gathered at once)
     unit_passes: tuple[Pass, ...]  # stage 3: each chunk's units as slots
     bucket_passes: tuple[Pass, ...]  # stages 0-2: each chunk's gradient buckets as slots
 
@@ -250,21 +282,32 @@ _RANK_PARAMS: dict[tuple, RankParams] = {}
 
 
 def rank_params(
-    model: GPTConfig, tp: int, pp: int, virtual_stages: int, pp_rank: int, unit_numel: int = DEFAULT_UNIT_NUMEL
+    model: GPTConfig,
+    tp: int,
+    pp: int,
+    virtual_stages: int,
+    pp_rank: int,
+    unit_numel: int = DEFAULT_UNIT_NUMEL,
+    ep: int = 1,
 ) -> RankParams:
-    """`RankParams` of pipeline rank `pp_rank` (memoized)."""
-    if model.moe_experts:
-        raise ValueError(MOE_NOT_MODELLED)
-    key = (*vars(model).values(), tp, pp, virtual_stages, pp_rank, unit_numel)
+    """`RankParams` of pipeline rank `pp_rank`, experts split over `ep` ranks (memoized)."""
+    key = (*vars(model).values(), tp, pp, virtual_stages, pp_rank, unit_numel, ep)
     if key not in _RANK_PARAMS:
         chunks = _chunk_units(model, tp, pp, virtual_stages, pp_rank, unit_numel)
-        units = [_size(u) for c in chunks for u in c]
+        units = [(*_size(u), sum(a for k, (_, a) in u.items() if k[-1])) for c in chunks for u in c]
         resident = default_resident_numel(unit_numel)
-        sharded = sorted((a for raw, a in units if raw >= resident), reverse=True)
+
+        def held(aligned: int, experts: int) -> int:
+            return aligned - experts + experts // ep
+
+        whole = [(raw, a, e) for raw, a, e in units if raw < resident]
+        sharded = sorted((held(a, e) for raw, a, e in units if raw >= resident), reverse=True)
         _RANK_PARAMS[key] = RankParams(
-            numel=sum(raw for raw, _ in units),
-            aligned=sum(a for _, a in units),
-            resident=sum(a for raw, a in units if raw < resident),
+            numel=sum(raw for raw, _, _ in units),
+            aligned=sum(a for _, a, _ in units),
+            held=sum(held(a, e) for _, a, e in units),
+            resident=sum(held(a, e) for _, a, e in whole),
+            resident_volume=sum(a for _, a, _ in whole),
             largest_units=sum(sharded[:2]),
             unit_passes=tuple(Pass.of(_unit_slots(c, resident)) for c in chunks),
             bucket_passes=tuple(Pass.of(_bucket_slots(c, DEFAULT_BUCKET_NUMEL)) for c in chunks),
@@ -289,6 +332,6 @@ def active_params(model: GPTConfig) -> int:
 
 
 MOE_NOT_MODELLED = (
-    "the planner does not model Mixture-of-Experts blocks yet (--moe-experts): its memory and step time would "
-    "be the dense model's; measure MoE layouts with a sweep (experiments/sweeps/experts.yaml) instead"
+    "the planner models the model states of Mixture-of-Experts blocks (--moe-experts) but not yet their "
+    "activations, all-to-all or step time: measure MoE layouts with a sweep (experiments/sweeps/experts.yaml)"
 )

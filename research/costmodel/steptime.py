@@ -37,7 +37,7 @@ from research.costmodel.dpcomm import Collective, dp_collectives, tied_embedding
 from research.costmodel.hardware import Cluster
 from research.costmodel.layout import DTYPE_BYTES, Layout
 from research.costmodel.memory import layer_activation_bytes
-from research.costmodel.params import rank_params
+from research.costmodel.params import MOE_NOT_MODELLED, rank_params
 from research.model import GPTConfig
 
 # η: the share of the 16-bit peak that a layer's GEMMs reach; the model's one calibrated
@@ -119,6 +119,8 @@ def _p2p(layout: Layout, msg: float, cluster: Cluster) -> float:
 def predict_step_times(model: GPTConfig, layouts: list[Layout], seq_len: int, cluster: Cluster) -> list[StepTime]:
     """Step times on `cluster` (the model in the module docstring) of layouts that differ at
     most in how dp communicates (`search.comm_variants`): the micro-batch is costed once."""
+    if model.moe_experts:
+        raise ValueError(MOE_NOT_MODELLED)
     layout = layouts[0]
     t, p, v, m = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batches
     P, G = DTYPE_BYTES[layout.precision], DTYPE_BYTES[layout.reduce_dtype]
