@@ -472,7 +472,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded weights with the keys and shapes of `model.state_dict()`: trainable
         parameters from the fp32 masters (in their original dtype), the rest as they are. A
-        collective: every rank must call it; every rank gets the whole dict."""
+        collective: every rank must call it; every rank gets the whole dict. Like the model's
+        own state dict it holds this rank's part of a model split across ranks: its TP slices,
+        its pipeline stage, its experts under expert parallelism (`parallel.comm.mark_expert`);
+        `state_dict()` names every expert once, for checkpoints."""
         return self._state_dicts.full_state_dict()
 
     def param_shapes(self) -> dict[torch.nn.Parameter, torch.Size]:
