@@ -168,6 +168,7 @@ class MoE(nn.Module):
                 comm.mark_expert(self.experts, name, self.groups.ep, self.groups.shard, self.groups.replicate)
         self.shared = shared
         self.stats = RouterStats()
+        self._totals: torch.Tensor | None = None  # aux loss, z-loss, tokens per expert since `take_stats`
 
     def forward(self, x_sbh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s, b, h = x_sbh.shape
@@ -221,19 +222,19 @@ class MoE(nn.Module):
         z_value = cfg.z_loss_coeff * stats[2 * e] / total_tokens
         dp = dist.get_world_size(self.groups.dp) if self.groups.dp is not None else 1
         own = dp * (cfg.aux_loss_coeff * e * (f * prob_sum).sum() + cfg.z_loss_coeff * z_sum) / total_tokens
-        if _recording():
-            self.stats.aux_loss += float(aux_value)
-            self.stats.z_loss += float(z_value)
+        if _recording():  # summed on the device: read once per step by `take_stats`, no sync per layer
+            totals = torch.cat([aux_value.view(1), z_value.view(1), stats[:e]]).detach()
+            self._totals = totals if self._totals is None else self._totals + totals
             self.stats.micro_batches += 1
-            per_expert = stats[:e].detach().cpu()
-            self.stats.tokens_per_expert = (
-                per_expert if self.stats.tokens_per_expert is None else self.stats.tokens_per_expert + per_expert
-            )
         return own + (aux_value + z_value - own).detach()
 
     def take_stats(self) -> RouterStats:
         """The statistics since the last call, and a fresh start."""
-        stats, self.stats = self.stats, RouterStats()
+        stats, totals = self.stats, self._totals
+        if totals is not None:
+            totals = totals.cpu()
+            stats.aux_loss, stats.z_loss, stats.tokens_per_expert = float(totals[0]), float(totals[1]), totals[2:]
+        self.stats, self._totals = RouterStats(), None
         return stats
 
 
