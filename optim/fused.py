@@ -102,7 +102,7 @@ def _apex_kernels() -> tuple[Callable[..., Any], Any] | None:
     return (multi_tensor_applier, amp_C) if multi_tensor_applier.available else None
 
 
-def _triton_runs_on(device: torch.device) -> bool:
+def triton_runs_on(device: torch.device) -> bool:
     """Triton compiles for CUDA; CPU tensors run only under its interpreter (TRITON_INTERPRET=1)."""
     if triton is None:
         return False
@@ -114,7 +114,7 @@ def available_backends(device: torch.device | str) -> list[str]:
     torch_fused, torch; CPU: torch_fused (vectorized, ~4x the foreach ops here), torch)."""
     device = torch.device(device)
     usable = {
-        "triton": _triton_runs_on(device),
+        "triton": triton_runs_on(device),
         "apex": device.type == "cuda" and _apex_kernels() is not None,
         "torch_fused": device.type in _get_fused_kernels_supported_devices(),
         "torch": True,
@@ -309,7 +309,7 @@ _STEPS: dict[str, Callable[..., None]] = {
 if triton is not None:
 
     @triton.jit
-    def _to_rne(x, dtype: tl.constexpr):
+    def to_rne(x, dtype: tl.constexpr):
         """x.to(dtype), rounding to nearest even; to bf16 on the bits, as c10 does (the
         interpreter's own fp32 -> bf16 cast truncates)."""
         if dtype == tl.bfloat16:
@@ -348,4 +348,4 @@ if triton is not None:
         tl.store(exp_avg_ptr + offsets, m, mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, v, mask=mask)
         if HAS_OUT:
-            tl.store(out_ptr + offsets, _to_rne(p, out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + offsets, to_rne(p, out_ptr.dtype.element_ty), mask=mask)

@@ -2,11 +2,15 @@
 collectives (Wang et al. 2023: qwZ for weights, qgZ for gradients).
 
 A flat tensor x is cut into blocks of `block` elements (the last one zero-padded). Block j
-gets the scale s_j = max_i |x_i| / Q with Q = 2^(bits−1) − 1 (127 for int8, 7 for int4),
-and each element the integer q_i = round(x_i / s_j) ∈ [−Q, Q]. Dequantization is q_i · s_j,
+gets the scale s_j = max_i |x_i| · fp32(1/Q) with Q = 2^(bits−1) − 1 (127 for int8, 7 for int4),
+and each element the integer q_i = round(x_i · (1/s_j)) ∈ [−Q, Q] (one division per block). Dequantization is q_i · s_j,
 so the error per element is at most s_j / 2 = max|block| / (2Q) (an all-zero block has
 s_j = 0 and is exact). int4 values are packed two to a byte (low nibble first, as two's
 complement nibbles).
+
+Two implementations of the same arithmetic, bitwise equal: the torch reference (several
+passes over the data) and one-pass Triton kernels (`optim.quantize_triton`), which
+`backend=None` picks wherever Triton runs on the tensor's device (CUDA).
 
 Bytes on the wire per element: 1 (int8) or 1/2 (int4), plus 4 per block for the fp32 scale;
 the collectives send both in one call, each rank's piece padded to whole 4-byte words.
@@ -20,9 +24,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from optim import quantize_triton
+from optim.fused import triton_runs_on
 from parallel import comm
 
 BITS = (8, 4)
+BACKENDS = ("triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -49,15 +56,35 @@ def _levels(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def quantize(x: torch.Tensor, block: int, bits: int = 8) -> Quantized:
+def pick_backend(device: torch.device, requested: str | None = None) -> str:
+    """`requested` if it runs on `device`, else ValueError; None: triton on CUDA, else torch."""
+    if requested is None:
+        return "triton" if device.type == "cuda" and triton_runs_on(device) else "torch"
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown quantizer backend {requested!r}; known: {', '.join(BACKENDS)}.")
+    if requested == "triton" and not triton_runs_on(device):
+        raise ValueError(f"the triton quantizer does not run on {device.type} (CPU needs TRITON_INTERPRET=1).")
+    return requested
+
+
+def quantize(x: torch.Tensor, block: int, bits: int = 8, backend: str | None = None) -> Quantized:
     """`x` (any shape, floating) quantized block-wise over its flattened elements."""
     levels = _levels(bits)
     if block <= 0 or (bits == 4 and block % 2):
         raise ValueError(f"block={block} must be positive{' and even for int4' if bits == 4 else ''}")
+    if pick_backend(x.device, backend) == "triton":
+        flat = x.detach().reshape(-1).contiguous()
+        blocks = -(-flat.numel() // block)
+        scale = torch.empty(blocks, dtype=torch.float32, device=x.device)
+        dtype, width = (torch.uint8, block // 2) if bits == 4 else (torch.int8, block)
+        data = torch.empty(blocks * width, dtype=dtype, device=x.device)
+        quantize_triton.quantize_(flat, data, scale, block, bits, levels)
+        return Quantized(data, scale, x.numel(), block, bits, x.dtype)
     padded = _blocks(x, block)
     blocks = padded.shape[0]
-    scale = padded.abs().amax(dim=1) / levels
-    q = torch.round(padded / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp_(-levels, levels)
+    scale = padded.abs().amax(dim=1) * (1.0 / levels)
+    inverse = 1.0 / scale.clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(padded * inverse[:, None]).clamp_(-levels, levels)
     q = q.to(torch.int8)
     if bits == 4:
         nibbles = (q & 0xF).to(torch.uint8).view(blocks, block // 2, 2)
@@ -65,8 +92,12 @@ def quantize(x: torch.Tensor, block: int, bits: int = 8) -> Quantized:
     return Quantized(q.reshape(-1), scale, x.numel(), block, bits, x.dtype)
 
 
-def dequantize(qx: Quantized) -> torch.Tensor:
+def dequantize(qx: Quantized, backend: str | None = None) -> torch.Tensor:
     """The flat tensor `qx` stands for, in its original dtype (numel elements)."""
+    if pick_backend(qx.data.device, backend) == "triton":
+        out = torch.empty(qx.numel, dtype=qx.dtype, device=qx.data.device)
+        quantize_triton.dequantize_(qx.data, qx.scale, out, qx.block, qx.bits)
+        return out
     blocks = qx.scale.numel()
     if qx.bits == 4:
         packed = qx.data.view(blocks, qx.block // 2)

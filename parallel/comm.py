@@ -551,7 +551,8 @@ class _AllOf(dist.Work):
 
 
 def _alone(group: Group) -> bool:
-    """The group is this rank alone: its collectives are local copies or nothing."""
+    """The group is this rank alone: its collectives are local copies or nothing, on the
+    caller's stream (tests/test_cuda.py turns this off to send them through NCCL)."""
     return dist.get_world_size(group) == 1
 
 
@@ -628,7 +629,7 @@ def reduce_scatter_tensor(
     copies shard i into ``output``. bytes = S_in·(N−1)/N, payload = S_in."""
     _note(group, "reduce_scatter_tensor", _nbytes(input))
     n = dist.get_world_size(group)
-    if n == 1:
+    if _alone(group):
         _copy(output, input)
         work = _local(async_op, output)
     elif reuse_input and _gloo_cpu(group, input):
@@ -684,7 +685,7 @@ def all_gather_into_tensor(
     by N broadcasts (module docstring). bytes = S_out·(N−1)/N, payload = S_out."""
     _note(group, "all_gather_into_tensor", _nbytes(output))
     n = dist.get_world_size(group)
-    if n == 1:
+    if _alone(group):
         _copy(output, input)
         work = _local(async_op, output)
     elif _gloo_cpu(group, output):
@@ -717,7 +718,7 @@ def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
     _note(group, "all_gather_object", 0)
     n = dist.get_world_size(group)
     out: list[Any] = [None] * n
-    if n == 1:
+    if _alone(group):
         out[0] = pickle.loads(pickle.dumps(obj))  # a copy, as torch's
     else:
         dist.all_gather_object(out, obj, group=group)

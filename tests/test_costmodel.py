@@ -291,20 +291,38 @@ def _table1_model(row: dict[str, float]) -> GPTConfig:
 @pytest.mark.parametrize("row", _table1(), ids=lambda row: f"{row['params_billion']:g}B")
 def test_table1_throughput_and_fit(row: dict[str, float]) -> None:
     """The published (t, p, d) with the paper's setting (no ZeRO, full recomputation, no
-    SP, fp16/bf16): the planner's best micro-batch size and interleaving for it predicts
+    SP, fp16/bf16, attention that keeps its scores): the planner's best micro-batch size and interleaving for it predicts
     the published TFLOP/s per GPU (the paper's count, recomputation included) within 15%,
     and the layout fits in an 80 GB A100, also with micro-batch 1 and plain 1F1B."""
     model = _table1_model(row)
     tp, pp, gpus, batch = int(row["tp"]), int(row["pp"]), int(row["gpus"]), int(row["global_batch"])
     assert costmodel.num_params(model) / 1e9 == pytest.approx(row["params_billion"], rel=0.03)
     cluster = Cluster(GPUS["a100-80gb"], gpus)
-    plan = costmodel.plan(model, cluster, batch, 2048, tp=tp, pp=pp, zero=0, recompute="full", sequence_parallel=False)
+    plan = costmodel.plan(
+        model,
+        cluster,
+        batch,
+        2048,
+        tp=tp,
+        pp=pp,
+        zero=0,
+        recompute="full",
+        sequence_parallel=False,
+        attention="unfused",
+    )
     assert plan.ranked, plan.rejected
     best = plan.ranked[0]
     assert best.layout.dp == gpus // (tp * pp)
     assert best.hardware_tflops_per_gpu == pytest.approx(row["tflops_per_gpu"], rel=0.15)
     plain = Layout(
-        tp, pp, gpus // (tp * pp), zero=0, micro_batch_size=1, micro_batches=batch * tp * pp // gpus, recompute="full"
+        tp,
+        pp,
+        gpus // (tp * pp),
+        zero=0,
+        micro_batch_size=1,
+        micro_batches=batch * tp * pp // gpus,
+        recompute="full",
+        attention="unfused",
     )
     assert costmodel.predict_memory(model, plain, 2048).total <= GPUS["a100-80gb"].memory_bytes
 
@@ -325,6 +343,7 @@ def test_one_calibration_serves_every_row() -> None:
             zero=0,
             recompute="full",
             sequence_parallel=False,
+            attention="unfused",
         )
         errors.append(plan.ranked[0].hardware_tflops_per_gpu / row["tflops_per_gpu"] - 1)
     assert max(map(abs, errors)) < 0.10, errors
@@ -363,15 +382,18 @@ def test_bubble_is_the_simulators(name: str, pp: int, m: int, v: int) -> None:
 
 
 def test_activations_follow_korthikanti() -> None:
-    """Per layer: 34sbh + 5as²b at t = 1; without SP sbh(10 + 24/t + 5as/(ht)); with SP
-    everything / t; selective drops the scores; full keeps 2sbh (/t with SP)."""
+    """Per layer, with attention that keeps its scores: 34sbh + 5as²b at t = 1; without SP
+    sbh(10 + 24/t + 5as/(ht)); with SP everything / t; selective drops the scores; full
+    keeps 2sbh (/t with SP). The model's fused attention keeps no scores: none = selective."""
     model = GPTConfig(vocab_size=51200, n_layers=8, n_heads=32, d_model=4096, max_seq_len=2048)
     s, b, h, a = 2048, 2, 4096, 32
     sbh = s * b * h
 
-    def act(tp: int, sp: bool, recompute: str) -> float:
+    def act(tp: int, sp: bool, recompute: str, attention: str = "unfused") -> float:
         return costmodel.layer_activation_bytes(
-            model, s, Layout(tp=tp, micro_batch_size=b, recompute=recompute, sequence_parallel=sp)
+            model,
+            s,
+            Layout(tp=tp, micro_batch_size=b, recompute=recompute, sequence_parallel=sp, attention=attention),
         )
 
     assert act(1, False, "none") == pytest.approx(sbh * 34 + 5 * a * s * s * b)
@@ -380,8 +402,10 @@ def test_activations_follow_korthikanti() -> None:
     assert act(8, True, "selective") == pytest.approx(sbh * 34 / 8)
     assert act(8, False, "full") == pytest.approx(2 * sbh)
     assert act(8, True, "full") == pytest.approx(2 * sbh / 8)
+    for tp, sp in ((1, False), (8, False), (8, True)):
+        assert act(tp, sp, "none", "fused") == act(tp, sp, "selective", "fused") == act(tp, sp, "selective")
     assert costmodel.layer_activation_bytes(model, s, Layout(precision="fp32", micro_batch_size=b)) == pytest.approx(
-        2 * act(1, False, "none")
+        2 * act(1, False, "none", "fused")
     )
 
 
@@ -500,10 +524,11 @@ def test_plan_ranks_and_explains(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plan_shows_where_the_bytes_go(capsys: pytest.CaptureFixture[str]) -> None:
     """A node's network in Gb/s; #1's data-parallel bytes per family over NVLink and the
-    network, and their total; --comm restricts the choice."""
+    network, and their total; --comm restricts the choice. 24 GiB per GPU makes #1 ZeRO-3."""
     from experiments import plan
 
     argv = ["--model", "gpt-7b", "--gpus", "128", "--gpu", "h100", "--inter-node-gbps", "100", "--top", "3"]
+    argv += ["--memory-gib", "24"]
     plan.main([*argv, "--comm", "zero"])
     out = capsys.readouterr().out
     assert "8 per node, 100 Gb/s per node)" in out and "network 1.56 GB/s per GPU" in out
@@ -576,7 +601,28 @@ def test_layout_of_a_run_config() -> None:
         8,
     )
     layout = Layout.from_run_config(cfg)
-    expected = (2, 2, 2, 3, 1, "1f1b", 2, 4, "none", False, "bf16", "fp32", "every", 5000, None, None, False, None, 1)
+    expected = (
+        2,
+        2,
+        2,
+        3,
+        1,
+        "1f1b",
+        2,
+        4,
+        "none",
+        False,
+        "bf16",
+        "fp32",
+        "every",
+        5000,
+        None,
+        None,
+        False,
+        None,
+        1,
+        "fused",
+    )
     assert dataclasses.astuple(layout) == expected
 
 

@@ -99,10 +99,21 @@ def on_cpu(fn, *args):
     return fn(*args)
 
 
+def through_nccl(fn, *args):
+    """`fn(*args)` with the collectives of a 1-rank group sent through NCCL on its own stream,
+    not short-cut to copies on the caller's stream (`comm._alone`): the stream order under
+    test. One collective first: NCCL's first call waits for its stream (torch 2.11, NCCL 2.28:
+    ~0.5 s behind a held-back stream), which would hide the delay of the next."""
+    comm._alone = lambda group: False
+    dist.all_reduce(torch.zeros(1, device="cuda"))  # the first NCCL call blocks the host until its stream drains
+    torch.cuda.synchronize()
+    return fn(*args)
+
+
 def one_rank(device: str, fn, *args, timeout: float = 600.0):
-    """`fn(device, *args)` on one rank: gloo on CPU, NCCL on cuda:0."""
+    """`fn(device, *args)` on one rank: gloo on CPU, NCCL on cuda:0 (`through_nccl`)."""
     if device == "cuda":
-        return run_nccl(fn, device, *args, timeout=timeout)
+        return run_nccl(through_nccl, fn, device, *args, timeout=timeout)
     return run_distributed(on_cpu, 1, fn, device, *args, timeout=timeout)[0]
 
 
@@ -206,7 +217,7 @@ def assert_same_run(run: tuple, ref: tuple) -> None:
 def test_delayed_nccl_stream_exposes_a_missing_wait() -> None:
     """The harness of the next test is not vacuous: without `wait()` the compute stream reads
     an all-gather's output before the delayed NCCL stream has written it."""
-    unsynced, synced = run_nccl(_read_with_and_without_wait)
+    unsynced, synced = run_nccl(through_nccl, _read_with_and_without_wait)
     assert unsynced == 0.0, "the NCCL stream was not held back: the stream test below proves nothing"
     assert synced == 1.0
 

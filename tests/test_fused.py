@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import Tensor
 
 from optim import fused
 from optim.fused import adam_hyperparams, adam_step_, available_backends, pick_backend
+from tests.interpreted import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
 SIZES = (1, 7, 1031)
@@ -129,16 +123,7 @@ def interpreter_report() -> dict[str, dict[str, float]]:
 
 
 def test_triton_interpreter_matches_torch_optim():
-    """Triton must be set to interpret before it is imported, hence the subprocess."""
-    pytest.importorskip("triton")
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    code = "import json; from tests.test_fused import interpreter_report; print(json.dumps(interpreter_report()))"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert len(json.loads(proc.stdout.strip().splitlines()[-1])) == len(CASES)
+    assert len(run_interpreted("tests.test_fused", "interpreter_report")) == len(CASES)
 
 
 @pytest.mark.cuda
@@ -187,14 +172,14 @@ def test_cpu_default_is_torch_fused():
     [(True, True, "triton"), (False, True, "apex"), (False, False, "torch_fused")],
 )
 def test_cuda_auto_preference(monkeypatch, triton_ok: bool, apex_ok: bool, expected: str):
-    monkeypatch.setattr(fused, "_triton_runs_on", lambda device: triton_ok)
+    monkeypatch.setattr(fused, "triton_runs_on", lambda device: triton_ok)
     monkeypatch.setattr(fused, "_apex_kernels", lambda: object() if apex_ok else None)
     assert pick_backend(CUDA) == expected
     assert available_backends(CUDA)[-2:] == ["torch_fused", "torch"]
 
 
 def test_unavailable_request_names_available_ones(monkeypatch):
-    monkeypatch.setattr(fused, "_triton_runs_on", lambda device: False)
+    monkeypatch.setattr(fused, "triton_runs_on", lambda device: False)
     with pytest.raises(ValueError, match=r"'triton' is not available on cpu; available: torch_fused, torch\.$"):
         pick_backend(CPU, "triton")
     with pytest.raises(ValueError, match="'apex' is not available on cpu"):

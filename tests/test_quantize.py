@@ -7,9 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from optim.quantize import dequantize, max_error, quantize, reduce_scatter_quantized
+from optim.fused import triton_runs_on
+from optim.quantize import dequantize, max_error, pick_backend, quantize, reduce_scatter_quantized
 from parallel import comm
 from tests.dist_utils import run_distributed
+from tests.interpreted import run_interpreted
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -95,3 +97,77 @@ def test_quantized_reduce_scatter_is_close_and_sends_a_quarter(bits: int, two_le
         else:
             whole = 4 * (-(-1000 // BLOCK_QGZ) * BLOCK_QGZ) * (per + 4 / BLOCK_QGZ)
             assert r["log"]["world"]["all_to_all_single"]["bytes"] == int(whole) * 3 // 4
+
+
+# ---- the Triton kernels against the torch reference -------------------------------------------
+QUANT_CASES = [  # (dtype, bits, numel, block): padding, odd and non-power-of-two blocks
+    (dtype, bits, numel, block)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16)
+    for bits in (8, 4)
+    for numel, block in ((5000, 2048), (1000, 64), (500, 96), (7, 32), (1, 2))
+]
+
+
+def ties(block: int, bits: int) -> torch.Tensor:
+    """A block of fp32 values x whose x / s is exactly k + 1/2 for many k (s the block's
+    scale): the round-half-to-even cases, all of them, that the block's first element allows."""
+    levels = 2 ** (bits - 1) - 1
+    amax = torch.tensor([float(levels)])
+    s = amax * (1.0 / levels)
+    k = torch.arange(block - 1, dtype=torch.float32) % (2 * levels) - levels
+    candidates = (k + 0.5) * s
+    exact = candidates * (1.0 / s) == k + 0.5
+    return torch.cat([amax, torch.where(exact, candidates, 0.0)])
+
+
+def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def compare_backends(device: torch.device) -> dict[str, int]:
+    """Quantize and dequantize by `triton` and `torch` on `device` for every case (and a block
+    of ties, an all-zero block, a strided input), asserting bitwise equality."""
+    g = torch.Generator().manual_seed(0)
+    checked = {"cases": 0, "ties": 0}
+    for dtype, bits, numel, block in QUANT_CASES:
+        x = torch.randn(numel, generator=g) * torch.logspace(-3, 3, numel)
+        x[: min(block, numel) // 2] = 0.0
+        inputs = [x.to(dtype).to(device), x.view(1, -1).expand(2, -1)[:, ::2].to(dtype).to(device)]
+        if numel >= 2 * block:
+            tie = ties(block, bits)
+            x[block : 2 * block] = tie
+            checked["ties"] += int(((tie * (1.0 / tie[0]) * (2 ** (bits - 1) - 1)) % 1 == 0.5).sum())
+            inputs.append(x.to(dtype).to(device))
+        for inp in inputs:
+            ref, fused = quantize(inp, block, bits, backend="torch"), quantize(inp, block, bits, backend="triton")
+            assert bitwise(ref.scale, fused.scale) and bitwise(ref.data, fused.data), (dtype, bits, numel, block)
+            assert bitwise(dequantize(ref, backend="torch"), dequantize(ref, backend="triton")), (dtype, bits, block)
+            checked["cases"] += 1
+    empty = quantize(torch.zeros(0, device=device), 64, 8, backend="triton")
+    assert empty.data.numel() == 0 and dequantize(empty, backend="triton").numel() == 0
+    return checked
+
+
+def interpreter_report() -> dict[str, int]:
+    """Run in a TRITON_INTERPRET=1 process: the kernels on CPU tensors."""
+    return compare_backends(torch.device("cpu"))
+
+
+def test_triton_kernels_are_bitwise_the_torch_reference() -> None:
+    checked = run_interpreted("tests.test_quantize", "interpreter_report")
+    assert checked["cases"] >= 2 * len(QUANT_CASES) and checked["ties"] > 100, checked
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_kernels_are_bitwise_the_torch_reference_on_cuda() -> None:
+    compare_backends(torch.device("cuda"))
+
+
+def test_backend_choice() -> None:
+    assert pick_backend(torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="unknown quantizer backend"):
+        pick_backend(torch.device("cpu"), "cuda")
+    if not triton_runs_on(torch.device("cpu")):
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            quantize(torch.ones(4), 2, backend="triton")

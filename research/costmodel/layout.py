@@ -28,7 +28,10 @@ class Layout:
     int8, one fp32 scale per `qwz_block` elements), hpZ (stage 3: the backward gathers from a
     copy partitioned inside the node) and qgZ (stages 2-3: gradients reduced as int4 / int8
     by a hierarchical all-to-all); and `ep`, the ranks of a shard group that split the
-    experts of MoE blocks (each expert sharded over the shard group's N/ep ranks holding it)."""
+    experts of MoE blocks (each expert sharded over the shard group's N/ep ranks holding it).
+    `attention`: the kernel of the attention core, "fused" as the model runs it (torch's
+    scaled_dot_product_attention keeps no s x s scores), or "unfused" to predict a system
+    that materializes scores and softmax, as Megatron-LM's kernels of 2021 did."""
 
     tp: int = 1
     pp: int = 1
@@ -49,6 +52,7 @@ class Layout:
     hpz: bool = False
     qgz_bits: int | None = None
     ep: int = 1
+    attention: Literal["fused", "unfused"] = "fused"
 
     @property
     def sharding(self) -> Sharding:

@@ -132,8 +132,9 @@ def candidate_layouts(
     node, b a divisor of `max_micro_batch_size`, interleaved 1F1B when v > 1, grad_sync
     every only where it differs (ZeRO 2-3 with m > 1): (layout, None, 1) when it can run,
     else (layout, (reason, detail), n), where a split (tp, pp, v, b) that cannot run stands
-    for all n of its ZeRO / recompute / SP / grad_sync variants. `fixed` pins Layout fields, e.g. tp=8, zero=0."""
+    for all n of its ZeRO / recompute / SP / grad_sync variants. `fixed` pins Layout fields, e.g. tp=8, zero=0, and sets `attention`."""
     pinnable = {"tp", "pp", "virtual_stages", "micro_batch_size", "zero", "recompute", "sequence_parallel", "grad_sync"}
+    kernel = {"attention": fixed.pop("attention")} if "attention" in fixed else {}
     unknown = set(fixed) - pinnable
     if unknown:
         raise TypeError(f"cannot pin {', '.join(sorted(unknown))}: the planner chooses {', '.join(sorted(pinnable))}")
@@ -158,11 +159,17 @@ def candidate_layouts(
                     why = _why_invalid(model, tp, pp, dp, v, mbs, m, name, global_batch_size)
                     if why is not None and variants:
                         count = sum(len(choices("grad_sync", _grad_syncs(zero, m))) for zero, _, _ in variants)
-                        yield Layout(tp, pp, dp, variants[0][0], v, name, mbs, m, *variants[0][1:]), why, count
+                        yield (
+                            Layout(tp, pp, dp, variants[0][0], v, name, mbs, m, *variants[0][1:], **kernel),
+                            why,
+                            count,
+                        )
                         continue
                     for zero, recompute, sp in variants:
                         for grad_sync in choices("grad_sync", _grad_syncs(zero, m)):
-                            layout = Layout(tp, pp, dp, zero, v, name, mbs, m, recompute, sp, grad_sync=grad_sync)
+                            layout = Layout(
+                                tp, pp, dp, zero, v, name, mbs, m, recompute, sp, grad_sync=grad_sync, **kernel
+                            )
                             yield layout, _sp_problem(layout, seq_len), 1
 
 

@@ -92,7 +92,7 @@ def _micro_batch(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluste
     flops_b = 2 * flops_f + layers * recompute * tokens
     # element-wise traffic: 2 bytes moved per activation byte per forward-equivalent pass
     act = layer_activation_bytes(model, s, layout, "none")
-    act_scores = act - layer_activation_bytes(model, s, layout, "selective")
+    act_scores = act - layer_activation_bytes(model, s, layout, "selective")  # 0 for fused attention
     redo = {"none": 0.0, "selective": act_scores, "full": act}[layout.recompute]
     head_act = 4 * s * b * h / t * (1 + model.padded_vocab / h)
     mem_f = 2 * (layers * act + head_act)

@@ -23,6 +23,7 @@ from experiments.bench.common import median, timed
 from experiments.bench.gpu_suite.runner import ROOT, Context
 from optim import ZeroOptimizer, fused
 from optim import quantize as quant
+from optim.fused import triton_runs_on
 from optim.policies import DTYPES
 from research import data, metrics
 from research.config import RunConfig
@@ -236,33 +237,47 @@ QUANT_BLOCK = 2048  # ZeRO++'s block, the one the planner costs
 
 
 def quantize(ctx: Context) -> dict[str, Any]:
-    """ZeRO++'s block quantizer (`optim.quantize`) on a bf16 tensor: median times of
-    quantize and dequantize at int8 and int4, as GB/s of the bytes each must move (bf16 in
-    and q-bit values + fp32 scales out, or the reverse) and as a fraction of the copy
-    bandwidth `environment` measured: the planner costs them as passes at that bandwidth."""
+    """ZeRO++'s block quantizer (`optim.quantize`) on a bf16 tensor, by each backend that runs
+    on the device (the one-pass Triton kernels that ZeroOptimizer picks on GPUs, and the torch
+    reference): median times of quantize and dequantize at int8 and int4, as GB/s of the bytes
+    each must move (bf16 in and q-bit values + fp32 scales out, or the reverse) and as a
+    fraction of the copy bandwidth `environment` measured: the planner costs them as passes
+    at that bandwidth. The goal is for the backend picked by default."""
     device = ctx.device
     n = 2**16 if ctx.smoke else 2**28
     x = torch.randn(n, device=device).to(torch.bfloat16)
     copy = ctx.earlier.get("environment", {}).get("copy_gbs")
+    picked = quant.pick_backend(device)
+    backends = [b for b in quant.BACKENDS if b == "torch" or triton_runs_on(device)]
     rows = []
-    for bits in quant.BITS:
-        q = quant.quantize(x, QUANT_BLOCK, bits)
-        moved = 2 * n + q.nbytes  # the bf16 tensor and its quantized form
-        for op, fn in (
-            ("quantize", lambda b=bits: quant.quantize(x, QUANT_BLOCK, b)),
-            ("dequantize", lambda q=q: quant.dequantize(q)),
-        ):
-            seconds = timed(fn, device, 5 if ctx.smoke else 20)
-            gbs = moved / seconds / 1e9
-            rows.append(
-                {"bits": bits, "op": op, "seconds": seconds, "gbs": gbs, "of_copy": gbs / copy if copy else None}
-            )
-    worst = min((r["of_copy"] for r in rows), default=None) if copy else None
+    for backend in backends:
+        for bits in quant.BITS:
+            q = quant.quantize(x, QUANT_BLOCK, bits, backend)
+            moved = 2 * n + q.nbytes  # the bf16 tensor and its quantized form
+            for op, fn in (
+                ("quantize", lambda b=bits, k=backend: quant.quantize(x, QUANT_BLOCK, b, k)),
+                ("dequantize", lambda q=q, k=backend: quant.dequantize(q, k)),
+            ):
+                seconds = timed(fn, device, 5 if ctx.smoke else 20)
+                gbs = moved / seconds / 1e9
+                rows.append(
+                    {
+                        "backend": backend,
+                        "bits": bits,
+                        "op": op,
+                        "seconds": seconds,
+                        "gbs": gbs,
+                        "of_copy": gbs / copy if copy else None,
+                    }
+                )
+    picked_rows = [r["of_copy"] for r in rows if r["backend"] == picked]
+    worst = min(picked_rows, default=None) if copy else None
     return {
         "status": "ok",
         "numel": n,
         "block": QUANT_BLOCK,
         "copy_gbs": copy,
+        "picked": picked,
         "rows": rows,
         "goal": _goal(worst, ">=", 0.5),
     }

@@ -90,13 +90,13 @@ def fused_step_md(r: dict[str, Any]) -> str:
 
 def quantize_md(r: dict[str, Any]) -> str:
     rows = [
-        [f"int{x['bits']}", x["op"], f"{1e3 * x['seconds']:.3f}", f"{x['gbs']:.1f}", _pct(x["of_copy"])]
+        [x["backend"], f"int{x['bits']}", x["op"], f"{1e3 * x['seconds']:.3f}", f"{x['gbs']:.1f}", _pct(x["of_copy"])]
         for x in r["rows"]
     ]
     return (
         f"{r['numel']:,} bf16 elements, blocks of {r['block']}; copy bandwidth {_num(r['copy_gbs'], '.0f')} GB/s; "
-        f"goal for the slowest: {_verdict(r['goal'])}.\n\n"
-        + format_table(["bits", "op", "ms", "GB/s", "of copy bandwidth"], rows)
+        f"goal for the slowest of `{r['picked']}` (picked by default): {_verdict(r['goal'])}.\n\n"
+        + format_table(["backend", "bits", "op", "ms", "GB/s", "of copy bandwidth"], rows)
     )
 
 
