@@ -169,7 +169,8 @@ def report(
     rejected = sum(count for count, _ in plan.rejected.values())
     lines.append(f"{len(plan.ranked) + rejected} layouts: {len(plan.ranked)} fit, {rejected} do not")
     if plan.ranked:
-        lines += ["", *_ranked_table(plan, top), "", *_best_breakdown(plan.ranked[0], cluster)]
+        table = _ranked_table(plan, top, experts=bool(model.moe_experts))
+        lines += ["", *table, "", *_best_breakdown(plan.ranked[0], cluster)]
     else:
         lines += ["", "No layout fits."]
     if plan.rejected:
@@ -201,16 +202,19 @@ def _network_bytes(e: Estimate) -> float:
     return sum(c.inter_bytes for c in e.time.collectives)
 
 
-def _ranked_table(plan: Plan, top: int) -> list[str]:
-    """The header and one row per layout of the `top` fastest fitting ones."""
+def _ranked_table(plan: Plan, top: int, experts: bool = False) -> list[str]:
+    """The header and one row per layout of the `top` fastest fitting ones (with `experts`,
+    an ep column: the ranks that split each MoE layer's experts)."""
+    ep = f" {'ep':>3}" if experts else ""
     lines = [
-        f"{'#':>3} {'tp':>3} {'pp':>4} {'dp':>5} {'shard':>5} {'v':>2} {'zero':>4} {'mbs':>4} {'recompute':>9} "
+        f"{'#':>3} {'tp':>3} {'pp':>4} {'dp':>5} {'shard':>5}{ep} {'v':>2} {'zero':>4} {'mbs':>4} {'recompute':>9} "
         f"{'sp':>2} {'sync':>5} {'zero++':>12} {'mem GiB':>8} {'net GB':>7} {'step s':>9} {'TFLOP/s/GPU':>11} {'MFU':>6}"
     ]
     for i, e in enumerate(plan.ranked[:top], 1):
         lo = e.layout
+        ep = f" {lo.ep:>3}" if experts else ""
         lines.append(
-            f"{i:>3} {lo.tp:>3} {lo.pp:>4} {lo.dp:>5} {lo.shard:>5} {lo.virtual_stages:>2} {lo.zero:>4} "
+            f"{i:>3} {lo.tp:>3} {lo.pp:>4} {lo.dp:>5} {lo.shard:>5}{ep} {lo.virtual_stages:>2} {lo.zero:>4} "
             f"{lo.micro_batch_size:>4} {lo.recompute:>9} {int(lo.sp):>2} {lo.grad_sync:>5} {_zeropp(lo):>12} "
             f"{e.memory.total / GiB:>8.1f} {_sig(_network_bytes(e) / 1e9):>7} {e.time.total:>9.3g} "
             f"{e.tflops_per_gpu:>11.1f} {e.mfu:>6.1%}"
@@ -231,7 +235,8 @@ def _best_breakdown(best: Estimate, cluster: Cluster) -> list[str]:
         ),
         (
             f"#1 step: {t.pipeline:.3g} s pipeline (bubble {t.bubble:.3g}, TP comm {t.tp_comm:.3g}, "
-            f"PP comm {t.pp_comm:.3g}) + {t.dp_comm:.3g} s exposed DP comm + {t.optimizer:.3g} s optimizer"
+            f"PP comm {t.pp_comm:.3g}{f', EP all-to-all {t.ep_comm:.3g}' if t.ep_comm else ''}) + "
+            f"{t.dp_comm:.3g} s exposed DP comm + {t.optimizer:.3g} s optimizer"
         ),
         *_where_the_bytes_go(t.collectives, cluster),
     ]
@@ -323,8 +328,6 @@ def main(argv: list[str] | None = None) -> None:
         seq_len, gpus, name = args.seq_len or seq_len, None, args.config
         if seq_len > model.max_seq_len:
             sys.exit(f"error: --seq-len={seq_len} exceeds the config's max_seq_len={model.max_seq_len}")
-        if model.moe_experts:
-            sys.exit(f"error: {args.config}: {costmodel.MOE_NOT_MODELLED}")
     batch = args.global_batch_size or batch
     gpus = args.gpus or gpus
     if gpus is None:

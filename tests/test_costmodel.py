@@ -36,6 +36,7 @@ import torch
 from parallel.pipeline import simulate
 from research import costmodel
 from research.costmodel import GPU, GPUS, Cluster, Layout
+from research.costmodel.dpcomm import dp_traffic, expert_layout
 from research.model import GPTConfig, pipeline_chunks
 from tests.dist_utils import run_distributed
 
@@ -89,6 +90,8 @@ RUNS = {
         *("--tp", "2", "--pp", "2", "--ep", "2", "--zero", "2", "--micro-batches", "2", *MOE)
     ],
     "dp8-ep2-zero3-moe-units": ["--ep", "2", "--zero", "3", "--unit-numel", "2000", *MOE],
+    # a capacity: every all-to-all has the same size, which the planner predicts to the byte
+    "dp8-ep4-zero1-moe-capacity": ["--ep", "4", "--zero", "1", "--moe-capacity-factor", "1.0", *MOE],
     # one 427K-parameter unit: sharded
     "dp8-zero3-bf16": ["--zero", "3", "--precision", "bf16"],
     "tp2-pp4-zero1-bf16-untied-swiglu-rope": [
@@ -361,6 +364,46 @@ def test_flop_terms_are_flops_per_token(recompute: str) -> None:
         layer, core, head = costmodel.forward_flops_per_token(model, 256)
         extra = {"none": 0, "selective": core, "full": layer}[recompute]
         assert 3 * (6 * layer + head) + 6 * extra == model.flops_per_token(256)
+
+
+def _saved_bytes(model: GPTConfig, dtype: torch.dtype, tokens: tuple[int, int]) -> int:
+    """Peak bytes one forward + backward of `model` saves for backward (parameters aside)."""
+    from research import metrics
+    from research.model import GPT
+
+    torch.manual_seed(0)
+    gpt = GPT(model).to(dtype)
+    idx = torch.randint(0, model.vocab_size, tokens)
+    with metrics.ActivationMeter([gpt]) as meter:
+        gpt(idx, idx).backward()
+    return meter.peak_bytes
+
+
+MOE_SHAPES = [  # (MoE options, activation): top-k, widths, capacity (its padding included), shared experts
+    ({"moe_experts": 4, "moe_top_k": 2, "moe_d_ff": 128}, "gelu"),
+    ({"moe_experts": 8, "moe_top_k": 1, "moe_d_ff": 64}, "gelu"),
+    ({"moe_experts": 8, "moe_top_k": 2, "moe_d_ff": 96}, "swiglu"),
+    ({"moe_experts": 4, "moe_top_k": 2, "moe_d_ff": 64, "moe_capacity_factor": 1.5}, "gelu"),
+    ({"moe_experts": 4, "moe_top_k": 1, "moe_d_ff": 64, "moe_shared_experts": 1}, "swiglu"),
+]
+
+
+@pytest.mark.parametrize("options, activation", MOE_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_moe_layer_activations_are_what_it_saves(options: dict, activation: str, dtype: torch.dtype) -> None:
+    """An MoE layer saves, beyond a dense layer, `moe_mlp_bytes` less the dense MLP's input
+    and hidden tensors: measured by the saved-tensor hooks of a one-process forward + backward
+    (balanced routing is what the planner assumes; the tolerance is the router's imbalance
+    on these few tokens, which moves only the dispatch's rows, not a capacity's)."""
+    s, b, h = 64, 2, 64
+    dense = GPTConfig(vocab_size=128, n_layers=1, n_heads=4, d_model=h, max_seq_len=s, activation=activation)
+    moe = dataclasses.replace(dense, **options)
+    measured = _saved_bytes(moe, dtype, (b, s)) - _saved_bytes(dense, dtype, (b, s))
+    A = dtype.itemsize
+    dense_mlp = A * s * b * (h + (2 if activation == "gelu" else 4) * dense.ffn_dim)
+    layout = Layout(micro_batch_size=b, precision="fp32" if dtype == torch.float32 else "bf16")
+    predicted = costmodel.moe_mlp_bytes(moe, s, layout) - dense_mlp
+    assert measured == pytest.approx(predicted, rel=0.01 if options.get("moe_capacity_factor") else 0.02)
 
 
 @pytest.mark.parametrize(
@@ -1027,16 +1070,56 @@ def test_moe_sizes_are_deepspeed_moes(d_model: int, total_billion: float, dense_
     assert costmodel.active_params(model) == costmodel.num_params(dense) + 12 * (128 * d_model - 5 * d_model)
 
 
-def test_the_planner_refuses_what_it_does_not_model_of_moe() -> None:
-    """Model states yes (above); activations and step time not yet: one sentence each."""
-    model = GPTConfig(n_layers=2, moe_experts=4)
-    cluster = Cluster(GPUS["h100"], 8)
-    for predict in (
-        lambda: costmodel.predict_memory(model, Layout(dp=8), 256),
-        lambda: costmodel.predict_step_time(model, Layout(dp=8), 256, cluster),
-    ):
-        with pytest.raises(ValueError, match="but not yet their activations, all-to-all or step time"):
-            predict()
+@pytest.mark.slow
+def test_predicted_all_to_all_bytes_are_a_runs(summaries: dict[str, dict]) -> None:
+    """With a capacity every rank sends E·C rows per all-to-all; four per MoE layer and
+    micro-batch (dispatch and combine, forward and backward): measured on every rank."""
+    summary = summaries["dp8-ep4-zero1-moe-capacity"]
+    model, layout, seq_len = costmodel.run_spec(summary["config"])
+    moe_layers = sum(map(model.is_moe, range(model.n_layers)))
+    predicted = 4 * moe_layers * layout.micro_batches * costmodel.expert_all_to_all_bytes(model, layout, seq_len)
+    for rank in summary["ranks"]:
+        assert rank["comm_per_step"]["ep"]["ops"]["all_to_all_single"]["bytes"] == predicted
+
+
+MOE_MODEL = GPTConfig(vocab_size=51200, n_layers=8, n_heads=16, d_model=2048, max_seq_len=2048, moe_experts=8)
+
+
+def test_expert_parallelism_in_the_step_time() -> None:
+    """ep = 1: no all-to-all; ep > 1: four per MoE layer and micro-batch at the bytes above,
+    over NVLink inside a node and the network beyond it; the experts' data-parallel bytes
+    fall with ep (their group has N/ep ranks) and vanish at ep = N."""
+    cluster = Cluster(GPUS["h100"], 16, inter_node_gbps=400)
+    times = {ep: costmodel.predict_step_time(MOE_MODEL, Layout(dp=16, ep=ep), 2048, cluster) for ep in (1, 2, 8, 16)}
+    assert times[1].ep_comm == 0
+    sent = costmodel.expert_all_to_all_bytes(MOE_MODEL, Layout(dp=16, ep=8), 2048)  # all on one node
+    assert times[8].ep_comm == pytest.approx(4 * 8 * (sent / cluster.gpu.intra_node_bandwidth + cluster.latency(1, 0)))
+    assert times[16].ep_comm > 2 * times[8].ep_comm  # half the peers across the network
+
+    def dp_bytes(ep: int) -> float:
+        return sum(c.intra_bytes + c.inter_bytes for c in times[ep].collectives)
+
+    assert dp_bytes(1) > dp_bytes(2) > dp_bytes(8) > dp_bytes(16)
+    for_experts = dp_traffic(expert_layout(Layout(dp=16, ep=16)), cluster, 1 / 16)
+    assert all(x.intra == x.inter == 0 for x in for_experts.values())
+
+
+def test_moe_memory_and_search() -> None:
+    """MoE layers' activations join the layer count (the fullest chunk's), the planner searches
+    ep over the divisors of dp that divide the experts, and never offers hpZ or qgZ with them."""
+    layout = Layout(dp=8, ep=4, micro_batch_size=1)
+    mem = costmodel.predict_memory(MOE_MODEL, layout, 2048)
+    dense = dataclasses.replace(MOE_MODEL, moe_experts=0)
+    moe_layer = costmodel.layer_activation_bytes(MOE_MODEL, 2048, layout, moe=True)
+    dense_layer = costmodel.layer_activation_bytes(dense, 2048, layout)
+    assert mem.activations - costmodel.predict_memory(dense, layout, 2048).activations == pytest.approx(
+        8 * (moe_layer - dense_layer)
+    )
+    plan = costmodel.plan(MOE_MODEL, Cluster(GPUS["h100"], 16), 64, 2048, tp=1, pp=1, zero=1, micro_batch_size=1)
+    assert {e.layout.ep for e in plan.ranked} == {1, 2, 4, 8}
+    assert not any(e.layout.hpz or e.layout.qgz_bits for e in plan.ranked)
+    anything = costmodel.plan(MOE_MODEL, Cluster(GPUS["h100"], 16), 64, 2048, "any", tp=1, pp=1, zero=3)
+    assert anything.ranked and not any(e.layout.hpz or e.layout.qgz_bits for e in anything.ranked)
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4, 8])
@@ -1059,3 +1142,13 @@ def _whole(model: GPTConfig) -> torch.nn.Module:
     from research.model import GPT
 
     return GPT(model, tp_group=ShapeGroup(1))
+
+
+def test_plan_command_takes_a_moe_config(capsys: pytest.CaptureFixture[str]) -> None:
+    """`experiments.plan --config` of an MoE model: the table has an ep column."""
+    from experiments import plan
+
+    plan.main(["--config", "experiments/configs/tiny-moe.yaml", "--gpus", "8", "--top", "3"])
+    header, *rows = capsys.readouterr().out.split("\n\n")[1].splitlines()
+    assert header.split()[5] == "ep" and len(rows) == 3
+    assert all(int(row.split()[5]) in (1, 2, 4, 8) for row in rows)

@@ -22,20 +22,27 @@ from research.costmodel.layout import Layout, run_spec
 from research.costmodel.memory import (
     Memory,
     ModelStates,
+    chunk_activation_bytes,
     in_flight,
     layer_activation_bytes,
+    moe_mlp_bytes,
     predict_memory,
     predict_model_states,
 )
-from research.costmodel.params import MOE_NOT_MODELLED, RankParams, active_params, num_params, rank_params, unit_sizes
+from research.costmodel.params import RankParams, active_params, num_params, rank_params, unit_sizes
 from research.costmodel.search import COMM_SCHEMES, Estimate, Plan, candidate_layouts, comm_variants, estimate, plan
-from research.costmodel.steptime import StepTime, forward_flops_per_token, pipeline_bubble, predict_step_time
+from research.costmodel.steptime import (
+    StepTime,
+    expert_all_to_all_bytes,
+    forward_flops_per_token,
+    pipeline_bubble,
+    predict_step_time,
+)
 
 __all__ = [
     "COMM_SCHEMES",
     "GPU",
     "GPUS",
-    "MOE_NOT_MODELLED",
     "Cluster",
     "Collective",
     "Estimate",
@@ -50,12 +57,15 @@ __all__ = [
     "Traffic",
     "active_params",
     "candidate_layouts",
+    "chunk_activation_bytes",
     "comm_variants",
     "dp_traffic",
     "estimate",
+    "expert_all_to_all_bytes",
     "forward_flops_per_token",
     "in_flight",
     "layer_activation_bytes",
+    "moe_mlp_bytes",
     "num_params",
     "pipeline_bubble",
     "plan",

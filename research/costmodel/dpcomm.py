@@ -19,6 +19,10 @@ q = qgZ bits/8 + 4/2048 (the fp32 scales):
     tied_embedding | pp > 1, tied | all-reduce of GVh/t between the first and last  | 1
                    |              |   pipeline stage                                |
 
+MoE expert parameters take the same families over their own groups (`expert_layout`): a
+rank holds Ψ_e/ep of them, sharded and reduced over the N/ep ranks holding the same experts
+(ep·t apart), so with ep = N they need no data-parallel communication at all.
+
 Where the bytes go (`Cluster.ring_bytes`): a ring inside a node is all NVLink; across nodes
 NCCL runs k rings through k NICs, so a rank sends 1/k of it over its network share
 (`Cluster.inter_node_bandwidth`) and the rest over NVLink, both at once: the slower sets the
@@ -180,24 +184,31 @@ class _Stream:
 
     name: str
     traffic: Traffic
+    expert_traffic: Traffic  # per MoE expert parameter (every expert): its own, smaller group
     gathers: bool
     whole: str
     per_param: float  # seconds per parameter: transfer and kernels
+    per_expert: float  # likewise per expert parameter
     per_call: float  # seconds per call: latency
 
     @classmethod
-    def of(cls, name: str, traffic: Traffic, whole: str, cluster: Cluster) -> _Stream:
-        per_param = traffic.transfer_seconds(cluster) + traffic.kernel_seconds(cluster)
-        return cls(name, traffic, name.startswith("gather"), whole, per_param, traffic.latency(cluster))
+    def of(cls, name: str, traffic: Traffic, expert: Traffic, whole: str, cluster: Cluster) -> _Stream:
+        def per(x: Traffic) -> float:
+            return x.transfer_seconds(cluster) + x.kernel_seconds(cluster)
 
-    def load(self, slot: Slot) -> tuple[int, int]:
-        """(parameters, calls) of this stream's collective of `slot`."""
-        return (slot.gathered, slot.gathers) if self.gathers else (slot.numel, slot.reductions)
+        gathers = name.startswith("gather")
+        return cls(name, traffic, expert, gathers, whole, per(traffic), per(expert), traffic.latency(cluster))
+
+    def load(self, slot: Slot) -> tuple[int, int, int]:
+        """(dense parameters, expert parameters, calls) of this stream's collective of `slot`."""
+        if self.gathers:
+            return slot.gathered - slot.expert_gathered, slot.expert_gathered, slot.gathers
+        return slot.numel - slot.expert_numel, slot.expert_numel, slot.reductions
 
     def seconds(self, slot: Slot) -> float:
         """Busy seconds of this stream's collective of `slot`: c_s (module docstring)."""
-        numel, calls = self.load(slot)
-        return self.per_param * numel + self.per_call * calls
+        dense, experts, calls = self.load(slot)
+        return self.per_param * dense + self.per_expert * experts + self.per_call * calls
 
 
 def _in_turn(window: float, busy: list[float]) -> list[float]:
@@ -238,9 +249,14 @@ def _run_pass(p: Pass, window: float, streams: list[_Stream], times: int, cluste
     """Add `times` passes over `p` to `tally`: per family [NVLink bytes, network bytes,
     latency, kernels, busy, exposed]."""
     for s, exposed in zip(streams, _exposed(p, window, streams)):
-        numel, calls = s.load(p.total)
-        x, row = s.traffic, tally.setdefault(s.name, [0.0] * 6)
-        spent = (numel * x.intra, numel * x.inter, calls * s.per_call, numel * x.kernel_seconds(cluster))
+        dense, experts, calls = s.load(p.total)
+        x, e, row = s.traffic, s.expert_traffic, tally.setdefault(s.name, [0.0] * 6)
+        spent = (
+            dense * x.intra + experts * e.intra,
+            dense * x.inter + experts * e.inter,
+            calls * s.per_call,
+            dense * x.kernel_seconds(cluster) + experts * e.kernel_seconds(cluster),
+        )
         for i, value in enumerate((*spent, s.seconds(p.total), exposed)):
             row[i] += times * value
 
@@ -261,6 +277,16 @@ def _schedule(layout: Layout, streams: dict[str, _Stream], fwd: float, bwd: floa
     return [*forward, (m - syncs, bwd, [backward]), (syncs, bwd, [backward, *reductions])]
 
 
+def expert_layout(layout: Layout) -> Layout:
+    """The data-parallel groups of MoE expert parameters: each expert is sharded over the N/ep
+    ranks holding it, ep·t apart (and replicated as the dense parameters are)."""
+    ep = layout.ep
+    shard = layout.shard // ep
+    return dataclasses.replace(
+        layout, tp=layout.tp * ep, dp=layout.dp // ep, dp_shard=None if shard == layout.dp // ep else shard, ep=1
+    )
+
+
 def dp_collectives(
     layout: Layout, cluster: Cluster, rank: RankParams, compute_f: float, compute_b: float
 ) -> tuple[Collective, ...]:
@@ -268,11 +294,14 @@ def dp_collectives(
     passes over its units (stage 3) or buckets (stages 0-2), forward and backward compute
     `compute_f` and `compute_b` seconds per micro-batch."""
     per_param = dp_traffic(layout, cluster, 1.0)
+    per_expert = dp_traffic(expert_layout(layout), cluster, 1 / layout.ep) if layout.ep > 1 else per_param
     streams = {
-        name: _Stream.of(name, x, "last" if name == "gather_bwd" else "first", cluster) for name, x in per_param.items()
+        name: _Stream.of(name, x, per_expert[name], "last" if name == "gather_bwd" else "first", cluster)
+        for name, x in per_param.items()
     }
     if "gather_hpz" in per_param:
-        streams["gather_hpz_bwd"] = _Stream.of("gather_hpz", per_param["gather_hpz"], "last", cluster)
+        hpz = per_param["gather_hpz"]
+        streams["gather_hpz_bwd"] = _Stream.of("gather_hpz", hpz, hpz, "last", cluster)
     passes = Counter(rank.unit_passes if layout.sharding.parameters else rank.bucket_passes)
     tally: dict[str, list[float]] = {}
     for times, window, used in _schedule(layout, streams, compute_f / rank.numel, compute_b / rank.numel):

@@ -34,14 +34,29 @@ fused scaled_dot_product_attention (flash or memory-efficient kernels), which ke
 O(s) row statistics: for it (`attention` "fused", the default) the term is 0 and `none`
 keeps what `selective` keeps (measured on an H200, 1.31B GPT: within 0.1 %), so selective
 recompute only costs time.
+MoE layers (`--moe-experts`) keep the block's input, norms and attention as above and, in
+place of the dense MLP's input and two [s, b, 4h] tensors (A·sbh, /t under SP, and 8A·sbh/t
+of the 34), what the MoE MLP saves (`moe_mlp_bytes`, read off the layer's saved tensors),
+with T = sb tokens, R = T·k rows a rank's experts take (balanced routing: an uneven router raises the busiest rank's; with a
+capacity factor c, R = c·T·k slots, padding included), T_r = T/t router tokens under SP (T
+without), G = 2 for SwiGLU (1 for GELU), f the expert width:
+
+    router (fp32):   (4h + 8E + 12k + 8)·T_r (its fp32 input, logits, probabilities, top-k)
+                     + 4hE when A < 4 (the fp32 copy of its weight)
+    experts:         A·h·3Tk (rows in, outputs, weighted outputs) + A·Tk (weights)
+                     + 2G·A·R·f/t (hidden) + 24·Tk (the dispatch's int64 indices);
+                     with a capacity: + A·h·R (the padded rows) and 32·Tk for the indices
+    shared experts:  2G·A·T·f_s/t, and their input A·h·T_r when A < 4 (in fp32 the router's)
+
+Every TP rank runs its experts' f/t slice on all T tokens of the group (gathered under SP).
 A pipeline rank keeps them for its peak number of (micro-batch, chunk) pairs in flight,
 read off the repo's own schedule (`parallel.pipeline`): p - r for 1F1B on rank r, p·v + p - 1
 for interleaved 1F1B on rank 0, m for GPipe; each chunk holds L/(p·v) layers. The last
 stage adds the output layer, 4sbh/t·(1 + V/h) (fp32 logits), per micro-batch at the head.
 
 Buffers: at stages 2-3 with m > 1 and `grad_sync` last the full gradient buckets live through
-the step (every backward but the last runs under `no_sync`), GΨ(1 - 1/N); with `grad_sync`
-every each backward reduces its chunk as it goes, like m = 1 (the few buckets in flight
+the step (every backward but the last runs under `no_sync`), G(Ψ_held − Ψ/N) (GΨ(1 − 1/N)
+without experts); with `grad_sync` every each backward reduces its chunk as it goes, like m = 1 (the few buckets in flight
 are not counted, as at m = 1); stage 3 holds two gathered units
 (current and prefetched), and with ZeRO++ hpZ each rank's 1/k slice of every sharded unit,
 PΨ_sh/k (k = the shard group's ranks on a node; from a step's first forward to its optimizer
@@ -59,7 +74,7 @@ from parallel.pipeline.schedules import validate as validate_schedule
 from parallel.pipeline.simulate import peak_in_flight
 from research.costmodel.hardware import GiB, ranks_per_node
 from research.costmodel.layout import DTYPE_BYTES, Layout, Recompute
-from research.costmodel.params import MOE_NOT_MODELLED, rank_params
+from research.costmodel.params import rank_params
 from research.model import GPTConfig
 
 RESERVED_BYTES = 2 * GiB
@@ -91,16 +106,48 @@ def predict_model_states(model: GPTConfig, layout: Layout, pp_rank: int = 0) -> 
     return ModelStates(params, grads, master + 8 * optimized)
 
 
-def layer_activation_bytes(model: GPTConfig, seq_len: int, layout: Layout, recompute: Recompute | None = None) -> float:
-    """Bytes one layer keeps for backward per micro-batch (Korthikanti et al. 2022, the
-    table in the module docstring; `recompute` defaults to the layout's)."""
+def layer_activation_bytes(
+    model: GPTConfig, seq_len: int, layout: Layout, recompute: Recompute | None = None, moe: bool = False
+) -> float:
+    """Bytes one layer (an MoE one with `moe`) keeps for backward per micro-batch (Korthikanti
+    et al. 2022, the table in the module docstring; `recompute` defaults to the layout's)."""
     s, b, h, a, t = seq_len, layout.micro_batch_size, model.d_model, model.n_heads, layout.tp
-    sbh = s * b * h * DTYPE_BYTES[layout.precision] / 2
+    A = DTYPE_BYTES[layout.precision]
+    sbh = s * b * h * A / 2
     recompute = recompute or layout.recompute
     if recompute == "full":
         return 2 * sbh / (t if layout.sp else 1)
     scores = 5 * a * s / (h * t) if recompute == "none" and layout.attention == "unfused" else 0.0
-    return sbh * ((34 / t if layout.sp else 10 + 24 / t) + scores)
+    dense = sbh * ((34 / t if layout.sp else 10 + 24 / t) + scores)
+    if not moe:
+        return dense
+    mlp = A * s * b * h * (8 / t + (1 / t if layout.sp else 1))  # the dense MLP's input and hidden tensors
+    return dense - mlp + moe_mlp_bytes(model, seq_len, layout)
+
+
+def moe_mlp_bytes(model: GPTConfig, seq_len: int, layout: Layout) -> float:
+    """Bytes an MoE MLP keeps for backward per micro-batch beyond its input (the module
+    docstring's router, experts and shared experts)."""
+    moe, A, t = model.moe, DTYPE_BYTES[layout.precision], layout.tp
+    h, G, capped = model.d_model, 2 if moe.swiglu else 1, moe.capacity_factor is not None
+    tokens = seq_len * layout.micro_batch_size
+    routed = tokens / t if layout.sp else tokens
+    slots = tokens * moe.top_k
+    rows = slots * (moe.capacity_factor or 1)
+    router = (4 * h + 8 * moe.experts + 12 * moe.top_k + 8) * routed + 4 * h * moe.experts * (A < 4)
+    experts = A * h * (3 * slots + rows * capped) + A * slots + 2 * G * A * rows * moe.d_ff / t
+    indices = (32 if capped else 24) * slots
+    shared = (2 * G * A * tokens * moe.shared_d_ff / t + A * h * routed * (A < 4)) if moe.shared_d_ff else 0.0
+    return router + experts + indices + shared
+
+
+def chunk_activation_bytes(model: GPTConfig, seq_len: int, layout: Layout, recompute: Recompute | None = None) -> float:
+    """Bytes the fullest chunk's layers keep per micro-batch: L/(p·v) layers, as many of them
+    MoE layers as the chunk with the most holds."""
+    n = model.n_layers // (layout.pp * layout.virtual_stages)
+    most = max(sum(map(model.is_moe, range(c * n, (c + 1) * n))) for c in range(model.n_layers // n))
+    dense, moe = (layer_activation_bytes(model, seq_len, layout, recompute, m) for m in (False, True))
+    return (n - most) * dense + most * moe
 
 
 @functools.lru_cache(maxsize=4096)
@@ -127,22 +174,19 @@ class Memory:
 
 
 def _rank_memory(model: GPTConfig, layout: Layout, seq_len: int, pp_rank: int, gpus_per_node: int) -> Memory:
-    if model.moe_experts:  # the model states are modelled, the MoE layers' activations not yet
-        raise ValueError(MOE_NOT_MODELLED)
     s, b, h, t = seq_len, layout.micro_batch_size, model.d_model, layout.tp
     p, v, m = layout.pp, layout.virtual_stages, layout.micro_batches
     states = predict_model_states(model, layout, pp_rank)
-    layers_per_chunk = model.n_layers // (p * v)
-    acts = in_flight(layout.schedule, p, pp_rank, m, v) * layers_per_chunk * layer_activation_bytes(model, s, layout)
+    acts = in_flight(layout.schedule, p, pp_rank, m, v) * chunk_activation_bytes(model, s, layout)
     if layout.recompute == "full":
-        acts += layer_activation_bytes(model, s, layout, "none")
+        acts += layer_activation_bytes(model, s, layout, "none", moe=bool(model.moe_experts))
     if pp_rank == p - 1:
         at_head = m if layout.schedule == "gpipe" else 1
         acts += at_head * 4 * s * b * h / t * (1 + model.padded_vocab / h)
     buffers = float(RESERVED_BYTES)
-    rank = rank_params(model, t, p, v, pp_rank, layout.unit_numel)
+    rank = rank_params(model, t, p, v, pp_rank, layout.unit_numel, layout.ep)
     if layout.sharding.gradients and m > 1 and layout.grad_sync == "last":
-        buffers += DTYPE_BYTES[layout.reduce_dtype] * rank.aligned * (1 - 1 / layout.shard)
+        buffers += DTYPE_BYTES[layout.reduce_dtype] * (rank.held - rank.aligned / layout.shard)  # whole less its shard
     if layout.sharding.parameters:
         buffers += DTYPE_BYTES[layout.precision] * rank.largest_units
     if layout.hpz:

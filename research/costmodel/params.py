@@ -205,12 +205,14 @@ class Slot(NamedTuple):
     unit that is gathered with the resident units forward uses after it, or a stages 0-2
     bucket. `numel`: its parameters; `gathered`: those all-gathered (the gathered unit's;
     a bucket's all, after the step); `gathers` / `reductions`: the collectives (one per
-    bucket) that gather / reduce them."""
+    bucket) that gather / reduce them; of those, the MoE experts' parameters."""
 
     numel: int
     gathered: int
     gathers: int
     reductions: int
+    expert_numel: int = 0  # of `numel`, the MoE experts' (every expert: they have their own groups)
+    expert_gathered: int = 0  # of `gathered`, the experts'
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,7 @@ def _unit_slots(units: list[Parts], resident: int) -> list[Slot]:
     slots: list[Slot] = []
     for unit in units:
         numel, buckets = _size(unit)[0], len(unit)
+        experts = sum(n for key, (n, _) in unit.items() if key[-1])
         gathered = numel >= resident
         if not slots or (gathered and slots[-1].gathered):
             slots.append(Slot(0, 0, 0, 0))
@@ -245,6 +248,8 @@ def _unit_slots(units: list[Parts], resident: int) -> list[Slot]:
             last.gathered + numel * gathered,
             last.gathers + buckets * gathered,
             last.reductions + buckets,
+            last.expert_numel + experts,
+            last.expert_gathered + experts * gathered,
         )
     return slots
 
@@ -255,10 +260,12 @@ def _bucket_slots(units: list[Parts], bucket_numel: int) -> list[Slot]:
     more); the vectors' first, as their buckets complete last in backward."""
     slots = []
     vectors_first = sorted(_merged(*((u, 1) for u in units)).items(), key=lambda part: part[0][0])
-    for _, (numel, _) in vectors_first:
+    for key, (numel, _) in vectors_first:
         count = -(-numel // bucket_numel)
         small, extra = divmod(numel, count)
-        slots += [Slot(small + 1, small + 1, 1, 1)] * extra + [Slot(small, small, 1, 1)] * (count - extra)
+        big, rest = small + 1, small
+        slots += [Slot(big, big, 1, 1, *(big, big) if key[-1] else ())] * extra
+        slots += [Slot(rest, rest, 1, 1, *(rest, rest) if key[-1] else ())] * (count - extra)
     return slots
 
 
@@ -329,9 +336,3 @@ def active_params(model: GPTConfig) -> int:
     moe_blocks = sum(map(model.is_moe, range(model.n_layers)))
     per_expert = model.moe.d_ff * model.d_model * (3 if model.moe.swiglu else 2) if model.moe_experts else 0
     return num_params(model) - moe_blocks * (model.moe_experts - model.moe_top_k) * per_expert
-
-
-MOE_NOT_MODELLED = (
-    "the planner models the model states of Mixture-of-Experts blocks (--moe-experts) but not yet their "
-    "activations, all-to-all or step time: measure MoE layouts with a sweep (experiments/sweeps/experts.yaml)"
-)

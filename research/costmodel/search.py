@@ -8,6 +8,7 @@ choice (plain ZeRO, hybrid, ZeRO++)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -103,7 +104,7 @@ def comm_variants(layout: Layout, cluster: Cluster, **fixed: object) -> list[Lay
     hpZ at stage 3 when the shard group spans nodes; qgZ int4 at stages 2-3 (int8: pin
     it). `fixed` pins any of `COMM_FIELDS` to any value."""
     sharded, dp, tp, g = layout.sharding, layout.dp, layout.tp, cluster.gpus_per_node
-    node = max((n for n in _divisors(dp) if 1 < n < dp and n * tp <= g), default=None)
+    node = max((n for n in _divisors(dp) if 1 < n < dp and n * tp <= g and n % layout.ep == 0), default=None)
     offered = {
         "dp_shard": [None, node] if node and sharded.optimizer_state else [None],
         "qwz_block": [None, QWZ_BLOCK] if sharded.optimizer_state else [None],
@@ -132,8 +133,12 @@ def candidate_layouts(
     node, b a divisor of `max_micro_batch_size`, interleaved 1F1B when v > 1, grad_sync
     every only where it differs (ZeRO 2-3 with m > 1): (layout, None, 1) when it can run,
     else (layout, (reason, detail), n), where a split (tp, pp, v, b) that cannot run stands
-    for all n of its ZeRO / recompute / SP / grad_sync variants. `fixed` pins Layout fields, e.g. tp=8, zero=0, and sets `attention`."""
-    pinnable = {"tp", "pp", "virtual_stages", "micro_batch_size", "zero", "recompute", "sequence_parallel", "grad_sync"}
+    for all n of its ZeRO / recompute / SP / grad_sync / ep variants. With MoE blocks ep runs
+    over the divisors of dp that divide the experts. `fixed` pins Layout fields, e.g. tp=8, zero=0, and sets `attention`."""
+    pinnable = {
+        *("tp", "pp", "ep", "virtual_stages", "micro_batch_size"),
+        *("zero", "recompute", "sequence_parallel", "grad_sync"),
+    }
     kernel = {"attention": fixed.pop("attention")} if "attention" in fixed else {}
     unknown = set(fixed) - pinnable
     if unknown:
@@ -152,23 +157,21 @@ def candidate_layouts(
         ]
         for pp in choices("pp", _divisors(gpus // tp)):
             dp = gpus // (tp * pp)
+            eps = choices("ep", [e for e in _divisors(dp) if model.moe_experts % e == 0] if model.moe_experts else [1])
             for v in choices("virtual_stages", list(range(1, (max_virtual_stages if pp > 1 else 1) + 1))):
                 for mbs in choices("micro_batch_size", _divisors(max_micro_batch_size)):
                     m = max(1, global_batch_size // (dp * mbs))
                     name = "interleaved-1f1b" if v > 1 else "1f1b"
                     why = _why_invalid(model, tp, pp, dp, v, mbs, m, name, global_batch_size)
-                    if why is not None and variants:
-                        count = sum(len(choices("grad_sync", _grad_syncs(zero, m))) for zero, _, _ in variants)
-                        yield (
-                            Layout(tp, pp, dp, variants[0][0], v, name, mbs, m, *variants[0][1:], **kernel),
-                            why,
-                            count,
-                        )
+                    if why is not None and variants and eps:
+                        count = len(eps) * sum(len(choices("grad_sync", _grad_syncs(z, m))) for z, _, _ in variants)
+                        first = Layout(tp, pp, dp, variants[0][0], v, name, mbs, m, *variants[0][1:], **kernel)
+                        yield first, why, count
                         continue
-                    for zero, recompute, sp in variants:
+                    for (zero, recompute, sp), ep in itertools.product(variants, eps):
                         for grad_sync in choices("grad_sync", _grad_syncs(zero, m)):
                             layout = Layout(
-                                tp, pp, dp, zero, v, name, mbs, m, recompute, sp, grad_sync=grad_sync, **kernel
+                                tp, pp, dp, zero, v, name, mbs, m, recompute, sp, grad_sync=grad_sync, ep=ep, **kernel
                             )
                             yield layout, _sp_problem(layout, seq_len), 1
 
@@ -204,11 +207,16 @@ def _why_invalid(
     return None
 
 
-def _why_comm_invalid(layout: Layout) -> tuple[str, str] | None:
-    """(reason, detail) why the runtime refuses this hybrid sharding / ZeRO++ choice, or None."""
+def _why_comm_invalid(layout: Layout, experts: bool) -> tuple[str, str] | None:
+    """(reason, detail) why the runtime refuses this hybrid sharding / ZeRO++ choice (of a
+    model with `experts`), or None."""
     lo, sharded = layout, layout.sharding
     if lo.dp % lo.shard:
         return "dp_shard does not divide dp", f"dp={lo.dp}, dp_shard={lo.dp_shard}"
+    if lo.shard % lo.ep:
+        return "ep does not divide the shard group", f"dp_shard={lo.shard}, ep={lo.ep}"
+    if experts and (lo.hpz or lo.qgz_bits is not None):
+        return "hpZ and qgZ do not split expert parameters by node", f"hpz={lo.hpz}, qgz_bits={lo.qgz_bits}"
     if lo.qwz_block is not None and not sharded.optimizer_state:
         return "qwZ quantizes ZeRO's parameter all-gather: stages 1-3", f"zero={lo.zero}"
     if lo.hpz and not sharded.parameters:
@@ -232,7 +240,7 @@ def _sort_variants(
     `memories` holds Memory by (dp_shard, hpz), all that memory depends on among variants."""
     fitting, invalid, misses = [], [], []
     for v in variants:
-        why = _why_comm_invalid(v)
+        why = _why_comm_invalid(v, bool(model.moe_experts))
         if why is not None:
             invalid.append((*why, v))
             continue

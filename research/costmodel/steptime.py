@@ -2,10 +2,12 @@
 
 Step time, per micro-batch on the slowest pipeline rank (the last: L/p layers + the head):
 
-    t_f = W_f/(η·peak) + M_f/HBM + C_f + X_f          t_b likewise for the backward
+    t_f = W_f/(η·peak) + M_f/HBM + C_f + X_f + E_f          t_b likewise for the backward
 
 - W: matmul FLOPs, `GPTConfig.forward_flops_per_token` (forward; backward 2×; full
-  recompute adds a forward of the layers, selective its attention core), s·b tokens / t.
+  recompute adds a forward of the layers, selective its attention core), s·b tokens / t;
+  an MoE layer adds `GPTConfig.moe_layer_extra_flops` (router, k experts and the shared
+  ones in place of the dense MLP).
 - M: memory traffic of the element-wise work (norms, softmax, GELU, dropout, residuals):
   each activation byte of the `none` count above is written once and read once per
   forward-equivalent pass (forward 1, backward 2, recompute 1 or its attention part).
@@ -16,6 +18,9 @@ Step time, per micro-batch on the slowest pipeline rank (the last: L/p layers + 
   under SP move the same bytes in the same steps).
 - X: pipeline p2p, one activation (sbh·A, /t under SP) sent per chunk in F and in B, one
   step of α each (α_intra inside a node, else α_inter).
+- E: expert parallelism (ep > 1): per MoE layer two all-to-alls of the rows in F (dispatch,
+  combine), two in B (four with full recompute), each A·h·R·(ep − 1)/ep bytes per rank
+  (`expert_all_to_all_bytes`; R = s·b·k rows, balanced routing assumed).
 - η (`MATMUL_EFFICIENCY`): the one calibrated constant, see there.
 
 Step = m(t_f + t_b) + bubble + exposed DP communication + optimizer step. The bubble is
@@ -31,13 +36,16 @@ share.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from parallel.pipeline.partition import layer_ranges
+from parallel.pipeline.schedules import stage_of
 from research.costmodel.dpcomm import Collective, dp_collectives, tied_embedding
-from research.costmodel.hardware import Cluster
+from research.costmodel.hardware import Cluster, ranks_per_node
 from research.costmodel.layout import DTYPE_BYTES, Layout
 from research.costmodel.memory import layer_activation_bytes
-from research.costmodel.params import MOE_NOT_MODELLED, rank_params
+from research.costmodel.params import rank_params
 from research.model import GPTConfig
 
 # η: the share of the 16-bit peak that a layer's GEMMs reach; the model's one calibrated
@@ -66,6 +74,7 @@ class StepTime:
     dp_comm: float  # exposed data-parallel (and tied-embedding) communication: Σ collectives' exposed
     optimizer: float
     collectives: tuple[Collective, ...] = ()  # the data-parallel families and the tied embedding (`dpcomm`)
+    ep_comm: float = 0.0  # part of pipeline: the MoE layers' all-to-alls of all micro-batches
 
     @property
     def total(self) -> float:
@@ -81,29 +90,73 @@ def pipeline_bubble(schedule_name: str, pp: int, virtual_stages: int, t_forward:
 
 
 def _micro_batch(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster) -> tuple[float, ...]:
-    """(compute_f, compute_b, TP comm f, TP comm b, p2p) seconds of one micro-batch on the
-    last pipeline rank (the module docstring's t_f, t_b terms)."""
+    """(compute_f, compute_b, TP comm f, TP comm b, EP comm f, EP comm b, p2p) seconds of one
+    micro-batch on the last pipeline rank (the module docstring's t_f, t_b terms)."""
     gpu, s, b, h = cluster.gpu, seq_len, layout.micro_batch_size, model.d_model
-    t, p = layout.tp, layout.pp
+    t, p, full = layout.tp, layout.pp, layout.recompute == "full"
     layers, tokens = model.n_layers // p, s * b / t
+    moe = moe_layers_of_rank(model, layout, p - 1)
     layer, core, head = model.forward_flops_per_token(s)
-    recompute = {"none": 0.0, "selective": core, "full": layer}[layout.recompute]
-    flops_f = (layers * layer + head) * tokens
-    flops_b = 2 * flops_f + layers * recompute * tokens
+    extra = moe * model.moe_layer_extra_flops() if moe else 0.0
+    recompute = {"none": 0.0, "selective": layers * core, "full": layers * layer + extra}[layout.recompute]
+    flops_f = (layers * layer + extra + head) * tokens
+    flops_b = 2 * flops_f + recompute * tokens
     # element-wise traffic: 2 bytes moved per activation byte per forward-equivalent pass
-    act = layer_activation_bytes(model, s, layout, "none")
-    act_scores = act - layer_activation_bytes(model, s, layout, "selective")  # 0 for fused attention
-    redo = {"none": 0.0, "selective": act_scores, "full": act}[layout.recompute]
+    act, redo = _layer_traffic(model, layout, s, moe, layers)
     head_act = 4 * s * b * h / t * (1 + model.padded_vocab / h)
-    mem_f = 2 * (layers * act + head_act)
-    mem_b = 2 * (2 * layers * act + 2 * head_act + layers * redo)
+    mem_f = 2 * (act + head_act)
+    mem_b = 2 * (2 * act + 2 * head_act + redo)
     compute_f = flops_f / (MATMUL_EFFICIENCY * gpu.peak_flops) + mem_f / gpu.hbm_bandwidth
     compute_b = flops_b / (MATMUL_EFFICIENCY * gpu.peak_flops) + mem_b / gpu.hbm_bandwidth
     msg = s * b * h * DTYPE_BYTES[layout.precision]
     all_reduce = 2 * (t - 1) / t * msg / cluster.ring_bandwidth(t, 1) + cluster.latency(2 * (t - 1), 0)
     tp_f = 2 * layers * all_reduce
-    tp_b = (2 + (layout.recompute == "full")) * layers * all_reduce
-    return compute_f, compute_b, tp_f, tp_b, _p2p(layout, msg / (t if layout.sp else 1), cluster)
+    tp_b = (2 + full) * layers * all_reduce
+    a2a = moe * expert_all_to_all(model, layout, s, cluster)
+    p2p = _p2p(layout, msg / (t if layout.sp else 1), cluster)
+    return compute_f, compute_b, tp_f, tp_b, 2 * a2a, (2 + 2 * full) * a2a, p2p
+
+
+def _layer_traffic(model: GPTConfig, layout: Layout, seq_len: int, moe: int, layers: int) -> tuple[float, float]:
+    """(activation bytes of the rank's layers, bytes rewritten by recompute) per micro-batch:
+    `moe` of its `layers` are MoE layers."""
+    act, redo = 0.0, 0.0
+    for kind, count in ((False, layers - moe), (True, moe)):
+        none = layer_activation_bytes(model, seq_len, layout, "none", kind)
+        scores = none - layer_activation_bytes(model, seq_len, layout, "selective", kind)  # 0 for fused attention
+        act += count * none
+        redo += count * {"none": 0.0, "selective": scores, "full": none}[layout.recompute]
+    return act, redo
+
+
+def moe_layers_of_rank(model: GPTConfig, layout: Layout, pp_rank: int) -> int:
+    """MoE layers among the chunks of pipeline rank `pp_rank`."""
+    ranges = layer_ranges(model.n_layers, layout.pp * layout.virtual_stages)
+    stages = (stage_of(pp_rank, c, layout.pp) for c in range(layout.virtual_stages))
+    return sum(model.is_moe(i) for stage in stages for i in ranges[stage]) if model.moe_experts else 0
+
+
+def expert_all_to_all_bytes(model: GPTConfig, layout: Layout, seq_len: int) -> float:
+    """Bytes one rank sends in one all-to-all of an MoE layer's rows: A·h·R·(ep − 1)/ep, R = s·b·k
+    rows (balanced routing), or with a capacity c the E·⌈c·s·b·k/E⌉ slots it pads to (every
+    TP rank of the group sends the group's s·b tokens)."""
+    moe, ep = model.moe, layout.ep
+    slots = seq_len * layout.micro_batch_size * moe.top_k
+    rows = slots if moe.capacity_factor is None else moe.experts * math.ceil(moe.capacity_factor * slots / moe.experts)
+    return DTYPE_BYTES[layout.precision] * model.d_model * rows * (ep - 1) / ep
+
+
+def expert_all_to_all(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster) -> float:
+    """Seconds of one all-to-all of an MoE layer's rows (`expert_all_to_all_bytes`), sent to
+    the ep − 1 peers at once: NVLink to those on the node, the network to the rest, one α
+    each (the ep ranks are tp apart)."""
+    ep = layout.ep
+    if ep == 1:
+        return 0.0
+    per_peer = expert_all_to_all_bytes(model, layout, seq_len) / (ep - 1)
+    near = ranks_per_node(ep, layout.tp, cluster.gpus_per_node)
+    intra, inter = cluster.seconds(per_peer * (near - 1), per_peer * (ep - near))
+    return max(intra, inter) + cluster.latency(int(near > 1), int(ep > near))
 
 
 def _p2p(layout: Layout, msg: float, cluster: Cluster) -> float:
@@ -119,24 +172,36 @@ def _p2p(layout: Layout, msg: float, cluster: Cluster) -> float:
 def predict_step_times(model: GPTConfig, layouts: list[Layout], seq_len: int, cluster: Cluster) -> list[StepTime]:
     """Step times on `cluster` (the model in the module docstring) of layouts that differ at
     most in how dp communicates (`search.comm_variants`): the micro-batch is costed once."""
-    if model.moe_experts:
-        raise ValueError(MOE_NOT_MODELLED)
     layout = layouts[0]
     t, p, v, m = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batches
     P, G = DTYPE_BYTES[layout.precision], DTYPE_BYTES[layout.reduce_dtype]
-    compute_f, compute_b, tp_f, tp_b, p2p = _micro_batch(model, layout, seq_len, cluster)
-    t_f, t_b = compute_f + tp_f + p2p, compute_b + tp_b + p2p
+    compute_f, compute_b, tp_f, tp_b, ep_f, ep_b, p2p = _micro_batch(model, layout, seq_len, cluster)
+    t_f, t_b = compute_f + tp_f + ep_f + p2p, compute_b + tp_b + ep_b + p2p
     bubble = pipeline_bubble(layout.schedule, p, v, t_f, t_b)
     pipeline = m * (t_f + t_b) + bubble
-    rank = max((rank_params(model, t, p, v, r, layout.unit_numel) for r in {0, p - 1}), key=lambda r: r.numel)
+    ranks = (rank_params(model, t, p, v, r, layout.unit_numel, layout.ep) for r in {0, p - 1})
+    rank = max(ranks, key=lambda r: r.numel)
     tied = tied_embedding(model, layout, cluster)
     times = []
     for lo in layouts:
         collectives = dp_collectives(lo, cluster, rank, compute_f, compute_b) + ((tied,) if tied else ())
         dp = sum(c.exposed for c in collectives)
-        optimized = rank.numel / (lo.shard if lo.sharding.optimizer_state else 1)
+        optimized = rank.numel / lo.shard if lo.sharding.optimizer_state else rank.held  # experts: 1/ep held
         optimizer = optimized * (2 * 12 + G + P) / cluster.gpu.hbm_bandwidth
-        times.append(StepTime(t_f, t_b, pipeline, bubble, m * (tp_f + tp_b), m * 2 * p2p, dp, optimizer, collectives))
+        times.append(
+            StepTime(
+                t_f,
+                t_b,
+                pipeline,
+                bubble,
+                m * (tp_f + tp_b),
+                m * 2 * p2p,
+                dp,
+                optimizer,
+                collectives,
+                m * (ep_f + ep_b),
+            )
+        )
     return times
 
 
