@@ -1,6 +1,6 @@
 """Smoke test of `python -m experiments.bench.moe_step --quick`: the dense GPT and the MoE GPT
 at ep 1, 2, 4 on 4 ranks, every row finite, the MoE runs the same training at every ep, and
-all-to-all bytes only where experts are split."""
+all-to-all bytes only where experts are split, equal to the planner's formula with a capacity."""
 
 from __future__ import annotations
 
@@ -27,3 +27,4 @@ def test_moe_step_quick(tmp_path: Path) -> None:
     assert rows["moe_ep4"]["loss"] == pytest.approx(rows["moe_ep1"]["loss"], rel=1e-5)
     assert rows["dense"]["a2a_bytes"] == rows["moe_ep1"]["a2a_bytes"] == 0 < rows["moe_ep2"]["a2a_bytes"]
     assert rows["moe_ep2"]["a2a_bytes"] < rows["moe_ep4"]["a2a_bytes"]
+    assert rows["moe_ep4_capacity"]["a2a_bytes"] == rows["moe_ep4_capacity"]["formula_bytes"] > 0

@@ -10,10 +10,13 @@ Methods, each a GPT trained by ZeroOptimizer (stage 1) over the 4 data-parallel 
               model's FLOPs per token plus the router; every rank holds every expert
     moe_ep2   the same, its experts split over 2 ranks (tokens exchanged by all-to-all)
     moe_ep4   over all 4
+    moe_ep4_capacity  moe_ep4 with capacity factor 1: every all-to-all has the same size
 
 Each step is one forward and backward of the rank's micro-batch, clip, step and zero_grad;
 the methods take turns step by step (the order rotates). The table gives each method's
-median step time, moe / dense, and the all-to-all bytes of a step.
+median step time, moe / dense, the all-to-all bytes of a step and the planner's formula for
+them (`research.costmodel.expert_all_to_all_bytes`, four exchanges per MoE layer): dropless
+runs differ by their routing's skew and the count exchange, the capacity run equals it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from experiments.bench.common import bench_parser, finish, format_table, launch,
 from research.cli import arg, config_from
 
 WORLD = 4
-METHODS = ("dense", "moe_ep1", "moe_ep2", "moe_ep4")
+METHODS = ("dense", "moe_ep1", "moe_ep2", "moe_ep4", "moe_ep4_capacity")
 
 
 @dataclass
@@ -58,8 +61,30 @@ def model_config(cfg: Config, method: str) -> Any:
     if method == "dense":
         return dense
     return dataclasses.replace(
-        dense, moe_experts=cfg.experts, moe_top_k=cfg.top_k, moe_every=2, moe_d_ff=dense.ffn_dim // cfg.top_k
+        dense,
+        moe_experts=cfg.experts,
+        moe_top_k=cfg.top_k,
+        moe_every=2,
+        moe_d_ff=dense.ffn_dim // cfg.top_k,
+        moe_capacity_factor=1.0 if method.endswith("capacity") else None,
     )
+
+
+def ep_of(method: str) -> int:
+    """The expert parallelism of a method: moe_ep<N>..."""
+    return int(method.split("_")[1][2:]) if method != "dense" else 1
+
+
+def formula_bytes(cfg: Config, method: str) -> float:
+    """The planner's all-to-all bytes of a step on a rank: 4 per MoE layer (`costmodel`)."""
+    from research import costmodel
+
+    if method == "dense":
+        return 0.0
+    model = model_config(cfg, method)
+    layout = costmodel.Layout(dp=WORLD, ep=ep_of(method), micro_batch_size=cfg.micro_batch, precision="fp32")
+    moe_layers = sum(map(model.is_moe, range(model.n_layers)))
+    return 4 * moe_layers * costmodel.expert_all_to_all_bytes(model, layout, cfg.seq)
 
 
 def build(cfg: Config, method: str) -> tuple[Any, Any]:
@@ -67,7 +92,7 @@ def build(cfg: Config, method: str) -> tuple[Any, Any]:
     from parallel import ParallelDims
     from research.model import GPT
 
-    dims = ParallelDims(ep=int(method[-1]) if method != "dense" else 1).build()
+    dims = ParallelDims(ep=ep_of(method)).build()
     model = GPT(model_config(cfg, method), dims.tp_group, expert_groups=dims.expert_groups)
     return model, ZeroOptimizer(model, torch.optim.AdamW, stage=1, process_group=dims.dp_group, lr=1e-3)
 
@@ -102,7 +127,7 @@ def run_rank(cfg: Config) -> dict[str, Any] | None:
     return out if dist.get_rank() == 0 else None
 
 
-def rows(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def rows(cfg: Config, per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     dense = median(per_method["dense"]["times_ms"])
     return [
         {
@@ -110,6 +135,7 @@ def rows(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             **spread_ms(e["times_ms"]),
             "over_dense": median(e["times_ms"]) / dense,
             "a2a_bytes": e["a2a_bytes"],
+            "formula_bytes": formula_bytes(cfg, m),
             "loss": e["loss"],
         }
         for m, e in per_method.items()
@@ -118,7 +144,15 @@ def rows(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(rs: list[dict[str, Any]]) -> str:
     return format_table(
-        ["method", "step median ms", "p25-p75 ms", "/ dense", "all-to-all bytes / step (rank 0)", "last loss"],
+        [
+            "method",
+            "step median ms",
+            "p25-p75 ms",
+            "/ dense",
+            "all-to-all bytes / step (rank 0)",
+            "formula",
+            "last loss",
+        ],
         [
             [
                 r["method"],
@@ -126,6 +160,7 @@ def table(rs: list[dict[str, Any]]) -> str:
                 f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}",
                 f"{r['over_dense']:.3f}",
                 f"{r['a2a_bytes']:,}",
+                f"{r['formula_bytes']:,.0f}",
                 f"{r['loss']:.4f}",
             ]
             for r in rs
@@ -146,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flush=True,
     )
     start = time.perf_counter()
-    rs = rows(launch(run_rank, WORLD, cfg)[0])
+    rs = rows(cfg, launch(run_rank, WORLD, cfg)[0])
     print()
     print(table(rs))
     results = {"config": asdict(cfg), "rows": rs, "seconds": time.perf_counter() - start}
