@@ -70,9 +70,9 @@ def check_in(side: dist.ProcessGroup, what: int, count: int) -> None:
     """Every rank of `side` says what it is about to do (a key of CHECK_INS) and how many
     check-ins it made before; if they differ, raise OUT_OF_STEP on every rank."""
     world = dist.get_world_size(side)
-    everyone = torch.empty(2 * world, dtype=torch.int64)
+    everyone = torch.empty(2 * world, dtype=torch.int64, device="cpu")  # `side` is a gloo group (host memory)
     with comm.doing(f"the stage-3 check-in of {CHECK_INS[what]}"):
-        comm.all_gather_into_tensor(everyone, torch.tensor([what, count]), group=side)
+        comm.all_gather_into_tensor(everyone, torch.tensor([what, count], device="cpu"), group=side)
     said = [tuple(pair) for pair in everyone.view(world, 2).tolist()]
     if len(set(said)) > 1:
         who = "; ".join(

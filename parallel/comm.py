@@ -279,6 +279,25 @@ def side_group(group: Group) -> dist.ProcessGroup:
     return side
 
 
+_RUNS_ON = {"nccl": ("cuda",), "gloo": ("cpu", "cuda")}  # the devices each backend's collectives take
+
+
+def _placed(group: Group, op: str, *tensors: torch.Tensor) -> None:
+    """Refuse, in one sentence, a collective whose tensors are not on one device its backend
+    runs on: a tensor made without the model's device lands on the default device (the CPU,
+    or meta in tests/test_placement.py), which NCCL cannot take."""
+    devices = {t.device for t in tensors}
+    backend = str(dist.get_backend(group))
+    allowed = _RUNS_ON.get(backend)
+    if len(devices) > 1 or (allowed is not None and next(iter(devices)).type not in allowed):
+        where = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(
+            f"{op} on group {group_name(group)} ({backend}) got tensors on {where}: every tensor of a "
+            f"collective must be on one of {', '.join(allowed or ('one device',))}; create it on the model's "
+            "device (device=param.device)"
+        )
+
+
 def _note(group: Group, op: str, nbytes: int, channel: str | None = None) -> None:
     """Append one issued collective to the flight recorder (``channel``: a p2p pair's)."""
     channel = channel or _channel(group)
@@ -606,6 +625,7 @@ def all_reduce(
     async_op: bool = False,
 ) -> dist.Work | None:
     """In-place all-reduce. bytes = 2·S·(N−1)/N, payload = S."""
+    _placed(group, "all_reduce", tensor)
     _note(group, "all_reduce", _nbytes(tensor))
     work = _local(async_op, tensor) if _alone(group) else dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     if _log is not None:
@@ -627,6 +647,7 @@ def reduce_scatter_tensor(
     the reduction runs as an all-reduce in place in ``input`` (gloo's own reduce-scatter
     all-reduces a fresh copy of ``input``, then copies shard i out of it) and ``wait()``
     copies shard i into ``output``. bytes = S_in·(N−1)/N, payload = S_in."""
+    _placed(group, "reduce_scatter_tensor", output, input)
     _note(group, "reduce_scatter_tensor", _nbytes(input))
     n = dist.get_world_size(group)
     if _alone(group):
@@ -656,6 +677,7 @@ def all_to_all_single(
     part j to rank j; ``output`` holds the part from each rank, in rank order (sized by
     ``output_split_sizes``). bytes = what leaves this rank (all parts but its own: S_in·(N−1)/N
     for equal parts), payload = S_in."""
+    _placed(group, "all_to_all_single", output, input)
     _note(group, "all_to_all_single", _nbytes(input))
     if _alone(group):
         _copy(output, input)
@@ -683,6 +705,7 @@ def all_gather_into_tensor(
 ) -> dist.Work | None:
     """Concatenate every rank's ``input`` into ``output`` (N·shard); on gloo with CPU tensors
     by N broadcasts (module docstring). bytes = S_out·(N−1)/N, payload = S_out."""
+    _placed(group, "all_gather_into_tensor", output, input)
     _note(group, "all_gather_into_tensor", _nbytes(output))
     n = dist.get_world_size(group)
     if _alone(group):
@@ -701,6 +724,7 @@ def all_gather_into_tensor(
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False) -> dist.Work | None:
     """Copy ``tensor`` from global rank ``src`` to the group.
     bytes = S on src (N > 1), 0 elsewhere; payload = S on every rank."""
+    _placed(group, "broadcast", tensor)
     _note(group, "broadcast", _nbytes(tensor))
     work = (
         _local(async_op, tensor) if _alone(group) else dist.broadcast(tensor, src=src, group=group, async_op=async_op)
@@ -739,6 +763,7 @@ def barrier(group: Group = None) -> None:
 
 def send(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
     """Blocking send to global rank ``dst``. bytes = payload = S."""
+    _placed(group, "send", tensor)
     _note(group, "send", _nbytes(tensor), _p2p(dist.get_rank(), dst))
     dist.send(tensor, dst=dst, group=group)
     if _log is not None:
@@ -749,6 +774,7 @@ def send(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
 def recv(tensor: torch.Tensor, src: int, group: Group = None) -> int:
     """Blocking receive from global rank ``src``; returns torch's sender rank.
     bytes = 0, payload = S."""
+    _placed(group, "recv", tensor)
     _note(group, "recv", _nbytes(tensor), _p2p(src, dist.get_rank()))
     sender = dist.recv(tensor, src=src, group=group)
     if _log is not None:
@@ -758,6 +784,7 @@ def recv(tensor: torch.Tensor, src: int, group: Group = None) -> int:
 
 def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> dist.Work | None:
     """Non-blocking send to global rank ``dst``. bytes = payload = S."""
+    _placed(group, "isend", tensor)
     _note(group, "isend", _nbytes(tensor), _p2p(dist.get_rank(), dst))
     work = dist.isend(tensor, dst=dst, group=group)
     if _log is not None:
@@ -768,6 +795,7 @@ def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> dist.Work | No
 
 def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> dist.Work | None:
     """Non-blocking receive from global rank ``src``. bytes = 0, payload = S."""
+    _placed(group, "irecv", tensor)
     _note(group, "irecv", _nbytes(tensor), _p2p(src, dist.get_rank()))
     work = dist.irecv(tensor, src=src, group=group)
     if _log is not None:
@@ -782,6 +810,7 @@ def batch_isend_irecv(p2p_ops: list[dist.P2POp]) -> list[dist.Work]:
     for p2p in p2p_ops:
         send = p2p.op is dist.isend
         pair = _p2p(me, p2p.peer) if send else _p2p(p2p.peer, me)
+        _placed(p2p.group, "isend" if send else "irecv", p2p.tensor)
         _note(p2p.group, "isend" if send else "irecv", _nbytes(p2p.tensor), pair)
     works = dist.batch_isend_irecv(p2p_ops)
     if _log is not None:

@@ -239,6 +239,13 @@ class Trainer:
         micro = data.local_micro_batches(inputs, labels, self.dims.dp_rank, self.dims.dp, self.cfg.train.micro_batches)
         ids = [x.to(self.device) for x, _ in micro]
         targets = [y.to(self.device) for _, y in micro]
+        return self._train_on(ids, targets)
+
+    def _train_on(
+        self, ids: list[torch.Tensor], targets: list[torch.Tensor]
+    ) -> tuple[torch.Tensor | None, torch.Tensor, float]:
+        """One optimizer step on this rank's micro-batches, already on the device: everything
+        the step creates is made on the device, which tests/test_placement.py checks."""
         loss = self.executor.run(ids, targets, self.activation_shape, self.param_dtype)
         clip = self.cfg.train.clip_grad
         norm = self.opt.clip_grad_norm_(clip if clip > 0 else math.inf)

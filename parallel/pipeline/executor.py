@@ -249,7 +249,7 @@ class PipelineExecutor:
             if last:
                 out = chunk(x, self._s.targets[a.microbatch])
             else:  # its MoE auxiliary losses join the backward as the loss of the micro-batch does
-                with aux_loss.backward_scale(self.optimizer.scale_loss(torch.ones(()) / self.m)):
+                with aux_loss.backward_scale(self.optimizer.scale_loss(torch.ones((), device=x.device) / self.m)):
                     out = chunk(x)
             if stage > 0:
                 self._s.x[key] = x
