@@ -26,6 +26,7 @@ non-capturable path, and handed to the kernels as fp32 scalars.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -43,7 +44,9 @@ except ImportError:
 BACKENDS = ("triton", "torch_fused", "apex", "torch")
 _UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "differentiable")
 _TRITON_BLOCK = 2048
-_TRITON_WARPS = 8
+# fp fusion: contract a*b + c to fma, as nvcc does for torch's kernels
+_TRITON_OPTIONS = {"num_warps": 8, "enable_fp_fusion": True}
+TRITON_FLOATS = ("fp32", "bf16", "fp16")  # Triton's names of the float dtypes the kernels take
 
 
 @dataclass(frozen=True)
@@ -293,9 +296,48 @@ def _triton_step(s: _Shards, h: _Hyper) -> None:
             h.grad_scale, h.decay, h.l2, lerp_weight, h.beta2, 1 - h.beta2,
             h.bias_correction2_sqrt, h.eps, h.neg_step_size,
             LERP_FROM_M=abs(lerp_weight) < 0.5, L2=h.l2 != 0, HAS_OUT=out is not None,
-            BLOCK=_TRITON_BLOCK, num_warps=_TRITON_WARPS,
-            enable_fp_fusion=True,  # contract a*b + c to fma, as nvcc does for torch's kernels
+            BLOCK=_TRITON_BLOCK, **_TRITON_OPTIONS,
         )  # fmt: skip
+
+
+class KernelVariant(NamedTuple):
+    """One specialization of a Triton kernel as a launch compiles it: what `triton.compile`
+    needs to build the same binary ahead of time, without a GPU."""
+
+    kernel: Any  # the @triton.jit function
+    label: str  # the specialization in words, e.g. "grad=bf16 out=none lerp_from_m=1 l2=0"
+    signature: dict[str, str]  # argument -> Triton type: "*bf16", "i32", "fp32" or "constexpr"
+    constexprs: dict[str, Any]
+    options: dict[str, Any]  # the launch's compile options (num_warps, enable_fp_fusion)
+
+
+def kernel_signature(kernel: Any, types: dict[str, str]) -> dict[str, str]:
+    """Triton's signature of `kernel`: "constexpr" for its constexpr parameters, `types[name]`
+    for the others, "fp32" (a Python float) where `types` does not name one."""
+    return {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "fp32") for p in kernel.params}
+
+
+def triton_variants() -> list[KernelVariant]:
+    """Every specialization `_triton_step` launches: grad fp32 / bf16 / fp16 × out bf16 / fp16 /
+    none × LERP_FROM_M × L2, with its launch options (for shards under 2^31 elements: n is i32)."""
+    if triton is None:
+        return []
+    variants = []
+    for grad, out, lerp_from_m, l2 in itertools.product(
+        TRITON_FLOATS, ("bf16", "fp16", None), (True, False), (True, False)
+    ):
+        pointers = {"master_ptr": "fp32", "grad_ptr": grad, "exp_avg_ptr": "fp32", "exp_avg_sq_ptr": "fp32"}
+        types = {name: f"*{dtype}" for name, dtype in {**pointers, "out_ptr": out or "fp32"}.items()}
+        variants.append(
+            KernelVariant(
+                _adam_kernel,
+                f"grad={grad} out={out or 'none'} lerp_from_m={int(lerp_from_m)} l2={int(l2)}",
+                kernel_signature(_adam_kernel, {**types, "n": "i32"}),
+                {"LERP_FROM_M": lerp_from_m, "L2": l2, "HAS_OUT": out is not None, "BLOCK": _TRITON_BLOCK},
+                _TRITON_OPTIONS,
+            )
+        )
+    return variants
 
 
 _STEPS: dict[str, Callable[..., None]] = {

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from optim import quantize_triton
-from optim.fused import triton_runs_on
+from optim.fused import KernelVariant, triton_runs_on
 from parallel import comm
 
 BITS = (8, 4)
@@ -54,6 +54,11 @@ def _levels(bits: int) -> int:
     if bits not in BITS:
         raise ValueError(f"bits={bits} is not one of {BITS}")
     return 2 ** (bits - 1) - 1
+
+
+def triton_variants(block: int) -> list[KernelVariant]:
+    """The Triton kernels' specializations for blocks of `block`, at each of BITS."""
+    return quantize_triton.triton_variants(block, {bits: _levels(bits) for bits in BITS})
 
 
 def pick_backend(device: torch.device, requested: str | None = None) -> str:

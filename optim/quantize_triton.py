@@ -12,14 +12,25 @@ how that is tested without a GPU.
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import torch
 
-from optim.fused import to_rne, triton
+from optim.fused import TRITON_FLOATS, KernelVariant, kernel_signature, to_rne, triton
 
 if triton is not None:
     import triton.language as tl
 
 _WARPS = {8: 4, 4: 2}  # by bits: the fastest on an H200 (2^28 bf16 elements, 2-16 warps tried)
+
+
+def _launch(block: int, bits: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The constexprs (but quantize's LEVELS) and the options both kernels are launched with.
+    No fp fusion: quantize computes x·(1/s) + 0.5 as two roundings, as torch does, not one fma
+    (dequantize has no a·b + c to contract)."""
+    constexprs = {"BLOCK": block, "PADDED": triton.next_power_of_2(block), "INT4": bits == 4}
+    return constexprs, {"num_warps": _WARPS[bits], "enable_fp_fusion": False}
 
 
 def quantize_(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: int, bits: int, levels: int) -> None:
@@ -28,10 +39,9 @@ def quantize_(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, block: i
     blocks = scale.numel()
     if blocks == 0:
         return
+    constexprs, options = _launch(block, bits)
     _quantize_kernel[(blocks,)](
-        x, data, scale, x.numel(), 1.0 / levels, torch.finfo(torch.float32).tiny,
-        BLOCK=block, PADDED=triton.next_power_of_2(block), LEVELS=levels, INT4=bits == 4, num_warps=_WARPS[bits],
-        enable_fp_fusion=False,  # x·(1/s) + 0.5 as two roundings, as torch computes it, not one fma
+        x, data, scale, x.numel(), 1.0 / levels, torch.finfo(torch.float32).tiny, LEVELS=levels, **constexprs, **options
     )  # fmt: skip
 
 
@@ -40,10 +50,28 @@ def dequantize_(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, bloc
     blocks = scale.numel()
     if blocks == 0:
         return
-    _dequantize_kernel[(blocks,)](
-        data, scale, out, out.numel(),
-        BLOCK=block, PADDED=triton.next_power_of_2(block), INT4=bits == 4, num_warps=_WARPS[bits],
-    )  # fmt: skip
+    constexprs, options = _launch(block, bits)
+    _dequantize_kernel[(blocks,)](data, scale, out, out.numel(), **constexprs, **options)
+
+
+def triton_variants(block: int, levels: dict[int, int]) -> list[KernelVariant]:
+    """The specializations `quantize_` and `dequantize_` launch for `block` and each bits ->
+    levels, x or out fp32 / bf16 / fp16, with their launch options (under 2^31 elements)."""
+    if triton is None:
+        return []
+    variants = []
+    for (bits, level), dtype in itertools.product(levels.items(), TRITON_FLOATS):
+        constexprs, options = _launch(block, bits)
+        common = {"data_ptr": "*u8" if bits == 4 else "*i8", "scale_ptr": "*fp32", "numel": "i32"}
+        quantize = kernel_signature(_quantize_kernel, {**common, "x_ptr": f"*{dtype}"})
+        dequantize = kernel_signature(_dequantize_kernel, {**common, "out_ptr": f"*{dtype}"})
+        variants += [
+            KernelVariant(
+                _quantize_kernel, f"x={dtype} bits={bits}", quantize, {**constexprs, "LEVELS": level}, options
+            ),
+            KernelVariant(_dequantize_kernel, f"out={dtype} bits={bits}", dequantize, constexprs, options),
+        ]
+    return variants
 
 
 if triton is not None:
@@ -61,25 +89,19 @@ if triton is not None:
         x_ptr, data_ptr, scale_ptr, numel, inv_levels, tiny,
         BLOCK: tl.constexpr, PADDED: tl.constexpr, LEVELS: tl.constexpr, INT4: tl.constexpr,
     ):  # fmt: skip
-        """One block: its scale, then its values (int4: element pairs as [PADDED/2, 2] rows)."""
+        """One block: its scale, then its values (int4: element pairs as [PADDED/2, 2] rows of the
+        values, reshaped after one contiguous load so the load stays 128-bit vectorized)."""
         row = tl.program_id(0).to(tl.int64)
-        if INT4:
-            pair = tl.arange(0, PADDED // 2)
-            index = 2 * pair[:, None] + tl.arange(0, 2)[None, :]
-        else:
-            index = tl.arange(0, PADDED)
+        index = tl.arange(0, PADDED)
         offsets = row * BLOCK + index
         x = tl.load(x_ptr + offsets, mask=(index < BLOCK) & (offsets < numel), other=0.0).to(tl.float32)
-        if INT4:  # noqa: SIM108 - a branch on a triton constexpr, kept as the compiler sees it
-            amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        else:
-            amax = tl.max(tl.abs(x), axis=0)
-        s = amax * inv_levels
+        s = tl.max(tl.abs(x), axis=0) * inv_levels
         q = _round_half_even(x * tl.div_rn(1.0, tl.maximum(s, tiny)))
         q = tl.minimum(tl.maximum(q, -LEVELS), LEVELS).to(tl.int32)
         tl.store(scale_ptr + row, s)
         if INT4:
-            low, high = tl.split(q & 0xF)
+            pair = tl.arange(0, PADDED // 2)
+            low, high = tl.split(tl.reshape(q & 0xF, (PADDED // 2, 2)))
             tl.store(data_ptr + row * (BLOCK // 2) + pair, (low | (high << 4)).to(tl.uint8), mask=pair < BLOCK // 2)
         else:
             tl.store(data_ptr + offsets, q.to(tl.int8), mask=index < BLOCK)
@@ -89,17 +111,17 @@ if triton is not None:
         data_ptr, scale_ptr, out_ptr, numel,
         BLOCK: tl.constexpr, PADDED: tl.constexpr, INT4: tl.constexpr,
     ):  # fmt: skip
-        """One block: q · s into the output dtype (int4: two's-complement nibbles)."""
+        """One block: q · s into the output dtype (int4: two's-complement nibbles, unpacked as
+        [PADDED/2, 2] pairs and flattened, so the store stays 128-bit vectorized)."""
         row = tl.program_id(0).to(tl.int64)
         s = tl.load(scale_ptr + row)
+        index = tl.arange(0, PADDED)
         if INT4:
             pair = tl.arange(0, PADDED // 2)
             packed = tl.load(data_ptr + row * (BLOCK // 2) + pair, mask=pair < BLOCK // 2, other=0).to(tl.int32)
-            q = tl.join(packed & 0xF, packed >> 4)
+            q = tl.reshape(tl.join(packed & 0xF, packed >> 4), (PADDED,))
             q = tl.where(q > 7, q - 16, q)
-            index = 2 * pair[:, None] + tl.arange(0, 2)[None, :]
         else:
-            index = tl.arange(0, PADDED)
             q = tl.load(data_ptr + row * BLOCK + index, mask=index < BLOCK, other=0).to(tl.int32)
         offsets = row * BLOCK + index
         values = q.to(tl.float32) * s

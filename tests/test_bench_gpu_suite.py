@@ -1,8 +1,8 @@
 """CPU smoke run of `python -m experiments.bench.gpu_suite --cpu-smoke`: every part of the
 GPU suite runs on a tiny model with CUDA hidden, and both result files are written.
 
-The parts that measure something on a CPU (environment, fused_step, mfu, memory,
-zero_stages) must be ok; `pytest -m cuda` can only skip there (or pass, were a test to run
+The parts that measure something on a CPU (environment, fused_step, quantize, mfu, memory,
+zero_stages, compile) must be ok; `pytest -m cuda` can only skip there (or pass, were a test to run
 without CUDA). `-m "not bench"` skips it.
 """
 
@@ -20,7 +20,7 @@ from experiments.bench.gpu_suite import PARTS
 pytestmark = pytest.mark.bench
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_ON_CPU = ("environment", "fused_step", "quantize", "mfu", "memory", "zero_stages")
+RUN_ON_CPU = ("environment", "fused_step", "quantize", "mfu", "memory", "zero_stages", "compile")
 
 
 @pytest.mark.timeout(150)
@@ -73,6 +73,9 @@ def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
     for r in memory:  # the planner's model states are the tensors ZeroOptimizer holds
         assert r["states_tensors"] == pytest.approx(r["states_predicted"], rel=0.05), r
         assert r["activations_saved"] > 0 and r["activations_cuda"] is None
+    compiled = results["parts"]["compile"]
+    assert compiled["targets"] == ["sm_90", "gfx942"] and len(compiled["rows"]) == 2 * 2 * 48, compiled["targets"]
+    assert all(r["ok"] and r["spills"] == 0 for r in compiled["rows"]) and compiled["narrow_on_cuda"] == 0
     assert [r["method"] for r in results["parts"]["zero_stages"]["rows"]] == [
         "plain",
         "zero0",

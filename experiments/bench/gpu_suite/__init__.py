@@ -40,6 +40,9 @@ zero_stages   ZeroOptimizer stages 0-3 at world size 1 against the plain loop (f
               parameters under autocast + AdamW(fused=True)) on the same GPT, one
               micro-batch of 4 sequences per step: median forward + backward and optimizer
               (clip, step, zero_grad) times: the cost of the machinery without communication.
+compile       `gpu_compile`: every Triton kernel specialization compiled ahead of time for
+              sm_80, sm_90, sm_100, gfx90a and gfx942 (sm_90 and gfx942 on the CPU):
+              registers, spills, shared memory and vector widths. Needs no GPU.
 
 Each part runs in a fresh process forked from a server that imported torch once, so its
 memory peaks are its own, a CUDA error cannot poison the parts after it, and its time limit
@@ -63,6 +66,7 @@ from pathlib import Path
 import torch
 
 from experiments.bench.gpu_suite.parts import (
+    compile_kernels,
     cuda_tests,
     environment,
     fused_step,
@@ -72,6 +76,7 @@ from experiments.bench.gpu_suite.parts import (
     zero_stages,
 )
 from experiments.bench.gpu_suite.report import (
+    compile_md,
     cuda_tests_md,
     environment_md,
     fused_step_md,
@@ -91,6 +96,7 @@ PARTS = [
     Part("mfu", mfu, 150, mfu_md),
     Part("memory", memory, 60, memory_md),
     Part("zero_stages", zero_stages, 60, zero_stages_md),
+    Part("compile", compile_kernels, 20, compile_md),
 ]
 
 

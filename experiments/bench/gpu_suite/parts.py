@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from experiments.bench import fused_step_bandwidth, gpu_mfu
+from experiments.bench import fused_step_bandwidth, gpu_compile, gpu_mfu
 from experiments.bench.common import median, timed
 from experiments.bench.gpu_suite.runner import ROOT, Context
 from optim import ZeroOptimizer, fused
@@ -461,3 +461,32 @@ def zero_stages(ctx: Context) -> dict[str, Any]:
         "steps": steps,
         "rows": rows,
     }
+
+
+def compile_kernels(ctx: Context) -> dict[str, Any]:
+    """Every Triton kernel compiled ahead of time for the targets of `gpu_compile` (GPUs the
+    suite does not run on), one process per core (at most 8); on the CPU smoke run only for
+    sm_90 and gfx942. Failed if a specialization does not compile."""
+    targets = ("sm_90", "gfx942") if ctx.smoke else tuple(gpu_compile.TARGETS)
+    jobs = min(os.cpu_count() or 1, 8)
+    start = time.perf_counter()
+    rows = gpu_compile.compile_table(gpu_compile.kernel_names(), targets, jobs)
+    failed = [r for r in rows if not r.ok]
+    cuda = {name for name, target in gpu_compile.TARGETS.items() if target[0] == "cuda"}
+    result = {
+        "status": "failed" if failed else "ok",
+        "targets": targets,
+        "seconds_compiling": time.perf_counter() - start,
+        "jobs": jobs,
+        "spilled": sum(bool(r.spills) for r in rows),
+        "narrow_on_cuda": sum(  # n a multiple of 16, yet a block-wide access under 128 bits
+            r.target in cuda and r.signature.endswith(gpu_compile.ALIGNED[True]) and (r.vector_width_bits or 0) < 128
+            for r in rows
+        ),
+        "summary": gpu_compile.summary(rows),
+        "rows": [r.as_json() for r in rows],
+        "errors": {f"{r.kernel} {r.signature} {r.target}": r.error for r in failed},
+    }
+    if failed:
+        result["reason"] = f"{len(failed)} of {len(rows)} did not compile; first: {failed[0].error}"
+    return result

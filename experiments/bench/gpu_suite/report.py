@@ -182,6 +182,15 @@ def zero_stages_md(r: dict[str, Any]) -> str:
     )
 
 
+def compile_md(r: dict[str, Any]) -> str:
+    return (
+        f"{len(r['rows'])} kernel specializations × targets compiled in {r['seconds_compiling']:.0f} s by "
+        f"{r['jobs']} processes (`python -m experiments.bench.gpu_compile`); rows with spills: {r['spilled']}; "
+        f"with n a multiple of 16 and a block-wide access under 128 bits on CUDA: {r['narrow_on_cuda']}.\n\n"
+        + r["summary"]
+    )
+
+
 def _header(results: dict[str, Any]) -> list[str]:
     env = results["parts"].get("environment", {})
     if env.get("status") == "ok":
