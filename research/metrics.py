@@ -63,41 +63,63 @@ GiB = 2**30
 
 
 class _Peak(NamedTuple):
-    """Dense TFLOP/s per device (no 2:4 sparsity; tensor cores with fp32 accumulate).
-    None: the dtype has no tensor-core path on that device."""
+    """Dense TFLOP/s per device (no 2:4 sparsity; tensor / matrix cores with fp32 accumulate)
+    and HBM GB/s. None: the dtype has no tensor-core path on that device (or the bandwidth is
+    not listed). An AMD MI250X / MI250 is two GCDs, each its own torch device: per GCD here."""
 
     bf16: float | None
     fp16: float
     tf32: float | None
-    fp32: float  # non-tensor FP32
+    fp32: float  # non-tensor FP32 (AMD: matrix FP32)
+    hbm: float | None = None  # GB/s, read + write
 
 
-# The first key found as whole words in the lower-cased CUDA device name wins, so longer
-# names come first ("h100 nvl" before "h100"). Vendor datasheets / architecture whitepapers.
+# The first key found as whole words in the lower-cased device name wins, so longer names
+# come first ("h100 nvl" before "h100"). Vendor datasheets / architecture whitepapers. ROCm
+# builds of torch name AMD GPUs "AMD Instinct MI300X", "AMD Instinct MI250X/MI250".
 _PEAKS: tuple[tuple[str, _Peak], ...] = (
-    ("h200 nvl", _Peak(835.5, 835.5, 417.5, 60.0)),
-    ("h200", _Peak(989.4, 989.4, 494.7, 66.9)),
-    ("gh200", _Peak(989.4, 989.4, 494.7, 66.9)),
-    ("h100 nvl", _Peak(835.5, 835.5, 417.5, 60.0)),
-    ("h100 pcie", _Peak(756.0, 756.0, 378.0, 51.2)),
-    ("h100", _Peak(989.4, 989.4, 494.7, 66.9)),  # SXM: "NVIDIA H100 80GB HBM3"
-    ("a100", _Peak(312.0, 312.0, 156.0, 19.5)),  # SXM and PCIe
-    ("a10g", _Peak(70.0, 70.0, 35.0, 35.0)),  # AWS's A10: 80 SMs, half-rate fp32-accumulate MMA
-    ("a10", _Peak(125.0, 125.0, 62.5, 31.2)),
-    ("a30", _Peak(165.0, 165.0, 82.0, 10.3)),
-    ("a40", _Peak(149.7, 149.7, 74.8, 37.4)),
-    ("rtx a6000", _Peak(154.8, 154.8, 77.4, 38.7)),
-    ("rtx 6000 ada", _Peak(364.2, 364.2, 182.1, 91.1)),
-    ("l40s", _Peak(362.05, 362.05, 183.0, 91.6)),
-    ("l40", _Peak(181.05, 181.05, 90.5, 90.5)),
-    ("l4", _Peak(121.0, 121.0, 60.0, 30.3)),
-    ("rtx 4090", _Peak(165.2, 165.2, 82.6, 82.6)),
-    ("rtx 3090", _Peak(71.0, 71.0, 35.6, 35.6)),
-    ("v100s", _Peak(None, 130.0, None, 16.4)),
-    ("v100-pcie", _Peak(None, 112.0, None, 14.0)),
-    ("v100", _Peak(None, 125.0, None, 15.7)),  # SXM2
-    ("t4", _Peak(None, 65.0, None, 8.1)),
+    ("h200 nvl", _Peak(835.5, 835.5, 417.5, 60.0, 4800.0)),
+    ("h200", _Peak(989.4, 989.4, 494.7, 66.9, 4800.0)),
+    ("gh200", _Peak(989.4, 989.4, 494.7, 66.9, 4000.0)),
+    ("h100 nvl", _Peak(835.5, 835.5, 417.5, 60.0, 3900.0)),
+    ("h100 pcie", _Peak(756.0, 756.0, 378.0, 51.2, 2000.0)),
+    ("h100", _Peak(989.4, 989.4, 494.7, 66.9, 3350.0)),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("a100-sxm4-80gb", _Peak(312.0, 312.0, 156.0, 19.5, 2039.0)),
+    ("a100 80gb pcie", _Peak(312.0, 312.0, 156.0, 19.5, 1935.0)),
+    ("a100", _Peak(312.0, 312.0, 156.0, 19.5, 1555.0)),  # the 40 GB SXM and PCIe
+    ("a10g", _Peak(70.0, 70.0, 35.0, 35.0, 600.0)),  # AWS's A10: 80 SMs, half-rate fp32-accumulate MMA
+    ("a10", _Peak(125.0, 125.0, 62.5, 31.2, 600.0)),
+    ("a30", _Peak(165.0, 165.0, 82.0, 10.3, 933.0)),
+    ("a40", _Peak(149.7, 149.7, 74.8, 37.4, 696.0)),
+    ("rtx a6000", _Peak(154.8, 154.8, 77.4, 38.7, 768.0)),
+    ("rtx 6000 ada", _Peak(364.2, 364.2, 182.1, 91.1, 960.0)),
+    ("l40s", _Peak(362.05, 362.05, 183.0, 91.6, 864.0)),
+    ("l40", _Peak(181.05, 181.05, 90.5, 90.5, 864.0)),
+    ("l4", _Peak(121.0, 121.0, 60.0, 30.3, 300.0)),
+    ("rtx 4090", _Peak(165.2, 165.2, 82.6, 82.6, 1008.0)),
+    ("rtx 3090", _Peak(71.0, 71.0, 35.6, 35.6, 936.0)),
+    ("v100s", _Peak(None, 130.0, None, 16.4, 1134.0)),
+    ("v100-pcie", _Peak(None, 112.0, None, 14.0, 900.0)),
+    ("v100", _Peak(None, 125.0, None, 15.7, 900.0)),  # SXM2
+    ("t4", _Peak(None, 65.0, None, 8.1, 320.0)),
+    ("mi325x", _Peak(1307.4, 1307.4, 653.7, 163.4, 6000.0)),
+    ("mi300x", _Peak(1307.4, 1307.4, 653.7, 163.4, 5300.0)),
+    ("mi250x", _Peak(191.5, 191.5, None, 47.9, 1638.4)),  # per GCD (Frontier's GPU)
+    ("mi250", _Peak(181.0, 181.0, None, 45.3, 1638.4)),  # per GCD
+    ("mi210", _Peak(181.0, 181.0, None, 45.3, 1638.4)),
 )
+
+
+def _gpu(name: str) -> _Peak | None:
+    """The table's row for the GPU called `name` (a device name or a key of the table)."""
+    name = name.lower()
+    return next((p for key, p in _PEAKS if re.search(rf"\b{re.escape(key)}\b", name)), None)
+
+
+def gpu_hbm_bandwidth(name: str) -> float | None:
+    """HBM bandwidth in bytes/s (read + write) of the GPU called `name`; None if unlisted."""
+    row = _gpu(name)
+    return None if row is None or row.hbm is None else row.hbm * 1e9
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
@@ -122,11 +144,10 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 def gpu_peak_flops(name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
-    """Dense peak FLOP/s of the GPU called `name` (a CUDA device name, or a key of the table)
+    """Dense peak FLOP/s of the GPU called `name` (a device name, or a key of the table)
     for matmuls in `dtype` (fp32 as TF32 when `tf32`); None if unlisted. The one GPU table:
-    the planner's GPUs take their peaks from it."""
-    name = name.lower()
-    peak = next((p for key, p in _PEAKS if re.search(rf"\b{re.escape(key)}\b", name)), None)
+    the planner's GPUs and the benchmarks take their peaks and bandwidths from it."""
+    peak = _gpu(name)
     if peak is None:
         return None
     if dtype is torch.bfloat16:

@@ -21,18 +21,8 @@ import torch
 from experiments.bench.common import timed
 from optim import fused
 from optim.policies import DTYPES
+from research import metrics
 from research.cli import arg, config_from, config_parser
-
-# HBM peak bandwidth in GB/s by device-name fragment (vendor data sheets).
-HBM_PEAK_GBS = {
-    "H200": 4800.0,
-    "H100 SXM": 3350.0,
-    "H100 PCIe": 2000.0,
-    "H100": 3350.0,
-    "A100-SXM4-80GB": 2039.0,
-    "A100 80GB PCIe": 1935.0,
-    "A100": 1555.0,
-}
 
 
 @dataclass
@@ -43,10 +33,11 @@ class Config:
 
 
 def hbm_peak(device: torch.device) -> float | None:
+    """The datasheet HBM bandwidth of `device` in GB/s (research.metrics' GPU table)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((gbs for key, gbs in HBM_PEAK_GBS.items() if key in name), None)
+    bandwidth = metrics.gpu_hbm_bandwidth(torch.cuda.get_device_name(device))
+    return None if bandwidth is None else bandwidth / 1e9
 
 
 def ours(

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from research.metrics import gpu_peak_flops
+from research.metrics import gpu_hbm_bandwidth, gpu_peak_flops
 
 MiB, GiB = 2**20, 2**30
 
@@ -24,22 +24,27 @@ class GPU:
     inter_node_bandwidth: float
 
 
-# Memory as nvidia-smi reports it; bandwidths from NVIDIA's datasheets (NVLink:
-# half the bidirectional figure); networks of DGX nodes: 8 × HDR 200 Gb/s (A100),
-# 8 × NDR 400 Gb/s (H100, H200).
-def _bf16_peak(name: str) -> float:
-    """The bf16 peak from research.metrics' GPU table (the one source of peak FLOP/s)."""
-    peak = gpu_peak_flops(name, torch.bfloat16)
-    if peak is None:
-        raise KeyError(f"{name} is not in research.metrics' GPU table; add it there")
-    return peak
+def _gpu(name: str, row: str, memory_bytes: int, intra_node: float, inter_node: float) -> GPU:
+    """The planner GPU `name` whose peak and HBM bandwidth come from research.metrics' GPU
+    table, its `row` (the one source of both)."""
+    peak, hbm = gpu_peak_flops(row, torch.bfloat16), gpu_hbm_bandwidth(row)
+    if peak is None or hbm is None:
+        raise KeyError(f"{row} is not in research.metrics' GPU table with its bandwidth; add it there")
+    return GPU(name, memory_bytes, peak, hbm, intra_node, inter_node)
 
 
+# Memory as nvidia-smi / rocm-smi report it; link bandwidths per GPU and direction from the
+# vendors' datasheets: NVLink (half the bidirectional figure), AMD Infinity Fabric (MI300X:
+# 7 links, 448 GB/s; MI250X: a GCD's links to the others in its node, about 100 GB/s);
+# networks of DGX and similar nodes: 8 × HDR 200 Gb/s (A100), 8 × NDR 400 Gb/s (H100, H200,
+# MI300X), and Frontier's 4 × 200 Gb/s Slingshot NICs for 8 GCDs (MI250X).
 GPUS: dict[str, GPU] = {
-    "a100-40gb": GPU("a100-40gb", 40960 * MiB, _bf16_peak("a100"), 1.555e12, 300e9, 25e9),
-    "a100-80gb": GPU("a100-80gb", 81920 * MiB, _bf16_peak("a100"), 2.039e12, 300e9, 25e9),
-    "h100": GPU("h100", 81559 * MiB, _bf16_peak("h100"), 3.35e12, 450e9, 50e9),
-    "h200": GPU("h200", 143771 * MiB, _bf16_peak("h200"), 4.8e12, 450e9, 50e9),
+    "a100-40gb": _gpu("a100-40gb", "a100", 40960 * MiB, 300e9, 25e9),
+    "a100-80gb": _gpu("a100-80gb", "a100-sxm4-80gb", 81920 * MiB, 300e9, 25e9),
+    "h100": _gpu("h100", "h100", 81559 * MiB, 450e9, 50e9),
+    "h200": _gpu("h200", "h200", 143771 * MiB, 450e9, 50e9),
+    "mi250x": _gpu("mi250x", "mi250x", 65536 * MiB, 100e9, 12.5e9),
+    "mi300x": _gpu("mi300x", "mi300x", 196592 * MiB, 448e9, 50e9),
 }
 
 

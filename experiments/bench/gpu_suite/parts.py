@@ -142,6 +142,7 @@ def environment(ctx: Context) -> dict[str, Any]:
             sms=props.multi_processor_count,
             capability=f"{props.major}.{props.minor}",
             cuda=torch.version.cuda,
+            hip=torch.version.hip,  # a ROCm build: its collectives are RCCL's, answering to "nccl"
             nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
         )
         copy_bytes, n, dtype = 2 * GiB, 8192, torch.bfloat16

@@ -191,17 +191,20 @@ def compile_md(r: dict[str, Any]) -> str:
     )
 
 
+def _toolkit(env: dict[str, Any]) -> str:
+    """ " (CUDA c, NCCL n)", or " (ROCm h, RCCL n)" on a ROCm build of torch; "" on the CPU."""
+    if env.get("hip"):
+        return f" (ROCm {env['hip']}, RCCL {env['nccl']})"
+    return f" (CUDA {env['cuda']}, NCCL {env['nccl']})" if "cuda" in env else ""
+
+
 def _header(results: dict[str, Any]) -> list[str]:
     env = results["parts"].get("environment", {})
     if env.get("status") == "ok":
         machine = f"{env['device']}, {env['memory_gib']:.1f} GiB"
         if "sms" in env:
             machine += f", {env['sms']} SMs, compute capability {env['capability']}"
-        software = (
-            f"torch {env['torch']}"
-            + (f" (CUDA {env['cuda']}, NCCL {env['nccl']})" if "cuda" in env else "")
-            + f", triton {env['triton'] or '-'}, Python {env['python']}"
-        )
+        software = f"torch {env['torch']}" + _toolkit(env) + f", triton {env['triton'] or '-'}, Python {env['python']}"
         machine += f"; {env['cpu_cores']} CPU cores"
     else:
         machine, software = "unknown (the environment part did not run)", f"torch {torch.__version__}"
