@@ -189,6 +189,8 @@ HELP = {
     "moe_aux_loss_coeff": "coefficient of the Switch load-balancing loss E·Σ f·P",
     "moe_z_loss_coeff": "coefficient of the router z-loss mean(logsumexp(logits)²)",
     "moe_renormalize": "renormalize the top-k router weights to sum to 1",
+    "fp8": "float8 matmuls in the attention and MLP linear layers (not the head, router or experts): "
+    "tensorwise dynamic scaling (needs --precision bf16)",
     "tp": "tensor-parallel degree",
     "pp": "pipeline-parallel degree",
     "dp": "data-parallel degree (None: world size / (tp·pp))",
@@ -579,6 +581,25 @@ def validate_moe(m: GPTConfig, par: ParallelConfig) -> None:
         )
 
 
+def validate_fp8(m: GPTConfig, par: ParallelConfig, precision: str) -> None:
+    """--fp8 needs bf16 compute, and local matmul sizes `torch._scaled_mm` takes (multiples of 16)."""
+    if m.fp8 == "none":
+        return
+    if precision != "bf16":
+        raise ConfigError(f"--fp8={m.fp8} casts bf16 activations and weights to float8: use it with --precision bf16")
+    widths = {
+        "--d-model": m.d_model,
+        "--d-model·3 / --tp": 3 * m.d_model // par.tp,
+        "--d-ff / --tp": m.ffn_dim // par.tp,
+    }
+    odd = {name: w for name, w in widths.items() if w % 16}
+    if odd:
+        raise ConfigError(
+            "--fp8 needs the linear layers' local sizes divisible by 16 (torch._scaled_mm), but "
+            + ", ".join(f"{name} = {w}" for name, w in odd.items())
+        )
+
+
 def validate(cfg: RunConfig, world_size: int) -> None:
     """Reject every invalid combination with one sentence naming the flags. Each field's own
     type and range were checked where it entered (`check_value`); here: the pipeline
@@ -598,6 +619,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"--virtual-stages={par.virtual_stages} needs --pp > 1")
     validate_zero_options(par)
     validate_moe(m, par)
+    validate_fp8(m, par, tr.precision)
     try:
         source = resolve_source(data.data)
         if isinstance(source, str):

@@ -88,6 +88,7 @@ class GPTConfig:
     moe_aux_loss_coeff: float = 0.01
     moe_z_loss_coeff: float = 0.001
     moe_renormalize: bool = True
+    fp8: Literal["none", "tensorwise"] = "none"
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -97,6 +98,7 @@ class GPTConfig:
             "norm": ("layernorm", "rmsnorm"),
             "activation": ("gelu", "swiglu"),
             "recompute": ("none", "selective", "full"),
+            "fp8": ("none", "tensorwise"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -252,9 +254,11 @@ class Attention(nn.Module):
         h, self.config = config.d_model, config
         self.heads = config.n_heads // tp_size(group)
         self.qkv = ColumnParallelLinear(
-            h, 3 * h, group=group, bias=config.qkv_bias, sequence_parallel=sequence_parallel
+            h, 3 * h, group=group, bias=config.qkv_bias, sequence_parallel=sequence_parallel, fp8=config.fp8
         )
-        self.proj = RowParallelLinear(h, h, group=group, bias=config.bias, sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(
+            h, h, group=group, bias=config.bias, sequence_parallel=sequence_parallel, fp8=config.fp8
+        )
 
     def core(self, qkv_sbX: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         """softmax(q kᵀ/√d + causal mask) v for this rank's heads: [s, b, H·3·d] -> [s, b, H·d]."""
@@ -292,8 +296,12 @@ class MLP(nn.Module):
         h, f = config.d_model, config.ffn_dim
         self.swiglu = config.activation == "swiglu"
         width = 2 * f if self.swiglu else f
-        self.up = ColumnParallelLinear(h, width, group=group, bias=config.bias, sequence_parallel=sequence_parallel)
-        self.down = RowParallelLinear(f, h, group=group, bias=config.bias, sequence_parallel=sequence_parallel)
+        self.up = ColumnParallelLinear(
+            h, width, group=group, bias=config.bias, sequence_parallel=sequence_parallel, fp8=config.fp8
+        )
+        self.down = RowParallelLinear(
+            f, h, group=group, bias=config.bias, sequence_parallel=sequence_parallel, fp8=config.fp8
+        )
 
     def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:
         u = self.up(x_sbh)

@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from parallel import comm
+from parallel.tensor import fp8
 from parallel.tensor.mappings import (
     copy_to_tp,
     gather_from_sp,
@@ -158,6 +159,7 @@ class ColumnParallelLinear(_TPModule):
 
     x: [s, b, in] replicated, or [s/tp, b, in] with ``sequence_parallel``.
     Returns [s, b, out/tp] (this rank's output columns), or [s, b, out] with ``gather_output``.
+    ``fp8``: a recipe of `parallel.tensor.fp8` for the matmul ("none": in x's dtype).
     """
 
     def __init__(
@@ -170,10 +172,11 @@ class ColumnParallelLinear(_TPModule):
         gather_output: bool = False,
         sequence_parallel: bool = False,
         init_method: InitMethod | None = None,
+        fp8: str = "none",
     ) -> None:
         super().__init__()
         out_local = _divide("out_features", out_features, group)
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.fp8 = in_features, out_features, fp8
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.weight = _sharded_weight((out_features, in_features), 0, group, init_method)
         self.bias = nn.Parameter(torch.zeros(out_local)) if bias else None
@@ -183,7 +186,7 @@ class ColumnParallelLinear(_TPModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = fp8.linear(x, self.weight, self.bias, self.fp8)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -198,6 +201,7 @@ class RowParallelLinear(_TPModule):
 
     x: [s, b, in/tp] (``input_is_parallel``) or [s, b, in] replicated (split here).
     Returns [s, b, out] replicated, or [s/tp, b, out] with ``sequence_parallel``.
+    ``fp8``: a recipe of `parallel.tensor.fp8` for the matmul ("none": in x's dtype).
     """
 
     def __init__(
@@ -210,10 +214,11 @@ class RowParallelLinear(_TPModule):
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
         init_method: InitMethod | None = None,
+        fp8: str = "none",
     ) -> None:
         super().__init__()
         _divide("in_features", in_features, group)
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.fp8 = in_features, out_features, fp8
         self.group, self.input_is_parallel = group, input_is_parallel
         self.sequence_parallel = sequence_parallel
         self.weight = _sharded_weight((out_features, in_features), 1, group, init_method)
@@ -227,7 +232,7 @@ class RowParallelLinear(_TPModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
-        y = F.linear(x, self.weight)  # partial sum X_r W_rᵀ
+        y = fp8.linear(x, self.weight, None, self.fp8)  # partial sum X_r W_rᵀ
         y = reduce_scatter_to_sp(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
 
