@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     if batch is None:
         sys.exit("error: --global-batch-size is needed (the config does not give train.global_batch_size)")
     cluster = cluster_of(args, gpus)
-    result = costmodel.plan(model, cluster, batch, seq_len, args.comm)
+    result = costmodel.plan(model, cluster, batch, seq_len, args.comm, fp8=model.fp8 != "none")
     print(report(result, name, model, cluster, batch, seq_len, args.top))
 
 

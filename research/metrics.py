@@ -72,18 +72,19 @@ class _Peak(NamedTuple):
     tf32: float | None
     fp32: float  # non-tensor FP32 (AMD: matrix FP32)
     hbm: float | None = None  # GB/s, read + write
+    fp8: float | None = None  # float8 (e4m3 / e5m2) tensor cores
 
 
 # The first key found as whole words in the lower-cased device name wins, so longer names
 # come first ("h100 nvl" before "h100"). Vendor datasheets / architecture whitepapers. ROCm
 # builds of torch name AMD GPUs "AMD Instinct MI300X", "AMD Instinct MI250X/MI250".
 _PEAKS: tuple[tuple[str, _Peak], ...] = (
-    ("h200 nvl", _Peak(835.5, 835.5, 417.5, 60.0, 4800.0)),
-    ("h200", _Peak(989.4, 989.4, 494.7, 66.9, 4800.0)),
-    ("gh200", _Peak(989.4, 989.4, 494.7, 66.9, 4000.0)),
-    ("h100 nvl", _Peak(835.5, 835.5, 417.5, 60.0, 3900.0)),
-    ("h100 pcie", _Peak(756.0, 756.0, 378.0, 51.2, 2000.0)),
-    ("h100", _Peak(989.4, 989.4, 494.7, 66.9, 3350.0)),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("h200 nvl", _Peak(835.5, 835.5, 417.5, 60.0, 4800.0, 1671.0)),
+    ("h200", _Peak(989.4, 989.4, 494.7, 66.9, 4800.0, 1978.9)),
+    ("gh200", _Peak(989.4, 989.4, 494.7, 66.9, 4000.0, 1978.9)),
+    ("h100 nvl", _Peak(835.5, 835.5, 417.5, 60.0, 3900.0, 1671.0)),
+    ("h100 pcie", _Peak(756.0, 756.0, 378.0, 51.2, 2000.0, 1513.0)),
+    ("h100", _Peak(989.4, 989.4, 494.7, 66.9, 3350.0, 1978.9)),  # SXM: "NVIDIA H100 80GB HBM3"
     ("a100-sxm4-80gb", _Peak(312.0, 312.0, 156.0, 19.5, 2039.0)),
     ("a100 80gb pcie", _Peak(312.0, 312.0, 156.0, 19.5, 1935.0)),
     ("a100", _Peak(312.0, 312.0, 156.0, 19.5, 1555.0)),  # the 40 GB SXM and PCIe
@@ -92,18 +93,18 @@ _PEAKS: tuple[tuple[str, _Peak], ...] = (
     ("a30", _Peak(165.0, 165.0, 82.0, 10.3, 933.0)),
     ("a40", _Peak(149.7, 149.7, 74.8, 37.4, 696.0)),
     ("rtx a6000", _Peak(154.8, 154.8, 77.4, 38.7, 768.0)),
-    ("rtx 6000 ada", _Peak(364.2, 364.2, 182.1, 91.1, 960.0)),
-    ("l40s", _Peak(362.05, 362.05, 183.0, 91.6, 864.0)),
+    ("rtx 6000 ada", _Peak(364.2, 364.2, 182.1, 91.1, 960.0, 728.5)),
+    ("l40s", _Peak(362.05, 362.05, 183.0, 91.6, 864.0, 733.0)),
     ("l40", _Peak(181.05, 181.05, 90.5, 90.5, 864.0)),
-    ("l4", _Peak(121.0, 121.0, 60.0, 30.3, 300.0)),
+    ("l4", _Peak(121.0, 121.0, 60.0, 30.3, 300.0, 242.5)),
     ("rtx 4090", _Peak(165.2, 165.2, 82.6, 82.6, 1008.0)),
     ("rtx 3090", _Peak(71.0, 71.0, 35.6, 35.6, 936.0)),
     ("v100s", _Peak(None, 130.0, None, 16.4, 1134.0)),
     ("v100-pcie", _Peak(None, 112.0, None, 14.0, 900.0)),
     ("v100", _Peak(None, 125.0, None, 15.7, 900.0)),  # SXM2
     ("t4", _Peak(None, 65.0, None, 8.1, 320.0)),
-    ("mi325x", _Peak(1307.4, 1307.4, 653.7, 163.4, 6000.0)),
-    ("mi300x", _Peak(1307.4, 1307.4, 653.7, 163.4, 5300.0)),
+    ("mi325x", _Peak(1307.4, 1307.4, 653.7, 163.4, 6000.0, 2614.9)),
+    ("mi300x", _Peak(1307.4, 1307.4, 653.7, 163.4, 5300.0, 2614.9)),
     ("mi250x", _Peak(191.5, 191.5, None, 47.9, 1638.4)),  # per GCD (Frontier's GPU)
     ("mi250", _Peak(181.0, 181.0, None, 45.3, 1638.4)),  # per GCD
     ("mi210", _Peak(181.0, 181.0, None, 45.3, 1638.4)),
@@ -150,7 +151,9 @@ def gpu_peak_flops(name: str, dtype: torch.dtype, tf32: bool = False) -> float |
     peak = _gpu(name)
     if peak is None:
         return None
-    if dtype is torch.bfloat16:
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        tflops = peak.fp8
+    elif dtype is torch.bfloat16:
         tflops = peak.bf16
     elif dtype is torch.float16:
         tflops = peak.fp16

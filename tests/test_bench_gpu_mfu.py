@@ -36,8 +36,9 @@ def test_gpu_mfu_quick_runs_on_cpu(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith(("ours", "plain"))}
-    assert set(lines) == {"ours", "plain"}
+    rows = (line.split() for line in proc.stdout.splitlines() if line.startswith(("ours ", "ours_fp8", "plain")))
+    lines = {fields[0]: fields for fields in rows}
+    assert set(lines) == {"ours", "plain", "ours_fp8"}
     for name, fields in lines.items():
         assert float(fields[1]) > 0 and float(fields[2]) > 0, (name, fields)
-    assert "step time ours / plain:" in proc.stdout
+    assert "step time ours / plain:" in proc.stdout and "step time ours / ours_fp8:" in proc.stdout

@@ -65,7 +65,7 @@ def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
     quantized = results["parts"]["quantize"]["rows"]
     assert {(r["bits"], r["op"]) for r in quantized} == {(b, op) for b in (8, 4) for op in ("quantize", "dequantize")}
     assert all(r["gbs"] > 0 and r["of_copy"] > 0 for r in quantized)
-    assert {r["loop"] for r in results["parts"]["mfu"]["rows"]} == {"ours", "plain"}
+    assert {r["loop"] for r in results["parts"]["mfu"]["rows"]} == {"ours", "plain", "ours_fp8"}
     memory = results["parts"]["memory"]["rows"]
     assert {(r["recompute"], r["seq_len"]) for r in memory} == {
         (c, s) for c in ("none", "selective", "full") for s in (32, 64)

@@ -665,6 +665,7 @@ def test_layout_of_a_run_config() -> None:
         None,
         1,
         "fused",
+        False,
     )
     assert dataclasses.astuple(layout) == expected
 
@@ -1152,3 +1153,42 @@ def test_plan_command_takes_a_moe_config(capsys: pytest.CaptureFixture[str]) -> 
     header, *rows = capsys.readouterr().out.split("\n\n")[1].splitlines()
     assert header.split()[5] == "ep" and len(rows) == 3
     assert all(int(row.split()[5]) in (1, 2, 4, 8) for row in rows)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_fp8_activations_are_what_the_layer_saves(activation: str) -> None:
+    """Float8 linear layers change a layer's saved bytes by `fp8_bytes`: measured by the
+    saved-tensor hooks, to the scales' few bytes."""
+    s, b = 64, 2
+    one = GPTConfig(vocab_size=128, n_layers=1, n_heads=4, d_model=64, max_seq_len=s, activation=activation)
+    two = dataclasses.replace(one, n_layers=2)
+
+    def layer(recipe: str) -> int:
+        def cfg(m: GPTConfig) -> GPTConfig:
+            return dataclasses.replace(m, fp8=recipe)
+
+        return _saved_bytes(cfg(two), torch.bfloat16, (b, s)) - _saved_bytes(cfg(one), torch.bfloat16, (b, s))
+
+    measured = layer("tensorwise") - layer("none")
+    predicted = costmodel.memory.fp8_bytes(one, s, Layout(micro_batch_size=b, precision="bf16", fp8=True))
+    assert measured == pytest.approx(predicted, abs=64)
+    assert predicted < 0
+
+
+def test_fp8_in_the_step_time_and_the_plan() -> None:
+    """The linear layers' FLOPs at the float8 peak (H100: 1978.9 TFLOP/s, twice bf16's), the
+    rest at bf16's; a GPU without float8 tensor cores is refused in one sentence."""
+    assert GPUS["h100"].fp8_flops == pytest.approx(1978.9e12) and GPUS["a100-80gb"].fp8_flops is None
+    model = GPTConfig(vocab_size=51200, n_layers=8, n_heads=32, d_model=4096, max_seq_len=2048)
+    layouts = {f: Layout(dp=8, zero=1, precision="bf16", fp8=f) for f in (False, True)}
+    cluster = Cluster(GPUS["h100"], 8)
+    bf16, fp8 = (costmodel.predict_step_time(model, layouts[f], 2048, cluster) for f in (False, True))
+    assert 0.5 * bf16.forward < fp8.forward < 0.8 * bf16.forward
+    assert (
+        costmodel.predict_memory(model, layouts[True], 2048).activations
+        < costmodel.predict_memory(model, layouts[False], 2048).activations
+    )
+    plan = costmodel.plan(model, cluster, 64, 2048, zero=1, tp=1, pp=1, fp8=True)
+    assert plan.ranked and all(e.layout.fp8 for e in plan.ranked)
+    with pytest.raises(ValueError, match="has no float8 tensor cores"):
+        costmodel.predict_step_time(model, layouts[True], 2048, Cluster(GPUS["a100-80gb"], 8))

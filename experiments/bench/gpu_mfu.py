@@ -11,8 +11,12 @@ plain   `research.model.GPT` (the same modules, so the same attention kernel:
         `torch.autocast(bfloat16)` and `torch.optim.AdamW(fused=True)`: the usual
         single-GPU mixed-precision loop, on the same global batches.
 
-Both count model FLOPs as `GPTConfig.flops_per_token` without recompute (3 × forward
-matmuls); MFU = FLOP/s / the device's dense bf16 peak (`research.metrics.peak_flops`).
+ours_fp8  the command with `--fp8 tensorwise` (float8 attention and MLP linear layers; `--fp8`
+        of this bench, on by default).
+
+All count model FLOPs as `GPTConfig.flops_per_token` without recompute (3 × forward
+matmuls); MFU = FLOP/s / the device's dense bf16 peak (`research.metrics.peak_flops`), for
+the fp8 run too (so its MFU can pass 100 %).
 Step times are medians after `--warmup` steps. Target: MFU ≥ 50 % on an H100.
 Flags other than these are the training command's (`python -m experiments.train --help`).
 Results: docs/benchmarks.md.
@@ -60,6 +64,7 @@ class Config:
     config: str = arg("experiments/configs/gpt-1.3b.yaml", "the training command's YAML config")
     steps: int = arg(10, "timed steps")
     warmup: int = arg(3, "untimed steps before them")
+    fp8: bool = arg(True, "also run the command with --fp8 tensorwise (bf16 compute, float8 linear layers)")
 
 
 def plain_loop(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
@@ -126,6 +131,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = config_from(Config, known)
     run_argv = ["--config", args.config, *(QUICK if known.quick else []), *rest]
     results = {"ours": ours(run_argv, args.steps, args.warmup), "plain": plain_loop(run_argv, args.steps, args.warmup)}
+    if args.fp8:
+        fp8_argv = [*run_argv, "--precision", "bf16", "--fp8", "tensorwise"]
+        results["ours_fp8"] = ours(fp8_argv, args.steps, args.warmup)
     print(
         f"gpu_mfu: {args.config} {' '.join(rest)}; {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
     )
@@ -135,6 +143,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name:8} {r['step_time_s']:9.4f} {r['tokens_per_s']:10.1f} {r['tflops_per_device']:9.2f} {mfu:>7}")
     results["ratio_step_time"] = results["ours"]["step_time_s"] / results["plain"]["step_time_s"]
     print(f"step time ours / plain: {results['ratio_step_time']:.3f}")
+    if args.fp8:
+        results["fp8_speedup"] = results["ours"]["step_time_s"] / results["ours_fp8"]["step_time_s"]
+        print(f"step time ours / ours_fp8: {results['fp8_speedup']:.3f}")
     return results
 
 

@@ -9,8 +9,9 @@ pass: no amax history), casts them to float8 and multiplies with fp32 accumulati
     backward  dX = (s_g G)₈ (s_w W)₈ / (s_g s_w)                 e5m2 × e4m3 (F_max 57344)
               dW = (s_g G)₈ᵀ (s_x X)₈ / (s_g s_x)                e5m2 × e4m3
 
-Backward reuses the forward's float8 X and W (saved for it: 1 byte per element of X, half
-of bf16's). Under tensor parallelism each rank scales its own shard of W and its own X (a
+Backward reuses the forward's float8 X (saved for it: 1 byte per element, half of bf16's)
+and casts W again (the same scale: W has not changed), so no float8 copy of a weight is kept
+per micro-batch in flight. Under tensor parallelism each rank scales its own shard of W and its own X (a
 finer scaling than one amax over the group, with no extra collective). On CUDA the products
 are `torch._scaled_mm`; elsewhere the same arithmetic in fp32 (the float8 values times
 their scales, fp32 accumulation), since the CPU's `_scaled_mm` is orders of magnitude slower
@@ -49,19 +50,19 @@ class _Float8Linear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         x8, x_inv = to_float8(x.reshape(-1, x.shape[-1]), E4M3)
         w8, w_inv = to_float8(weight, E4M3)
-        ctx.save_for_backward(x8, w8, x_inv, w_inv)
-        ctx.shapes = (x.shape, x.dtype, weight.dtype)
+        ctx.save_for_backward(x8, x_inv, weight)
+        ctx.x_shape = x.shape
         y = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        x8, w8, x_inv, w_inv = ctx.saved_tensors
-        x_shape, x_dtype, w_dtype = ctx.shapes
+        x8, x_inv, weight = ctx.saved_tensors
+        w8, w_inv = to_float8(weight, E4M3)  # recast: no float8 copy of the weight kept per micro-batch
         g8, g_inv = to_float8(g.reshape(-1, g.shape[-1]), E5M2)
-        dx = scaled_mm(g8, w8.t().contiguous().t(), g_inv, w_inv, x_dtype)
-        dw = scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), g_inv, x_inv, w_dtype)
-        return dx.view(x_shape), dw
+        dx = scaled_mm(g8, w8.t().contiguous().t(), g_inv, w_inv, g.dtype)
+        dw = scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), g_inv, x_inv, weight.dtype)
+        return dx.view(ctx.x_shape), dw
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str) -> torch.Tensor:

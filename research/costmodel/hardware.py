@@ -22,6 +22,7 @@ class GPU:
     hbm_bandwidth: float
     intra_node_bandwidth: float
     inter_node_bandwidth: float
+    fp8_flops: float | None = None  # dense float8 tensor-core FLOP/s (None: no float8 matmuls)
 
 
 def _gpu(name: str, row: str, memory_bytes: int, intra_node: float, inter_node: float) -> GPU:
@@ -30,7 +31,8 @@ def _gpu(name: str, row: str, memory_bytes: int, intra_node: float, inter_node: 
     peak, hbm = gpu_peak_flops(row, torch.bfloat16), gpu_hbm_bandwidth(row)
     if peak is None or hbm is None:
         raise KeyError(f"{row} is not in research.metrics' GPU table with its bandwidth; add it there")
-    return GPU(name, memory_bytes, peak, hbm, intra_node, inter_node)
+    fp8 = gpu_peak_flops(row, torch.float8_e4m3fn)
+    return GPU(name, memory_bytes, peak, hbm, intra_node, inter_node, fp8)
 
 
 # Memory as nvidia-smi / rocm-smi report it; link bandwidths per GPU and direction from the

@@ -31,7 +31,8 @@ class Layout:
     experts of MoE blocks (each expert sharded over the shard group's N/ep ranks holding it).
     `attention`: the kernel of the attention core, "fused" as the model runs it (torch's
     scaled_dot_product_attention keeps no s x s scores), or "unfused" to predict a system
-    that materializes scores and softmax, as Megatron-LM's kernels of 2021 did."""
+    that materializes scores and softmax, as Megatron-LM's kernels of 2021 did. `fp8`: the
+    attention and MLP linear layers in float8 (`--fp8 tensorwise`)."""
 
     tp: int = 1
     pp: int = 1
@@ -53,6 +54,7 @@ class Layout:
     qgz_bits: int | None = None
     ep: int = 1
     attention: Literal["fused", "unfused"] = "fused"
+    fp8: bool = False
 
     @property
     def sharding(self) -> Sharding:
@@ -96,6 +98,7 @@ class Layout:
             + (" hpz" if self.hpz else "")
             + (f" qgz_bits={self.qgz_bits}" if self.qgz_bits is not None else "")
             + (f" ep={self.ep}" if self.ep > 1 else "")
+            + (" fp8" if self.fp8 else "")
         )
 
 
@@ -123,5 +126,6 @@ def run_spec(config: Mapping[str, Mapping[str, Any]]) -> tuple[GPTConfig, Layout
         hpz=par.get("hpz", False),
         qgz_bits=par.get("qgz_bits"),
         ep=par.get("ep", 1),
+        fp8=config["model"].get("fp8", "none") != "none",
     )
     return GPTConfig(**config["model"]), layout, config["data"]["seq_len"]

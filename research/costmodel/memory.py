@@ -49,6 +49,11 @@ without), G = 2 for SwiGLU (1 for GELU), f the expert width:
     shared experts:  2G·A·T·f_s/t, and their input A·h·T_r when A < 4 (in fp32 the router's)
 
 Every TP rank runs its experts' f/t slice on all T tokens of the group (gathered under SP).
+With float8 linear layers (`Layout.fp8`, `--fp8`) a layer saves, per the A-byte tensor of
+the table, the QKV and MLP-up inputs and the MLP-down input (f wide) in 1 byte, the
+projection's input once more (1 byte: the attention kernel keeps its own copy), as
+`fp8_bytes` counts (measured to the byte on the saved tensors).
+
 A pipeline rank keeps them for its peak number of (micro-batch, chunk) pairs in flight,
 read off the repo's own schedule (`parallel.pipeline`): p - r for 1F1B on rank r, p·v + p - 1
 for interleaved 1F1B on rank 0, m for GPipe; each chunk holds L/(p·v) layers. The last
@@ -118,11 +123,26 @@ def layer_activation_bytes(
     if recompute == "full":
         return 2 * sbh / (t if layout.sp else 1)
     scores = 5 * a * s / (h * t) if recompute == "none" and layout.attention == "unfused" else 0.0
-    dense = sbh * ((34 / t if layout.sp else 10 + 24 / t) + scores)
+    dense = sbh * ((34 / t if layout.sp else 10 + 24 / t) + scores) + (
+        fp8_bytes(model, seq_len, layout, moe) if layout.fp8 else 0.0
+    )
     if not moe:
         return dense
     mlp = A * s * b * h * (8 / t + (1 / t if layout.sp else 1))  # the dense MLP's input and hidden tensors
     return dense - mlp + moe_mlp_bytes(model, seq_len, layout)
+
+
+def fp8_bytes(model: GPTConfig, seq_len: int, layout: Layout, moe: bool = False) -> float:
+    """What float8 linear layers change in a layer's saved bytes (the module docstring): the
+    QKV and MLP-up inputs saved in 1 byte instead of A, the MLP-down input (f wide) too, the
+    projection's input once more in float8 (the attention kernel keeps its own copy); an MoE
+    layer's experts stay in bf16."""
+    s, b, h, t, A = seq_len, layout.micro_batch_size, model.d_model, layout.tp, DTYPE_BYTES[layout.precision]
+    replicated = 1 / t if layout.sp else 1
+    tokens, f = s * b, model.ffn_dim
+    attention = (-(A - 1) * replicated + 1 / t) * tokens * h
+    mlp = -(A - 1) * tokens * (h * replicated + f / t)
+    return attention + (0.0 if moe else mlp)
 
 
 def moe_mlp_bytes(model: GPTConfig, seq_len: int, layout: Layout) -> float:

@@ -134,12 +134,12 @@ def candidate_layouts(
     every only where it differs (ZeRO 2-3 with m > 1): (layout, None, 1) when it can run,
     else (layout, (reason, detail), n), where a split (tp, pp, v, b) that cannot run stands
     for all n of its ZeRO / recompute / SP / grad_sync / ep variants. With MoE blocks ep runs
-    over the divisors of dp that divide the experts. `fixed` pins Layout fields, e.g. tp=8, zero=0, and sets `attention`."""
+    over the divisors of dp that divide the experts. `fixed` pins Layout fields, e.g. tp=8, zero=0, and sets `attention` and `fp8`."""
     pinnable = {
         *("tp", "pp", "ep", "virtual_stages", "micro_batch_size"),
         *("zero", "recompute", "sequence_parallel", "grad_sync"),
     }
-    kernel = {"attention": fixed.pop("attention")} if "attention" in fixed else {}
+    kernel = {k: fixed.pop(k) for k in ("attention", "fp8") if k in fixed}  # set, not searched
     unknown = set(fixed) - pinnable
     if unknown:
         raise TypeError(f"cannot pin {', '.join(sorted(unknown))}: the planner chooses {', '.join(sorted(pinnable))}")

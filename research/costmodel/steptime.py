@@ -21,7 +21,8 @@ Step time, per micro-batch on the slowest pipeline rank (the last: L/p layers + 
 - E: expert parallelism (ep > 1): per MoE layer two all-to-alls of the rows in F (dispatch,
   combine), two in B (four with full recompute), each A·h·R·(ep − 1)/ep bytes per rank
   (`expert_all_to_all_bytes`; R = s·b·k rows, balanced routing assumed).
-- η (`MATMUL_EFFICIENCY`): the one calibrated constant, see there.
+- η (`MATMUL_EFFICIENCY`): the one calibrated constant, see there. With float8 linear
+  layers (`Layout.fp8`) their FLOPs run at the GPU's float8 peak, the rest at its 16-bit one.
 
 Step = m(t_f + t_b) + bubble + exposed DP communication + optimizer step. The bubble is
 (p-1)(t_f + t_b)/v for gpipe / 1f1b / interleaved-1f1b and (p-1)·max(t_f, t_b/2) for zb-h1
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import stage_of
 from research.costmodel.dpcomm import Collective, dp_collectives, tied_embedding
-from research.costmodel.hardware import Cluster, ranks_per_node
+from research.costmodel.hardware import GPU, Cluster, ranks_per_node
 from research.costmodel.layout import DTYPE_BYTES, Layout
 from research.costmodel.memory import layer_activation_bytes
 from research.costmodel.params import rank_params
@@ -106,8 +107,9 @@ def _micro_batch(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluste
     head_act = 4 * s * b * h / t * (1 + model.padded_vocab / h)
     mem_f = 2 * (act + head_act)
     mem_b = 2 * (2 * act + 2 * head_act + redo)
-    compute_f = flops_f / (MATMUL_EFFICIENCY * gpu.peak_flops) + mem_f / gpu.hbm_bandwidth
-    compute_b = flops_b / (MATMUL_EFFICIENCY * gpu.peak_flops) + mem_b / gpu.hbm_bandwidth
+    rate = _matmul_rate(model, layout, gpu, s, layers, moe)
+    compute_f = flops_f / rate + mem_f / gpu.hbm_bandwidth
+    compute_b = flops_b / rate + mem_b / gpu.hbm_bandwidth
     msg = s * b * h * DTYPE_BYTES[layout.precision]
     all_reduce = 2 * (t - 1) / t * msg / cluster.ring_bandwidth(t, 1) + cluster.latency(2 * (t - 1), 0)
     tp_f = 2 * layers * all_reduce
@@ -115,6 +117,21 @@ def _micro_batch(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluste
     a2a = moe * expert_all_to_all(model, layout, s, cluster)
     p2p = _p2p(layout, msg / (t if layout.sp else 1), cluster)
     return compute_f, compute_b, tp_f, tp_b, 2 * a2a, (2 + 2 * full) * a2a, p2p
+
+
+def _matmul_rate(model: GPTConfig, layout: Layout, gpu: GPU, seq_len: int, layers: int, moe: int) -> float:
+    """η × the matmul FLOP/s of the rank's layers: the 16-bit peak, or with float8 linear
+    layers their share of the FLOPs (QKV, projection, dense MLPs) at the float8 peak."""
+    if not layout.fp8:
+        return MATMUL_EFFICIENCY * gpu.peak_flops
+    if gpu.fp8_flops is None:
+        raise ValueError(f"the {gpu.name} has no float8 tensor cores: plan it without --fp8")
+    h = model.d_model
+    layer, core, head = model.forward_flops_per_token(seq_len)
+    linear = layers * 8 * h * h + (layers - moe) * (layer - core - 8 * h * h)
+    total = layers * layer + (moe * model.moe_layer_extra_flops() if moe else 0.0) + head
+    share = linear / total
+    return MATMUL_EFFICIENCY / ((1 - share) / gpu.peak_flops + share / gpu.fp8_flops)
 
 
 def _layer_traffic(model: GPTConfig, layout: Layout, seq_len: int, moe: int, layers: int) -> tuple[float, float]:

@@ -285,7 +285,8 @@ def quantize(ctx: Context) -> dict[str, Any]:
 
 
 def mfu(ctx: Context) -> dict[str, Any]:
-    """The training command and the plain loop through `gpu_mfu.main`."""
+    """The training command (in bf16, and with float8 linear layers) and the plain loop
+    through `gpu_mfu.main`."""
     argv = [
         "--config",
         ctx.config,
@@ -297,12 +298,14 @@ def mfu(ctx: Context) -> dict[str, Any]:
     matmul = ctx.earlier.get("environment", {}).get("matmul_tflops")
     rows = [
         {"loop": name, **r[name], "of_matmul": r[name]["tflops_per_device"] / matmul if matmul else None}
-        for name in ("ours", "plain")
+        for name in ("ours", "plain", "ours_fp8")
+        if name in r
     ]
     return {
         "status": "ok",
         "argv": argv,
         "rows": rows,
+        "fp8_speedup": r.get("fp8_speedup"),
         "matmul_tflops": matmul,
         "goals": {"mfu": _goal(r["ours"]["mfu"], ">=", 0.5), "ours_vs_plain": _goal(r["ratio_step_time"], "<=", 1.03)},
     }

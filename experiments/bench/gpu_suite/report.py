@@ -117,7 +117,8 @@ def mfu_md(r: dict[str, Any]) -> str:
     return (
         format_table(["loop", "step s", "tokens/s", "TFLOP/s", "MFU", "of measured matmul", "goal (MFU)"], rows)
         + f"\n\nStep time ours / plain: {ratio['value']:.3f} (goal {_verdict(ratio)}); "
-        f"`python -m experiments.bench.gpu_mfu {' '.join(r['argv'])}`."
+        + (f"ours / ours_fp8: {r['fp8_speedup']:.3f}; " if r.get("fp8_speedup") else "")
+        + f"`python -m experiments.bench.gpu_mfu {' '.join(r['argv'])}`."
     )
 
 
