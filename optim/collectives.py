@@ -1,6 +1,6 @@
 """The all-gather of flat shards every ZeRO stage uses: after the step (stages 1-2, the
 resident units of stage 3) and around each stage-3 unit's forward and backward. Exact, or,
-with a block size, as ZeRO++ qwZ's int8 blocks with one fp32 scale each (`optim.quantize`),
+with a block size, as ZeRO++ qwZ's int8 (or float8 e4m3) blocks with one fp32 scale each (`optim.quantize`),
 values and scales packed into one call; the gather is started here and finished by whoever
 next reads the parameters."""
 
@@ -12,7 +12,15 @@ import torch
 import torch.distributed as dist
 
 from optim.buffers import FlatBucket
-from optim.quantize import Quantized, dequantize, pack_rows, quantize, unpack_rows
+from optim.quantize import (
+    Quantized,
+    QuantizedGather,
+    dequantize,
+    pack_rows,
+    quantize,
+    quantize_float8,
+    unpack_rows,
+)
 from parallel import comm
 
 
@@ -39,7 +47,8 @@ class ShardGather:
         if self.like is None:
             return
         numel = self.like.numel
-        values = dequantize(unpack_rows(self.gathered, self.like.block, self.like.bits)).view(
+        like = self.like
+        values = dequantize(unpack_rows(self.gathered, like.block, like.bits, like.float8)).view(
             self.gathered.shape[0], -1
         )
         for r, piece in enumerate(self.out.view(-1, numel)):
@@ -48,13 +57,13 @@ class ShardGather:
 
 
 def all_gather_shards(
-    out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, block: int | None = None
+    out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, qwz: QuantizedGather | None = None
 ) -> ShardGather:
-    """Start gathering every rank's `shard` into `out`, their concatenation: exactly, or with a
-    `block` as int8 blocks with fp32 scales (ZeRO++ qwZ), values and scales packed in one call."""
-    if block is None:
+    """Start gathering every rank's `shard` into `out`, their concatenation: exactly, or as
+    `qwz`'s quantized blocks with fp32 scales (ZeRO++ qwZ), values and scales packed in one call."""
+    if qwz is None:
         return ShardGather(out, [comm.all_gather_into_tensor(out, shard, group=group, async_op=True)])
-    q = quantize(shard, block)
+    q = quantize_float8(shard, qwz.block) if qwz.float8 else quantize(shard, qwz.block)
     packed = pack_rows(q, 1)
     gathered = packed.new_empty(dist.get_world_size(group), packed.shape[1])
     work = comm.all_gather_into_tensor(gathered.view(-1), packed.view(-1), group=group, async_op=True)

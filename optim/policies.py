@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from optim.quantize import QuantizedGather
 from optim.scaler import DynamicLossScaler
 
 # The one map from the precision names of flags and configs to torch dtypes.
@@ -121,6 +122,10 @@ class ZeroPlusPlus:
             the step) as int8 with one fp32 scale per block of this many elements, such as
             2048 (qwZ, `optim.quantize`: about a quarter of the bytes; each rank's own
             shard, the masters, the update and checkpoints stay exact). None: exact.
+        qwz_float8: with `qwz_block`, the blocks travel as float8 e4m3 instead of int8 (the
+            same bytes; an error relative to each value, at most 2^-4, instead of a fixed
+            step): the parameter gather of float8 training (`--fp8`), whose matmuls cast the
+            weights to e4m3 anyway.
         hpz: stage 3: after a unit's first all-gather in a step each rank keeps a 1/k slice
             of it until the step (2Ψ/k more bytes in bf16, k = ranks of the node group), and
             the step's later all-gathers (backward, further micro-batches) stay inside the
@@ -133,8 +138,14 @@ class ZeroPlusPlus:
     """
 
     qwz_block: int | None = None
+    qwz_float8: bool = False
     hpz: bool = False
     qgz_bits: int | None = None
+
+    @property
+    def qwz(self) -> QuantizedGather | None:
+        """How parameter all-gathers are quantized (None: exact)."""
+        return None if self.qwz_block is None else QuantizedGather(self.qwz_block, self.qwz_float8)
 
 
 DEFAULT_BUCKET_NUMEL = Communication.bucket_numel

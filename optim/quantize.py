@@ -34,8 +34,8 @@ BACKENDS = ("triton", "torch")
 
 @dataclass(frozen=True)
 class Quantized:
-    """A quantized flat tensor: `data` (int8 values, or int4 pairs packed in uint8), one fp32
-    `scale` per block, and what is needed to restore it."""
+    """A quantized flat tensor: `data` (int8 values, int4 pairs packed in uint8, or float8
+    e4m3 values), one fp32 `scale` per block, and what is needed to restore it."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -43,11 +43,21 @@ class Quantized:
     block: int
     bits: int
     dtype: torch.dtype
+    float8: bool = False  # `data` is float8 e4m3 (`quantize_float8`), 8 bits
 
     @property
     def nbytes(self) -> int:
         """Bytes of the quantized form (values and scales)."""
         return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
+
+
+@dataclass(frozen=True)
+class QuantizedGather:
+    """How parameter all-gathers are quantized (ZeRO++ qwZ): blocks of `block` elements with
+    fp32 scales, as int8 or, with `float8`, as float8 e4m3 (`quantize_float8`)."""
+
+    block: int
+    float8: bool = False
 
 
 def _levels(bits: int) -> int:
@@ -97,8 +107,26 @@ def quantize(x: torch.Tensor, block: int, bits: int = 8, backend: str | None = N
     return Quantized(q.reshape(-1), scale, x.numel(), block, bits, x.dtype)
 
 
+def quantize_float8(x: torch.Tensor, block: int) -> Quantized:
+    """`x` as float8 e4m3 blocks: block j scaled by s_j = max|block| · fp32(1/448) so that its
+    largest element lands on e4m3's largest, each element rounded to the nearest e4m3 value
+    (a relative error of at most 2^-4, not a fixed step as int8's): what float8 training's
+    parameter gathers send (`Communication`/`ZeroPlusPlus.qwz_float8`)."""
+    if block <= 0:
+        raise ValueError(f"block={block} must be positive")
+    top = torch.finfo(torch.float8_e4m3fn).max
+    padded = _blocks(x, block)
+    scale = padded.abs().amax(dim=1) * (1.0 / top)
+    inverse = 1.0 / scale.clamp_min(torch.finfo(torch.float32).tiny)
+    q = (padded * inverse[:, None]).clamp_(-top, top).to(torch.float8_e4m3fn)
+    return Quantized(q.reshape(-1), scale, x.numel(), block, 8, x.dtype, float8=True)
+
+
 def dequantize(qx: Quantized, backend: str | None = None) -> torch.Tensor:
     """The flat tensor `qx` stands for, in its original dtype (numel elements)."""
+    if qx.float8:
+        values = qx.data.view(-1, qx.block).float() * qx.scale[:, None]
+        return values.reshape(-1)[: qx.numel].to(qx.dtype)
     if pick_backend(qx.data.device, backend) == "triton":
         out = torch.empty(qx.numel, dtype=qx.dtype, device=qx.data.device)
         quantize_triton.dequantize_(qx.data, qx.scale, out, qx.block, qx.bits)
@@ -140,15 +168,16 @@ def pack_rows(q: Quantized, rows: int) -> torch.Tensor:
     return torch.cat([scale, data, data.new_zeros(rows, pad)], dim=1)
 
 
-def unpack_rows(packed: torch.Tensor, block: int, bits: int) -> Quantized:
+def unpack_rows(packed: torch.Tensor, block: int, bits: int, float8: bool = False) -> Quantized:
     """The rows of `packed` (`pack_rows`'s layout) as one fp32 Quantized: a row of b blocks holds
     b·(4 + block·bits/8) bytes and less than one block's of padding."""
     rows, width = packed.shape
     blocks = width // (4 + block * bits // 8)
     scale = packed[:, : 4 * blocks].contiguous().view(torch.float32).reshape(-1)
     data = packed[:, 4 * blocks : 4 * blocks + blocks * block * bits // 8].contiguous()
-    data = data.reshape(-1) if bits == 4 else data.view(torch.int8).reshape(-1)
-    return Quantized(data, scale, rows * blocks * block, block, bits, torch.float32)
+    if bits == 8:
+        data = data.view(torch.float8_e4m3fn if float8 else torch.int8)
+    return Quantized(data.reshape(-1), scale, rows * blocks * block, block, bits, torch.float32, float8)
 
 
 def reduce_scatter_quantized(

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from optim import fused
 from optim.buffers import FlatBucket
 from optim.collectives import ShardGather, all_gather_shards
+from optim.quantize import QuantizedGather
 from optim.stage3 import ParamGatherer
 from parallel import comm
 
@@ -32,12 +33,12 @@ class ShardStep:
         backend: str,
         group: dist.ProcessGroup | None,
         rank: int,
-        qwz_block: int | None,
+        qwz: QuantizedGather | None,
         overlap_param_gather: bool,
         gatherer: ParamGatherer | None,
     ) -> None:
         self.buckets, self.inner, self.optimizer_class, self.backend = buckets, inner, optimizer_class, backend
-        self.group, self.rank, self.qwz_block = group, rank, qwz_block
+        self.group, self.rank, self.qwz = group, rank, qwz
         self.param_steps = [[0] * len(b.params) for b in buckets]
         self.overlap_param_gather, self.gatherer = overlap_param_gather, gatherer
         self.state, self.param_groups = inner.state, inner.param_groups
@@ -160,7 +161,7 @@ class ShardStep:
     def publish(self, before_gather: Callable[[int], None] | None = None) -> None:
         """All-gather updated shards into the full parameter buffers (stages 1-2 and
         resident stage-3 units); stage 0 updated everything, stage 3 gathers on use. With
-        `qwz_block` the shards travel quantized and each rank keeps its own shard exact.
+        `qwz` the shards travel quantized and each rank keeps its own shard exact.
         `before_gather(k)` runs just before bucket k's gather starts. With
         `overlap_param_gather` the gathers are left in flight: `wait` finishes a bucket's just
         before the first forward that uses it (or anything else that reads it)."""
@@ -179,7 +180,7 @@ class ShardStep:
         resident stage-3 units)."""
         if b.sharding.optimizer_state and not b.sharding.parameters:
             with comm.doing("the parameter all-gather after step()"):
-                self.gathers[b] = all_gather_shards(b.param_buffer, b.param_shard, b.group, self.qwz_block)
+                self.gathers[b] = all_gather_shards(b.param_buffer, b.param_shard, b.group, self.qwz)
 
     def wait(self, buckets: list[FlatBucket] | None = None) -> None:
         """Finish the parameter all-gathers still in flight (of `buckets`; None: all)."""

@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_flatten
 
 from optim.buffers import FlatBucket
 from optim.collectives import ShardGather, all_gather_shards
+from optim.quantize import QuantizedGather
 from parallel import comm
 
 # what a rank checks in for (`check_in`), as the sentence names it
@@ -147,13 +148,13 @@ class ParamGatherer:
         model: torch.nn.Module,
         units: list[tuple[torch.nn.Module, list[FlatBucket]]],
         group: dist.ProcessGroup | None,
-        qwz_block: int | None = None,
+        qwz: QuantizedGather | None = None,
         hpz_group: dist.ProcessGroup | None = None,
         side: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = group
         self.side, self.check_ins = side, 0  # `check_in` (None: one rank)
-        self.qwz_block = qwz_block
+        self.qwz = qwz
         self.hpz_group = hpz_group
         self.units = [Unit(buckets) for _, buckets in units]
         self._bucket_unit = {id(b): u for u, (_, bs) in zip(self.units, units) for b in bs}
@@ -196,8 +197,7 @@ class ParamGatherer:
             ]
         else:
             unit.gathers = [
-                all_gather_shards(full, b.param_shard, b.group, self.qwz_block)
-                for full, b in zip(unit.full, unit.buckets)
+                all_gather_shards(full, b.param_shard, b.group, self.qwz) for full, b in zip(unit.full, unit.buckets)
             ]
 
     def _unshard(self, unit: Unit, phase: str) -> None:

@@ -182,7 +182,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.model,
                 units,
                 self.group,
-                zpp.qwz_block,
+                zpp.qwz,
                 self.node_groups[0] if zpp.hpz else None,
                 comm.side_group(self.group) if self.world > 1 else None,
             )
@@ -227,7 +227,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.backend,
             self.group,
             self.rank,
-            self.zero_plus_plus.qwz_block,
+            self.zero_plus_plus.qwz,
             self.communication.overlap_param_gather,
             gatherer,
         )

@@ -60,6 +60,7 @@ class ParallelConfig:
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     unit_numel: int = DEFAULT_UNIT_NUMEL
     qwz_block: int | None = None
+    qwz_float8: bool = False
     hpz: bool = False
     qgz_bits: int | None = None
     overlap_param_gather: bool = False
@@ -210,6 +211,7 @@ HELP = {
     "elements (below a block's size: one unit per transformer block)",
     "qwz_block": "ZeRO++ qwZ: all-gather parameters as int8 with an fp32 scale per block of this many elements "
     "(e.g. 2048; None: exact)",
+    "qwz_float8": "with --qwz-block, the blocks travel as float8 e4m3 instead of int8 (the gather of --fp8 runs)",
     "hpz": "ZeRO++ hpZ (--zero 3): after a unit's first all-gather in a step each rank keeps its node's 1/k slice "
     "of it, so the step's later all-gathers stay inside the node (k = shard ranks per node)",
     "qgz_bits": "ZeRO++ qgZ (--zero 2, 3): reduce-scatter gradients as 4- or 8-bit blocks through all-to-alls, "
@@ -555,6 +557,8 @@ def validate_zero_options(par: ParallelConfig) -> None:
         raise ConfigError(
             f"--qgz-bits={par.qgz_bits} quantizes the gradient reduce-scatter of --zero 2 or 3, not {par.zero}"
         )
+    if par.qwz_float8 and par.qwz_block is None:
+        raise ConfigError("--qwz-float8 sends qwZ's blocks as float8: set --qwz-block too (e.g. 2048)")
     if par.qwz_block is not None and par.zero == 0:
         raise ConfigError(
             f"--qwz-block={par.qwz_block} quantizes ZeRO's parameter all-gather: use it with --zero 1, 2 or 3"

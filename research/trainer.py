@@ -117,7 +117,7 @@ def build_optimizer(
             # --comm-timeout's desync report speaks first; the watchdog covers what it cannot see
             timeout_s=par.comm_timeout + 30 if par.comm_timeout else Communication.timeout_s,
         ),
-        zero_plus_plus=ZeroPlusPlus(par.qwz_block, par.hpz, par.qgz_bits),
+        zero_plus_plus=ZeroPlusPlus(par.qwz_block, par.qwz_float8, par.hpz, par.qgz_bits),
         lr=tr.lr,
         betas=(tr.beta1, tr.beta2),
         eps=tr.eps,

@@ -1,7 +1,8 @@
 """Float8 training (`parallel.tensor.fp8`, `--fp8 tensorwise`): the scaled matmul equals
 `torch._scaled_mm`, the linear layer's forward and gradients are bf16's within float8's
 precision, and a tiny GPT's loss curve in fp8 tracks bf16's over 50 steps, in one process
-and at tp 2 × dp 2 under ZeRO-3."""
+and at tp 2 × dp 2 under ZeRO-3 (with exact and with float8 parameter gathers, the latter
+sending half the bytes)."""
 
 from __future__ import annotations
 
@@ -72,32 +73,65 @@ def _train(base: str, data: str, name: str, argv: list[str]) -> list[float]:
         return [json.loads(line)["loss"] for line in f]
 
 
-def _curves(base: str, data: str, layout: list[str]) -> dict[str, list[float]]:
-    return {recipe: _train(base, data, recipe, [*layout, "--fp8", recipe]) for recipe in ("none", "tensorwise")}
+def _curves(base: str, data: str, layout: list[str], fp8_only: list[str]) -> dict[str, list[float]]:
+    """Loss curves of `layout` in bf16 and with --fp8 tensorwise (and `fp8_only`'s flags)."""
+    return {
+        "none": _train(base, data, "none", layout),
+        "tensorwise": _train(base, data, "tensorwise", [*layout, "--fp8", "tensorwise", *fp8_only]),
+    }
 
 
-# The loss of a 50-step run in fp8 against bf16, at every step after the first 10: measured
-# within 0.46% (tp 1) and 0.51% (tp 2 x dp 2, ZeRO-3), ending 0.2% and 0.5% above; the
-# tolerance is 4x that. The curves must differ (fp8 really ran).
-TRACK_RTOL, FINAL_RTOL = 0.02, 0.02
+# The loss of a 50-step run in fp8 against bf16 (exact gathers), at every step after the first
+# 10: measured within 0.46% (tp 1), 0.51% (tp 2 x dp 2, ZeRO-3) and 1.19% (the same with
+# float8 parameter gathers); ending within 0.5%. The tolerance is 3x the worst, 2% at the end.
+# The curves must differ (fp8 really ran).
+TRACK_RTOL, FINAL_RTOL = 0.035, 0.02
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "world, layout",
-    [(1, ["--zero", "1"]), (4, ["--tp", "2", "--zero", "3", "--unit-numel", "2000"])],
-    ids=["tp1", "tp2-dp2-zero3"],
+    "world, layout, fp8_only",
+    [
+        (1, ["--zero", "1"], []),
+        (4, ["--tp", "2", "--zero", "3", "--unit-numel", "2000"], []),
+        (4, ["--tp", "2", "--zero", "3", "--unit-numel", "2000"], ["--qwz-block", "256", "--qwz-float8"]),
+    ],
+    ids=["tp1", "tp2-dp2-zero3", "tp2-dp2-zero3-float8-gather"],
 )
-def test_fp8_loss_tracks_bf16(tmp_path, world: int, layout: list[str]) -> None:
+def test_fp8_loss_tracks_bf16(tmp_path, world: int, layout: list[str], fp8_only: list[str]) -> None:
     data = tmp_path / "text.txt"
     data.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}" for i in range(400)))
-    curves = run_distributed(_curves, world, str(tmp_path), str(data), layout, timeout=540)[0]
+    curves = run_distributed(_curves, world, str(tmp_path), str(data), layout, fp8_only, timeout=540)[0]
     bf16, f8 = curves["none"], curves["tensorwise"]
     gaps = [abs(a - b) / b for a, b in zip(f8[10:], bf16[10:])]
     assert 1e-4 < max(gaps) < TRACK_RTOL, f"largest relative gap {max(gaps):.4f}"
     assert f8[-1] <= bf16[-1] * (1 + FINAL_RTOL), (f8[-1], bf16[-1])
     assert bf16[-1] < 0.6 * bf16[0]  # both learned
+
+
+def _gather_bytes(base: str, data: str) -> dict[str, float]:
+    """dp all-gather bytes per step of 2-step tp 2 × dp 2 ZeRO-3 runs: bf16, and fp8 with
+    float8 parameter gathers."""
+    out = {}
+    layout = ["--tp", "2", "--zero", "3", "--unit-numel", "2000", "--steps", "2"]
+    for name, extra in (("bf16", []), ("fp8", ["--fp8", "tensorwise", "--qwz-block", "256", "--qwz-float8"])):
+        _train(base, data, name, [*layout, *extra])
+        with open(os.path.join(base, name, "summary.json")) as f:
+            summary = json.load(f)
+        out[name] = summary["comm_per_step"]["dp"]["ops"]["all_gather_into_tensor"]["bytes"]
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_float8_parameter_gathers_send_half_the_bytes(tmp_path) -> None:
+    """ZeRO-3 all-gathers float8 e4m3 blocks (1 byte + a 4-byte scale per 256) instead of
+    bf16 (2 bytes): (1 + 4/256)/2 of the bytes, plus each shard's last block padded to 256
+    elements (these units' shards are about 1000 elements: measured 0.529)."""
+    data = tmp_path / "text.txt"
+    data.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(200)))
+    sent = run_distributed(_gather_bytes, 4, str(tmp_path), str(data), timeout=280)[0]
+    assert (1 + 4 / 256) / 2 <= sent["fp8"] / sent["bf16"] < 0.55, sent
 
 
 def test_fp8_needs_bf16_and_sizes_of_16() -> None:

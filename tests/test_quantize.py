@@ -8,7 +8,15 @@ import torch
 import torch.distributed as dist
 
 from optim.fused import triton_runs_on
-from optim.quantize import dequantize, max_error, pick_backend, quantize, reduce_scatter_quantized
+from optim.quantize import (
+    dequantize,
+    max_error,
+    pack_rows,
+    pick_backend,
+    quantize,
+    reduce_scatter_quantized,
+    unpack_rows,
+)
 from parallel import comm
 from tests.dist_utils import run_distributed
 from tests.interpreted import run_interpreted
@@ -171,3 +179,24 @@ def test_backend_choice() -> None:
     if not triton_runs_on(torch.device("cpu")):
         with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
             quantize(torch.ones(4), 2, backend="triton")
+
+
+def test_float8_blocks_keep_each_value_to_its_e4m3_precision() -> None:
+    """quantize_float8: each block's largest element lands on e4m3's 448; every element keeps
+    a relative error of at most 2^-4 (3 mantissa bits), or near zero an absolute one of s·2^-10
+    (half of e4m3's smallest subnormal step, 2^-9, times the block's scale s); packing keeps it
+    bit for bit."""
+    from optim.quantize import quantize_float8
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5000, generator=g) * torch.logspace(-4, 2, 5000)
+    q = quantize_float8(x.bfloat16(), 256)
+    assert q.data.dtype == torch.float8_e4m3fn and q.nbytes == 5120 + 4 * 20
+    back = dequantize(q).float()
+    bound = torch.maximum(x.bfloat16().float().abs() * 2**-4, q.scale.repeat_interleave(256)[:5000] * 2**-10)
+    assert bool(((back - x.bfloat16().float()).abs() <= bound * (1 + 1e-3)).all())
+    assert dequantize(q).dtype == torch.bfloat16
+    unpacked = unpack_rows(pack_rows(q, 1), 256, 8, float8=True)
+    assert torch.equal(unpacked.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(
+        unpacked.scale, q.scale
+    )
