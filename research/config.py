@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
 import yaml
 
 from optim.policies import DEFAULT_BUCKET_NUMEL, DEFAULT_UNIT_NUMEL
@@ -585,12 +586,23 @@ def validate_moe(m: GPTConfig, par: ParallelConfig) -> None:
         )
 
 
-def validate_fp8(m: GPTConfig, par: ParallelConfig, precision: str) -> None:
-    """--fp8 needs bf16 compute, and local matmul sizes `torch._scaled_mm` takes (multiples of 16)."""
+def validate_fp8(m: GPTConfig, par: ParallelConfig, precision: str, tokens: int = 16) -> None:
+    """--fp8 needs bf16 compute, a CUDA (not ROCm) build, and matmul sizes `torch._scaled_mm`
+    takes: the local widths and the `tokens` of a micro-batch (seq_len × micro-batch size)
+    multiples of 16."""
     if m.fp8 == "none":
         return
     if precision != "bf16":
         raise ConfigError(f"--fp8={m.fp8} casts bf16 activations and weights to float8: use it with --precision bf16")
+    if torch.version.hip:
+        raise ConfigError(
+            "--fp8 uses the OCP float8 types, while ROCm's torch._scaled_mm on MI300 takes the fnuz ones: "
+            "train in bf16 on ROCm"
+        )
+    if tokens % 16:
+        raise ConfigError(
+            f"--fp8 needs --seq-len × --micro-batch-size divisible by 16 (torch._scaled_mm), got {tokens}"
+        )
     widths = {
         "--d-model": m.d_model,
         "--d-model·3 / --tp": 3 * m.d_model // par.tp,
@@ -623,7 +635,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"--virtual-stages={par.virtual_stages} needs --pp > 1")
     validate_zero_options(par)
     validate_moe(m, par)
-    validate_fp8(m, par, tr.precision)
+    validate_fp8(m, par, tr.precision, data.seq_len * (tr.micro_batch_size or 1))
     try:
         source = resolve_source(data.data)
         if isinstance(source, str):

@@ -142,4 +142,16 @@ def test_fp8_needs_bf16_and_sizes_of_16() -> None:
         validate_fp8(GPTConfig(d_model=64, fp8="tensorwise"), ParallelConfig(), "fp32")
     with pytest.raises(ConfigError, match="divisible by 16"):
         validate_fp8(GPTConfig(d_model=40, n_heads=4, fp8="tensorwise"), ParallelConfig(), "bf16")
+    with pytest.raises(ConfigError, match="--micro-batch-size divisible by 16"):
+        validate_fp8(GPTConfig(d_model=64, fp8="tensorwise"), ParallelConfig(), "bf16", tokens=24)
     validate_fp8(GPTConfig(d_model=64, fp8="tensorwise"), ParallelConfig(tp=2), "bf16")
+
+
+def test_fp8_is_refused_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ROCm's _scaled_mm on MI300 takes the fnuz float8 types: refused in one sentence."""
+    from research.config import ParallelConfig, validate_fp8
+    from research.model import GPTConfig
+
+    monkeypatch.setattr(torch.version, "hip", "6.3.42131", raising=False)
+    with pytest.raises(ConfigError, match="train in bf16 on ROCm"):
+        validate_fp8(GPTConfig(d_model=64, fp8="tensorwise"), ParallelConfig(), "bf16")
