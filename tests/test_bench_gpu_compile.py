@@ -6,8 +6,8 @@ vectorized: 128-bit on NVIDIA; at least 64-bit on AMD, where a 64-lane wave give
 With n not a multiple of 16 Triton cannot prove the tail mask uniform over a vector and
 emits scalar accesses: those rows only have to compile without spills.
 
-The default suite compiles one or two specializations per kernel and bit width on every
-target; the other cells of the matrix are `slow`. The parsers of the machine code are
+The quick run compiles one or two specializations per kernel and bit width on every target;
+the full table (every specialization, `slow`) is compiled by two worker processes. The parsers of the machine code are
 checked on written snippets."""
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import pytest
 pytest.importorskip("triton")
 
 from experiments.bench import gpu_compile as gc
-from tests.conftest import slow_except
 
 VARIANTS = {f"{gc.kernel_name(v)} {v.label}": v for v in gc.variants()}
 QUICK = [
@@ -50,15 +49,33 @@ def test_the_variants_cover_the_launches() -> None:
         assert {"num_warps", "enable_fp_fusion"} <= set(v.options), v.label
 
 
-@pytest.mark.parametrize("name", slow_except(QUICK, [n for n in VARIANTS if n not in QUICK]))
+def problem(row: gc.Row) -> str | None:
+    """What is wrong with a compiled row: an error, a spill, a scalar bulk access (n%16=0)."""
+    if not row.ok:
+        return row.error
+    if not row.registers or row.spills != 0 or row.shared_bytes is None:
+        return f"registers {row.registers}, spills {row.spills}, shared {row.shared_bytes}"
+    aligned = row.signature.endswith(gc.ALIGNED[True])
+    if aligned and (row.vector_width_bits or 0) < MIN_VECTOR_BITS[gc.TARGETS[row.target][0]]:
+        return f"{row.vector_width_bits}-bit bulk access"
+    return None
+
+
+@pytest.mark.parametrize("name", QUICK)
 @pytest.mark.parametrize("target", list(gc.TARGETS))
 def test_compiles_without_spills_and_vectorized(name: str, target: str) -> None:
     for aligned in (True, False):
         row = gc.compile_row(VARIANTS[name], aligned, target)
-        assert row.ok, row.error
-        assert row.registers and row.spills == 0 and row.shared_bytes is not None, row
-        if aligned:
-            assert row.vector_width_bits >= MIN_VECTOR_BITS[gc.TARGETS[target][0]], row
+        assert problem(row) is None, (row, problem(row))
+
+
+@pytest.mark.slow
+def test_every_specialization_compiles_without_spills_and_vectorized() -> None:
+    """The whole table (`python -m experiments.bench.gpu_compile`), by two worker processes."""
+    rows = gc.compile_table(gc.kernel_names(), tuple(gc.TARGETS), jobs=2)
+    assert len(rows) == len(VARIANTS) * len(gc.ALIGNED) * len(gc.TARGETS)
+    bad = [(r.kernel, r.signature, r.target, problem(r)) for r in rows if problem(r) is not None]
+    assert not bad, bad
 
 
 def test_a_compile_error_is_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
