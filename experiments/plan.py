@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from dataclasses import dataclass
 
@@ -111,7 +112,78 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "any (the fastest, quantized too), zero (plain), hybrid (--dp-shard), "
         "zero++ (qwZ, hpZ at stage 3, int4 qgZ at stages 2-3)",
     )
+    p.add_argument(
+        "--layout",
+        help="predict this one layout instead of searching: comma-separated key=value of "
+        f"{', '.join(LAYOUT_KEYS)} (e.g. tp=2,pp=1,dp=2,zero=3,mbs=1,recompute=none,sp=1)",
+    )
+    p.add_argument("--json", action="store_true", help="with --layout: print its prediction as one JSON object")
     return p.parse_args(argv)
+
+
+# --layout's keys -> (Layout field, type); micro-batches follow from the global batch
+LAYOUT_KEYS = {
+    "tp": ("tp", int),
+    "pp": ("pp", int),
+    "dp": ("dp", int),
+    "zero": ("zero", int),
+    "mbs": ("micro_batch_size", int),
+    "recompute": ("recompute", str),
+    "sp": ("sequence_parallel", lambda v: bool(int(v))),
+    "v": ("virtual_stages", int),
+    "schedule": ("schedule", str),
+    "dp_shard": ("dp_shard", int),
+    "qwz_block": ("qwz_block", int),
+    "hpz": ("hpz", lambda v: bool(int(v))),
+    "qgz_bits": ("qgz_bits", int),
+    "ep": ("ep", int),
+    "grad_sync": ("grad_sync", str),
+}
+
+
+def parse_layout(text: str, global_batch_size: int, fp8: bool) -> Layout:
+    """The Layout that `--layout`'s key=value list names (one sentence on a bad key or value)."""
+    fields: dict[str, object] = {"fp8": fp8}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in LAYOUT_KEYS or not value:
+            sys.exit(f"error: --layout {item!r}: expected key=value with key one of {', '.join(LAYOUT_KEYS)}")
+        name, kind = LAYOUT_KEYS[key]
+        try:
+            fields[name] = kind(value)
+        except ValueError:
+            sys.exit(f"error: --layout {item!r}: {value!r} is not a valid {key}")
+    fields.setdefault("schedule", "interleaved-1f1b" if int(fields.get("virtual_stages", 1)) > 1 else "1f1b")
+    share = int(fields.get("dp", 1)) * int(fields.get("micro_batch_size", 1))
+    if global_batch_size % share:
+        sys.exit(f"error: --layout: the global batch {global_batch_size} is not divisible by dp × mbs = {share}")
+    return Layout(**fields, micro_batches=global_batch_size // share)
+
+
+def predict_one(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster) -> dict[str, object]:
+    """One layout's prediction: step time, memory per GPU and its parts, throughput, and
+    whether it fits (`error`: why it cannot run or fit, else None)."""
+    if layout.gpus != cluster.gpus:
+        return {"layout": layout.describe(), "error": f"tp × pp × dp = {layout.gpus} is not --gpus={cluster.gpus}"}
+    problem = costmodel.layout_problem(model, layout, seq_len)
+    if problem is not None:
+        return {"layout": layout.describe(), "error": problem}
+    try:
+        e = costmodel.estimate(model, layout, seq_len, cluster)
+    except ValueError as err:
+        return {"layout": layout.describe(), "error": str(err)}
+    fits = e.memory.total <= cluster.gpu.memory_bytes
+    return {
+        "layout": layout.describe(),
+        "step_s": e.time.total,
+        "memory_bytes": e.memory.total,
+        "model_state_bytes": e.memory.model_states.total,
+        "activation_bytes": e.memory.activations,
+        "buffer_bytes": e.memory.buffers,
+        "tflops_per_gpu": e.tflops_per_gpu,
+        "mfu": e.mfu,
+        "error": None if fits else f"needs {e.memory.total / GiB:.2f} GiB > {cluster.gpu.memory_bytes / GiB:.2f} GiB",
+    }
 
 
 def from_config(path: str) -> tuple[GPTConfig, int, int | None]:
@@ -335,6 +407,12 @@ def main(argv: list[str] | None = None) -> None:
     if batch is None:
         sys.exit("error: --global-batch-size is needed (the config does not give train.global_batch_size)")
     cluster = cluster_of(args, gpus)
+    if args.layout:
+        one = predict_one(model, parse_layout(args.layout, batch, model.fp8 != "none"), seq_len, cluster)
+        print(json.dumps(one) if args.json else "\n".join(f"{k}: {v}" for k, v in one.items()))
+        if one["error"]:
+            sys.exit(1)
+        return
     result = costmodel.plan(model, cluster, batch, seq_len, args.comm, fp8=model.fp8 != "none")
     print(report(result, name, model, cluster, batch, seq_len, args.top))
 

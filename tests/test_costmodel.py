@@ -1192,3 +1192,28 @@ def test_fp8_in_the_step_time_and_the_plan() -> None:
     assert plan.ranked and all(e.layout.fp8 for e in plan.ranked)
     with pytest.raises(ValueError, match="has no float8 tensor cores"):
         costmodel.predict_step_time(model, layouts[True], 2048, Cluster(GPUS["a100-80gb"], 8))
+
+
+def test_plan_predicts_one_given_layout_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--layout ... --json`: the prediction of exactly that layout (micro-batches from the
+    global batch), its memory parts and step time; a layout that cannot run or fit says why
+    and exits 1."""
+    from experiments import plan
+
+    argv = ["--model", "gpt-7b", "--gpus", "16", "--gpu", "h100", "--json"]
+    plan.main([*argv, "--layout", "tp=2,pp=1,dp=8,zero=3,mbs=1,recompute=none,sp=1"])
+    got = json.loads(capsys.readouterr().out)
+    model = plan.PRESETS["gpt-7b"].model()
+    layout = Layout(tp=2, dp=8, zero=3, micro_batches=256, sequence_parallel=True)
+    e = costmodel.estimate(model, layout, 2048, Cluster(GPUS["h100"], 16))
+    assert got["error"] is None and got["step_s"] == pytest.approx(e.time.total)
+    assert got["memory_bytes"] == pytest.approx(e.memory.total)
+    assert got["activation_bytes"] + got["model_state_bytes"] + got["buffer_bytes"] == pytest.approx(e.memory.total)
+    for bad, why in (
+        ("tp=1,pp=2,dp=8,zero=0,mbs=4", "needs 9"),
+        ("tp=2,pp=2,dp=4,zero=1,v=3", "layers do not split evenly"),
+        ("tp=2,pp=1,dp=4,zero=1", "is not --gpus=16"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            plan.main([*argv, "--layout", bad])
+        assert exit_.value.code == 1 and why in json.loads(capsys.readouterr().out)["error"], bad

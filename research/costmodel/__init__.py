@@ -30,7 +30,16 @@ from research.costmodel.memory import (
     predict_model_states,
 )
 from research.costmodel.params import RankParams, active_params, num_params, rank_params, unit_sizes
-from research.costmodel.search import COMM_SCHEMES, Estimate, Plan, candidate_layouts, comm_variants, estimate, plan
+from research.costmodel.search import (
+    COMM_SCHEMES,
+    Estimate,
+    Plan,
+    candidate_layouts,
+    comm_variants,
+    estimate,
+    layout_problem,
+    plan,
+)
 from research.costmodel.steptime import (
     StepTime,
     expert_all_to_all_bytes,
@@ -65,6 +74,7 @@ __all__ = [
     "forward_flops_per_token",
     "in_flight",
     "layer_activation_bytes",
+    "layout_problem",
     "moe_mlp_bytes",
     "num_params",
     "pipeline_bubble",

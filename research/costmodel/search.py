@@ -228,6 +228,18 @@ def _why_comm_invalid(layout: Layout, experts: bool) -> tuple[str, str] | None:
     return None
 
 
+def layout_problem(model: GPTConfig, layout: Layout, seq_len: int) -> str | None:
+    """Why the runtime cannot run `layout` for `model` (the reasons `plan` rejects layouts
+    for, short of memory), or None."""
+    lo = layout
+    why = _why_invalid(
+        model, lo.tp, lo.pp, lo.dp, lo.virtual_stages, lo.micro_batch_size, lo.micro_batches, lo.schedule,
+        lo.global_batch_size,
+    )  # fmt: skip
+    why = why or _sp_problem(lo, seq_len) or _why_comm_invalid(lo, bool(model.moe_experts))
+    return None if why is None else f"{why[0]} ({why[1]})"
+
+
 def _rank_key(lo: Layout, time: StepTime, memory: Memory) -> tuple:
     """Faster first, then less memory, a lower stage, exact communication."""
     return (time.total, memory.total, lo.zero, lo.qwz_block is not None, -(lo.qgz_bits or 16))
