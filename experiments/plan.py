@@ -112,13 +112,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "any (the fastest, quantized too), zero (plain), hybrid (--dp-shard), "
         "zero++ (qwZ, hpZ at stage 3, int4 qgZ at stages 2-3)",
     )
+    _one_layout_args(p)
+    return p.parse_args(argv)
+
+
+def _one_layout_args(p: argparse.ArgumentParser) -> None:
+    """--layout and --json: one layout's prediction instead of a search."""
     p.add_argument(
         "--layout",
         help="predict this one layout instead of searching: comma-separated key=value of "
         f"{', '.join(LAYOUT_KEYS)} (e.g. tp=2,pp=1,dp=2,zero=3,mbs=1,recompute=none,sp=1)",
     )
     p.add_argument("--json", action="store_true", help="with --layout: print its prediction as one JSON object")
-    return p.parse_args(argv)
 
 
 # --layout's keys -> (Layout field, type); micro-batches follow from the global batch
