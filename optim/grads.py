@@ -34,6 +34,7 @@ So during backward a stage-2 rank holds its shards plus a few full buckets, not 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -56,6 +57,13 @@ class QuantizedReduction:
     bits: int
     intra: dist.ProcessGroup | None
     inter: dist.ProcessGroup | None
+
+
+def _on_grad(reducer: weakref.ref[GradReducer], b: int, i: int, param: torch.Tensor) -> None:
+    """A parameter's post-accumulate-grad hook: its reducer's, while the reducer lives."""
+    live = reducer()
+    if live is not None:
+        live.on_grad(b, i, param)
 
 
 class GradReducer:
@@ -104,11 +112,13 @@ class GradReducer:
         # reductions in flight: (their collectives in order, the works of the current one, bucket)
         self._works: list[tuple[Iterator[list[dist.Work | None]], list[dist.Work | None], FlatBucket]] = []
         self._callback_queued = False
-        self._handles = [
-            p.register_post_accumulate_grad_hook(partial(self._on_grad, b, i))
-            for b, bucket in enumerate(buckets)
-            for i, p in enumerate(bucket.params)
-        ]
+        # The parameters hold their hooks where Python's garbage collector cannot follow
+        # (autograd's C++ side), so a hook that held this reducer would keep it, its buckets and
+        # the whole optimizer alive for as long as the model lives: the hooks hold it weakly.
+        me = weakref.ref(self)
+        for b, bucket in enumerate(buckets):
+            for i, p in enumerate(bucket.params):
+                p.register_post_accumulate_grad_hook(partial(_on_grad, me, b, i))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -131,7 +141,7 @@ class GradReducer:
             self._scope = previous
             self._in_scope = set(previous)
 
-    def _on_grad(self, b: int, i: int, param: torch.Tensor) -> None:
+    def on_grad(self, b: int, i: int, param: torch.Tensor) -> None:
         if not self._callback_queued:
             self._callback_queued = True
             self._syncing = self.sync and self._sync_requested()
@@ -223,7 +233,3 @@ class GradReducer:
         self._ready = [0] * len(self.buckets)
         if self._on_backward_end is not None:
             self._on_backward_end(self._syncing and len(self._scope) == len(self.buckets))
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()

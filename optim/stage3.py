@@ -160,13 +160,13 @@ class ParamGatherer:
         self._bucket_unit = {id(b): u for u, (_, bs) in zip(self.units, units) for b in bs}
         self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
         self._next: dict[str, dict[Unit, Unit]] = {"forward": {}, "backward": {}}
-        self._handles = [r.register_forward_pre_hook(self._on_root_forward) for r in root_modules(model)]
+        for r in root_modules(model):
+            r.register_forward_pre_hook(self._on_root_forward)
         for module, needed in self._users(model, units).items():
-            self._handles += [
-                module.register_forward_pre_hook(lambda m, a, needed=needed: self._pre_forward(needed)),
-                module.register_forward_hook(lambda m, a, out, needed=needed: self._post_forward(needed, out)),
-            ]
-        self._handles += [r.register_forward_hook(lambda m, a, out: self._reshard_idle()) for r in root_modules(model)]
+            module.register_forward_pre_hook(lambda m, a, needed=needed: self._pre_forward(needed))
+            module.register_forward_hook(lambda m, a, out, needed=needed: self._post_forward(needed, out))
+        for r in root_modules(model):
+            r.register_forward_hook(lambda m, a, out: self._reshard_idle())
 
     def _users(self, model: torch.nn.Module, units: list[tuple[torch.nn.Module, list[FlatBucket]]]) -> dict:
         """module -> units it must have gathered around its forward and backward: its own
@@ -302,7 +302,3 @@ class ParamGatherer:
 
     def secondaries(self) -> list[torch.Tensor]:
         return [t for unit in self.units for t in unit.secondary or []]
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()

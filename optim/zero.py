@@ -39,6 +39,7 @@ from optim.zero_setup import (
     check_experts,
     check_same_model_on_all_ranks,
     check_zero_plus_plus,
+    claim,
     param_names,
     torch_order,
     user_groups,
@@ -130,6 +131,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._torch_order = torch_order(param_groups, group_of, len(groups))
         for group in self._dp_groups:
             check_same_model_on_all_ranks(model, stage, group_of, group)
+        claim(model)  # from here on the model's parameters move into this optimizer's buffers
         self._cast_untrained(model)
         self.buckets, units = self._build_buckets(group_of)
         self._init_inner(optimizer_class, groups, optimizer_kwargs)

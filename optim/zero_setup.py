@@ -3,6 +3,7 @@ param groups (and their torch.optim numbering), the same model on every rank."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -17,6 +18,22 @@ OUT_OF_STEP_ADVICE = (
     "model.state_dict() gathers from all ranks, so evaluate and save on every rank; if a rank is only slow, raise "
     "ZeroOptimizer(communication=Communication(timeout_s=...))"
 )
+# Every module that a ZeroOptimizer trains (the model and its submodules). The optimizer moves
+# the parameters into its own buffers and hooks the modules, so a second one over any of them
+# would see the first's views and both would reduce the same gradients.
+_TRAINED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def claim(model: torch.nn.Module) -> None:
+    """Marks `model` as trained by one ZeroOptimizer, refusing it if one already trains part of it."""
+    if any(m in _TRAINED for m in model.modules()):
+        raise ValueError(
+            "this model (or a module in it) is already trained by a ZeroOptimizer, which holds its parameters "
+            "in its own buffers; keep using that optimizer (change its param_groups' lr, load_state_dict), "
+            "or build the model again for a new one"
+        )
+    for m in model.modules():
+        _TRAINED[m] = True
 
 
 def validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, qwz_block: Any) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -166,6 +168,38 @@ def misuse(stage: int, what: str) -> str:
 def test_misuse_raises_one_sentence(stage: int, what: str, sentence: str) -> None:
     messages = run_distributed(misuse, 2, stage, what, timeout=60)
     assert all(sentence in m for m in messages), messages
+
+
+# ---- an optimizer per model: a dropped one is freed, a second one over a model is refused ----
+def dropped_and_second(stage: int) -> tuple[bool, bool, str]:
+    """Trains a model two steps, drops model and optimizer (are both collected, with their
+    buffers?), then builds a second optimizer over a model that already has one."""
+    torch.manual_seed(0)
+    model = dense()
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=1e-2, **SMALL)
+    for step in range(2):
+        x, y = batch(step, dist.get_rank())
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    model_ref, opt_ref = weakref.ref(model), weakref.ref(opt)
+    del model, opt
+    gc.collect()
+    kept = model_ref() is not None, opt_ref() is not None
+    model = dense()
+    ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=1e-2, **SMALL)
+    try:
+        ZeroOptimizer(model[2], torch.optim.SGD, stage=stage, lr=1e-2, **SMALL)
+        return (*kept, "no error")
+    except ValueError as e:
+        return (*kept, str(e))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_dropped_optimizer_is_freed_and_a_second_is_refused(stage: int) -> None:
+    for model_kept, opt_kept, second in run_distributed(dropped_and_second, 2, stage, timeout=60):
+        assert not model_kept and not opt_kept  # nothing the hooks hold keeps them alive
+        assert "already trained by a ZeroOptimizer" in second
 
 
 # ---- find_unused_parameters=False: DDP's default promise, no flag all-reduces --------------
