@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import json
 import os
 import pickle
@@ -156,6 +157,7 @@ class CommLog:
     def __init__(self) -> None:
         self._stats: dict[str, dict[str, dict[str, int]]] = {}
         self._outer: CommLog | None = None  # the enclosing tracking() log, if nested
+        self.wait_s = 0.0  # seconds this rank's thread was blocked in collectives (see `_timed`)
 
     def _add(self, group: str, op: str, payload: int, wire: int) -> None:
         ops = self._stats.setdefault(group, {})
@@ -188,6 +190,7 @@ class CommLog:
     def reset(self) -> None:
         """Forget everything recorded so far (recording goes on if active)."""
         self._stats.clear()
+        self.wait_s = 0.0
 
     def __repr__(self) -> str:
         return f"CommLog({self._stats!r})"
@@ -231,6 +234,36 @@ def _record(group: Group, op: str, payload: int, wire: int) -> None:
     while log is not None:
         log._add(name, op, payload, wire)
         log = log._outer
+
+
+def _blocked(seconds: float) -> None:
+    log = _log
+    while log is not None:
+        log.wait_s += seconds
+        log = log._outer
+
+
+def _timed(collective: Callable[..., Any]) -> Callable[..., Any]:
+    """While a log records: the seconds the calling thread is blocked in `collective` (a
+    blocking call: all of it; an async one: in its works' `wait()`) go to `CommLog.wait_s`.
+    What a rank waits there is its peers' lateness and the wire time; on CUDA a collective
+    only blocks the host where the host waits for the device, so this counts gloo and host
+    syncs, not time on the device's streams."""
+
+    @functools.wraps(collective)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if _log is None:
+            return collective(*args, **kwargs)
+        start = time.perf_counter()
+        out = collective(*args, **kwargs)
+        if isinstance(out, dist.Work):
+            return _Timed(out)
+        if isinstance(out, list) and out and isinstance(out[0], dist.Work):
+            return [_Timed(w) for w in out]
+        _blocked(time.perf_counter() - start)
+        return out
+
+    return timed
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -569,6 +602,41 @@ class _AllOf(dist.Work):
         return torch.futures.collect_all([w.get_future() for w in self._works]).then(lambda _: self._result)
 
 
+class _Timed(dist.Work):
+    """A ``dist.Work`` whose ``wait()`` adds the seconds it blocks to the recording logs."""
+
+    def __init__(self, work: dist.Work) -> None:
+        super().__init__()
+        self._work = work
+
+    def wait(self, timeout: Any = None) -> bool:
+        start = time.perf_counter()
+        done = self._work.wait() if timeout is None else self._work.wait(timeout)
+        _blocked(time.perf_counter() - start)
+        return done
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_success()
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def source_rank(self) -> int:
+        return self._work.source_rank()
+
+    def synchronize(self) -> None:
+        self._work.synchronize()
+
+    def result(self) -> list[torch.Tensor]:
+        return self._work.result()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._work.get_future()
+
+
 def _alone(group: Group) -> bool:
     """The group is this rank alone: its collectives are local copies or nothing, on the
     caller's stream (tests/test_cuda.py turns this off to send them through NCCL)."""
@@ -618,6 +686,7 @@ def _reduce_scatter_in_place(
     return _AllOf([work], [output], then=lambda: _copy(output, shard))
 
 
+@_timed
 def all_reduce(
     tensor: torch.Tensor,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
@@ -634,6 +703,7 @@ def all_reduce(
     return work
 
 
+@_timed
 def reduce_scatter_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -665,6 +735,7 @@ def reduce_scatter_tensor(
     return work
 
 
+@_timed
 def all_to_all_single(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -697,6 +768,7 @@ def all_to_all_single(
     return work
 
 
+@_timed
 def all_gather_into_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -721,6 +793,7 @@ def all_gather_into_tensor(
     return work
 
 
+@_timed
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False) -> dist.Work | None:
     """Copy ``tensor`` from global rank ``src`` to the group.
     bytes = S on src (N > 1), 0 elsewhere; payload = S on every rank."""
@@ -736,6 +809,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: boo
     return work
 
 
+@_timed
 def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
     """Every rank's picklable ``obj``, in group-rank order.
     bytes = P·(N−1), payload = P, with P = len(pickle.dumps(obj))."""
@@ -752,6 +826,7 @@ def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
     return out
 
 
+@_timed
 def barrier(group: Group = None) -> None:
     """Block until every rank of the group arrives. bytes = payload = 0."""
     _note(group, "barrier", 0)
@@ -761,6 +836,7 @@ def barrier(group: Group = None) -> None:
         _record(group, "barrier", 0, 0)
 
 
+@_timed
 def send(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
     """Blocking send to global rank ``dst``. bytes = payload = S."""
     _placed(group, "send", tensor)
@@ -771,6 +847,7 @@ def send(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
         _record(group, "send", s, s)
 
 
+@_timed
 def recv(tensor: torch.Tensor, src: int, group: Group = None) -> int:
     """Blocking receive from global rank ``src``; returns torch's sender rank.
     bytes = 0, payload = S."""
@@ -782,6 +859,7 @@ def recv(tensor: torch.Tensor, src: int, group: Group = None) -> int:
     return sender
 
 
+@_timed
 def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> dist.Work | None:
     """Non-blocking send to global rank ``dst``. bytes = payload = S."""
     _placed(group, "isend", tensor)
@@ -793,6 +871,7 @@ def isend(tensor: torch.Tensor, dst: int, group: Group = None) -> dist.Work | No
     return work
 
 
+@_timed
 def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> dist.Work | None:
     """Non-blocking receive from global rank ``src``. bytes = 0, payload = S."""
     _placed(group, "irecv", tensor)
@@ -803,6 +882,7 @@ def irecv(tensor: torch.Tensor, src: int, group: Group = None) -> dist.Work | No
     return work
 
 
+@_timed
 def batch_isend_irecv(p2p_ops: list[dist.P2POp]) -> list[dist.Work]:
     """Issue ``dist.P2POp(dist.isend | dist.irecv, ...)`` ops together; each op is
     counted as one "isend" (bytes = S) or "irecv" (bytes = 0) under its group."""

@@ -39,6 +39,7 @@ from parallel import comm
 CPU_TIMEOUT_S = 180.0  # gloo: a few minutes, then the report
 CUDA_TIMEOUT_S = 900.0  # NCCL: longer, its watchdog applies
 PUBLISH_INTERVAL_S = 1.0
+SILENT_AFTER_S = 5.0  # a rank whose heartbeat is older than this is named as silent
 STORE_WAIT_S = 10.0  # how long a report waits for the store before giving up on it
 REPORT_LENGTH = 4  # collectives per rank in the printed table
 _PREFIX = "zero3d/flight"
@@ -104,16 +105,26 @@ def report_timeouts(timeout_s: float | None = None) -> Iterator[None]:
 
 
 def _publish_until(store: dist.Store, rank: int, stop: threading.Event) -> None:
-    """Write comm.recent() to the store whenever it changed, every PUBLISH_INTERVAL_S."""
-    published = None
-    while not stop.wait(PUBLISH_INTERVAL_S if published is not None else 0.0):
-        record = comm.recent()
-        if record != published:
-            try:
-                store.set(f"rank_{rank}", json.dumps(record))
-            except (RuntimeError, OSError):
-                return
-            published = record
+    """Write comm.recent() and a heartbeat (`beat`: unix time) to the store every
+    PUBLISH_INTERVAL_S: a rank whose heartbeat stops has died, hung holding the interpreter,
+    or lost its network."""
+    while True:
+        try:
+            store.set(f"rank_{rank}", json.dumps({**comm.recent(), "beat": time.time()}))
+        except (RuntimeError, OSError):
+            return
+        if stop.wait(PUBLISH_INTERVAL_S):
+            return
+
+
+def silent_ranks(records: dict[int, dict[str, Any]], world: int, rank: int, now: float) -> dict[int, float]:
+    """{rank: seconds since its last heartbeat} of the other ranks silent for SILENT_AFTER_S
+    (records without a heartbeat, written by hand, are not judged)."""
+    return {
+        r: now - records[r]["beat"]
+        for r in range(world)
+        if r != rank and r in records and "beat" in records[r] and now - records[r]["beat"] > SILENT_AFTER_S
+    }
 
 
 def stalled_ranks(behind: list[int], records: dict[int, dict[str, Any]]) -> tuple[list[int], dict[int, int]]:
@@ -178,6 +189,12 @@ def report(
             f"{entry['op']} #{entry['seq']} on {entry['group']} [{entry['channel']}] that rank {rank} waits in; "
             + "; ".join(last)
         )
+    silent = silent_ranks(records, world, rank, now)
+    if silent:
+        head += (
+            f"; rank(s) {', '.join(map(str, silent))} have been silent for {min(silent.values()):.0f} s or more "
+            "(no heartbeat to the store: they died or hung, or their host's network is down)"
+        )
     lines = [
         head + ". Raise --comm-timeout if a rank is only slow, else look at what the ranks above were doing.",
         "last collectives per rank (op #seq on group [channel ranks], oldest first):",
@@ -187,6 +204,7 @@ def report(
             lines.append(f"  rank {r}: nothing published (stalled before its first collective, or the store is gone)")
             continue
         tag = " (did not arrive)" if r in behind else f" (waits for rank {blocked[r]})" if r in blocked else ""
+        tag += f" (silent {silent[r]:.0f} s)" if r in silent else ""
         ops = " | ".join(_describe(e, now) for e in records[r]["last"][-REPORT_LENGTH:]) or "none"
         lines.append(f"  rank {r}{tag}: {ops}")
     return "\n".join(lines)
@@ -206,14 +224,30 @@ def _report_and_exit(store: dist.Store, rank: int, world: int, timeout_s: float 
     worker.join(STORE_WAIT_S)
     if "records" not in result:
         _exit(
-            f"error: a collective timed out on rank {rank}; the rendezvous store did not answer within "
-            f"{STORE_WAIT_S:g} s (its host may be the stalled rank). Rank {rank}'s last collectives: "
+            f"error: a collective timed out on rank {rank} and the rendezvous store did not answer within "
+            f"{STORE_WAIT_S:g} s: {_unreachable()}. Rank {rank}'s last collectives: "
             + " | ".join(_describe(e, time.time()) for e in comm.recent()["last"])
         )
     elif result["first"]:
         _exit("error: " + report(rank, result["records"], world, timeout_s))
     else:
         _exit(f"rank {rank}: {_waiting_in()}timed out; another rank printed the desync report")
+
+
+def _unreachable() -> str:
+    """Who this rank lost when neither its collective nor the store answers: the other hosts'
+    ranks of the collective it waits in (torchrun's GROUP_RANK and LOCAL_WORLD_SIZE say which
+    ranks share its host), and the store's host (rank 0's)."""
+    last = comm.recent()["last"]
+    ranks = comm.members(last[-1]["channel"]) if last else []
+    per_host, host = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("GROUP_RANK", "-1"))
+    lost = [r for r in ranks if r // per_host != host] if host >= 0 else [r for r in ranks if r != dist.get_rank()]
+    if not lost:
+        return "the store's host (rank 0's) is unreachable or stalled"
+    return (
+        f"lost rank(s) {', '.join(map(str, lost))}, which the collective it waits in needs, and the store on "
+        "rank 0's host: that host or this one lost its network, or their processes died"
+    )
 
 
 def _waiting_in() -> str:

@@ -45,7 +45,7 @@ __all__ = [
     "WandbRun",
     "all_ranks",
     "comm_per_step",
-    "max_over_ranks",
+    "over_ranks",
     "peak_flops",
     "peak_memory_bytes",
     "reset_peak_memory",
@@ -207,15 +207,17 @@ def peak_memory_bytes(device: torch.device) -> int:
     return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB on Linux
 
 
-def max_over_ranks(value: int, device: torch.device) -> int:
-    """``value`` maximized over all ranks (an all-reduce MAX on ``device``: the CUDA device
-    under nccl, CPU under gloo); ``value`` itself when torch.distributed is not initialized."""
+def over_ranks(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's ``values`` (as float64: exact for byte counts below 2**53), in rank order:
+    one all-gather on ``device`` (the CUDA device under nccl, CPU under gloo), not counted as
+    training communication; ``[values]`` when torch.distributed is not initialized."""
     if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    out = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)
     with comm.untracked():
-        comm.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+        comm.all_gather_into_tensor(out, mine)
+    return out.view(-1, len(values)).tolist()
 
 
 def all_ranks(obj: Any) -> list[Any]:
@@ -619,9 +621,16 @@ class WandbRun:
         return self._run is not None
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Log ``metrics`` (None values left out) at training step ``step``."""
+        """Log ``metrics`` (None values left out) at training step ``step``; a list (one value
+        per rank) as one chart per element, ``key/i``."""
         if self._run is not None:
-            self._run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+            flat: dict[str, Any] = {}
+            for k, v in metrics.items():
+                if isinstance(v, list):
+                    flat.update({f"{k}/{i}": x for i, x in enumerate(v)})
+                elif v is not None:
+                    flat[k] = v
+            self._run.log(flat, step=step)
 
     def summary(self, values: Mapping[str, Any]) -> None:
         """Set run summary values (final loss, medians, memory, comm)."""

@@ -374,7 +374,7 @@ class Trainer:
             "skipped": self.opt.last_step_skipped,
             "step_time_s": step_time,
             **metrics.throughput(tokens, step_time, flops_per_token, world, peak),
-            "mem_peak_bytes": metrics.max_over_ranks(metrics.peak_memory_bytes(self.device), self.device),
+            **self._over_ranks(metrics.peak_memory_bytes(self.device), log.wait_s),
         }
         if self.cfg.model.moe_experts:  # the loss: cross-entropy and every MoE layer's auxiliary losses
             merged = moe.merge_router_metrics(
@@ -383,6 +383,13 @@ class Trainer:
             row["loss"] += merged["moe_aux_loss"] + merged["moe_z_loss"] - merged.pop("in_loss")
             row.update(merged)
         return row, log.as_dict(), meter.peak_bytes if measure_activations else None
+
+    def _over_ranks(self, peak_bytes: int, wait_s: float) -> dict[str, Any]:
+        """The step's peak memory, the largest over ranks, and each rank's seconds blocked in
+        collectives (`comm_wait_s`, rank order: the ranks that wait are those whose peers
+        are late or whose links are slow)."""
+        rows = metrics.over_ranks([float(peak_bytes), wait_s], self.device)
+        return {"mem_peak_bytes": int(max(r[0] for r in rows)), "comm_wait_s": [r[1] for r in rows]}
 
     def _summary(
         self, rows: list[dict[str, Any]], comm_total: dict, activation_peak: int, wall: float

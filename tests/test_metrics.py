@@ -25,7 +25,7 @@ from research.metrics import (
     WandbRun,
     all_ranks,
     comm_per_step,
-    max_over_ranks,
+    over_ranks,
     peak_flops,
     peak_memory_bytes,
     reset_peak_memory,
@@ -136,7 +136,7 @@ def test_cpu_peak_memory_is_rss_and_resets() -> None:
 
 def test_helpers_without_torch_distributed() -> None:
     assert not dist.is_initialized()
-    assert max_over_ranks(7, CPU) == 7
+    assert over_ranks([7.0, 0.5], CPU) == [[7.0, 0.5]]
     assert all_ranks({"a": 1}) == [{"a": 1}]
 
 
@@ -144,7 +144,7 @@ def _on_two_ranks(out_dir: str) -> dict:
     rank = dist.get_rank()
     with comm.tracking() as log:
         comm.all_reduce(torch.ones(4))  # 16 B payload, 16 B on the wire at N = 2
-        mem = max_over_ranks(100 + rank, CPU)
+        mem = over_ranks([100 + rank, rank / 2], CPU)
         per_rank = all_ranks({"rank": rank})
     wandb_enabled = WandbRun("offline", out_dir=out_dir).enabled if rank == 1 else None
     return {"mem": mem, "per_rank": per_rank, "log": log.as_dict(), "wandb": wandb_enabled}
@@ -153,7 +153,7 @@ def _on_two_ranks(out_dir: str) -> dict:
 def test_over_ranks_is_not_counted_as_training_comm(tmp_path: Path) -> None:
     out = run_distributed(_on_two_ranks, 2, str(tmp_path))
     for o in out:
-        assert o["mem"] == 101
+        assert o["mem"] == [[100.0, 0.0], [101.0, 0.5]]
         assert o["per_rank"] == [{"rank": 0}, {"rank": 1}]
         assert o["log"] == {"world": {"all_reduce": {"calls": 1, "bytes": 16, "payload_bytes": 16}}}
     assert out[1]["wandb"] is False  # rank 1 logs nothing

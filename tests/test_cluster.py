@@ -1,0 +1,191 @@
+"""A cluster over a real network, on one machine (experiments.cluster): hosts are network
+namespaces joined through a switch by links shaped with tc. A 2-host × 2-process hybrid
+ZeRO-3 run trains exactly as the same run on one host, and the bytes it sends across hosts
+(counted by parallel/comm.py) are the planner's; every namespace is gone after a run, also
+after the launcher is killed with SIGKILL. Skipped where namespaces cannot be made (not
+root); CI runs as root."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from experiments.cluster import network
+from experiments.cluster.__main__ import link_rates
+from experiments.cluster.__main__ import main as cluster_main
+from experiments.cluster.launch import LinkEvent
+from experiments.cluster.network import PREFIX, ClusterError, rate_bits, why_unavailable
+from experiments.process_tree import stop
+from research import costmodel
+from research.costmodel import Cluster
+from research.costmodel.hardware import GPUS
+
+ROOT = Path(__file__).resolve().parents[1]
+UNAVAILABLE = why_unavailable() if sys.platform == "linux" else "network namespaces are Linux only"
+needs_namespaces = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no emulated cluster: {UNAVAILABLE}")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1"}
+HYBRID = [
+    *("-m", "experiments.train", "--config", "experiments/configs/tiny.yaml"),
+    *("--n-layers", "2", "--n-heads", "4", "--d-model", "32", "--max-seq-len", "32", "--seq-len", "32"),
+    *("--global-batch-size", "8", "--dp", "4", "--dp-shard", "2", "--zero", "3", "--unit-numel", "4000"),
+    *("--steps", "3", "--seed", "0", "--precision", "fp32", "--wandb", "disabled", "--log-every", "1"),
+    *("--comm-timeout", "60"),
+]
+
+
+def cluster(*args: str) -> list[str]:
+    return [sys.executable, "-m", "experiments.cluster", *args]
+
+
+def ours() -> list[str]:
+    """The namespaces of experiments.cluster launchers on this machine."""
+    listed = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith(PREFIX)]
+
+
+def read_run(out: Path) -> tuple[list[float], dict]:
+    with open(out / "metrics.jsonl") as f:
+        losses = [json.loads(line)["loss"] for line in f]
+    with open(out / "summary.json") as f:
+        return losses, json.load(f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The hybrid run on 2 hosts × 2 processes over 200 Mbit/s links, and on one host."""
+    base = tmp_path_factory.mktemp("cluster")
+    two = cluster("--hosts", "2", "--procs-per-host", "2", "--link", "200mbit", "--timeout", "200", "--")
+    jobs = {
+        "two": [*two, *HYBRID, "--out", str(base / "two"), "--data-cache", str(base / "cache_two")],
+        "one": [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"),
+            *(*HYBRID, "--out", str(base / "one"), "--data-cache", str(base / "cache_one")),
+        ],
+    }
+    procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True) for name, cmd in jobs.items()}  # fmt: skip
+    logs = {}
+    try:
+        for name, proc in procs.items():
+            logs[name] = proc.communicate(timeout=240)[0]
+            assert proc.returncode == 0, logs[name][-3000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                stop(proc)
+    return {"two": read_run(base / "two"), "one": read_run(base / "one"), "log": logs["two"]}
+
+
+@needs_namespaces
+@pytest.mark.timeout(300)
+def test_two_hosts_train_exactly_as_one(runs) -> None:
+    (two, _), (one, _) = runs["two"], runs["one"]
+    assert len(two) == 3 and two == one
+    assert "[host 0] " in runs["log"] and "[host 1] " in runs["log"]
+    assert not ours()
+
+
+@needs_namespaces
+@pytest.mark.timeout(300)
+def test_cross_host_bytes_are_the_planners(runs) -> None:
+    """Shard groups inside a host (ranks 0-1 and 2-3): only the replicas' all-reduce of the
+    gradient shards crosses hosts, at the bytes the planner predicts for it on a 2-per-node
+    cluster; the dp group crosses too, with at most a few scalars (under 64 B)."""
+    _, summary = runs["two"]
+    model, layout, seq_len = costmodel.run_spec(summary["config"])
+    step = costmodel.predict_step_time(model, layout, seq_len, Cluster(GPUS["h100"], 4, 2))
+    predicted = {c.name: c.inter_bytes for c in step.collectives if c.inter_bytes}
+    assert set(predicted) == {"replicate"}
+    for rank in summary["ranks"]:
+        groups = {name: g["total"]["bytes"] for name, g in rank["comm_per_step"].items() if g["total"]["bytes"]}
+        assert groups["dp_replicate"] == pytest.approx(predicted["replicate"], rel=1e-9)
+        assert groups.get("dp", 0) < 64
+        assert set(groups) <= {"dp_shard", "dp_shard-side", "dp_replicate", "dp"}, groups
+
+
+def _start_sleeping_job() -> tuple[subprocess.Popen, list[str]]:
+    """A launcher whose hosts sleep, once its namespaces exist: (launcher, its namespaces)."""
+    before = set(ours())
+    proc = subprocess.Popen(cluster("--hosts", "2", "--", "--no-python", "sleep", "60"), cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        made = [n for n in ours() if n not in before and n.startswith(f"{PREFIX}{proc.pid}-")]
+        if len(made) == 3:  # the switch and two hosts
+            time.sleep(1)  # the agents are starting inside
+            return proc, made
+        time.sleep(0.2)
+    stop(proc)
+    pytest.fail("the launcher made no namespaces in 30 s")
+
+
+def _gone_within(names: list[str], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not set(names) & set(ours()):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@needs_namespaces
+@pytest.mark.timeout(120)
+def test_namespaces_are_gone_after_the_launcher_is_killed() -> None:
+    """SIGKILL of the launcher: its watcher removes the namespaces (and what runs inside);
+    SIGKILL of both: the next launch (here `--cleanup`) removes them."""
+    proc, made = _start_sleeping_job()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert _gone_within(made, 15), made
+    proc, made = _start_sleeping_job()
+    watchers = _cluster_pids(f"--watch\0{proc.pid}")
+    for pid in [proc.pid, *watchers]:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(1)
+    assert set(made) <= set(ours())  # left behind
+    done = subprocess.run(
+        cluster("--cleanup"), check=False, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and all(name in done.stdout for name in made), done.stdout + done.stderr
+    assert not set(made) & set(ours())
+
+
+def _cluster_pids(argument: str) -> list[int]:
+    """Processes running experiments.cluster with `argument` ("\\0" between words)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            if b"experiments.cluster" in cmdline and argument.encode() in cmdline:
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_refused_in_one_sentence_without_privilege(monkeypatch, capsys) -> None:
+    """As a user other than root the launcher says what it needs and exits 2, making nothing."""
+    monkeypatch.setattr(network.os, "geteuid", lambda: 1000)
+    assert cluster_main(["--", "-m", "experiments.train"]) == 2
+    err = capsys.readouterr().err
+    assert "needs root" in err and err.count("\n") == 1
+
+
+def test_rates_and_events_are_checked() -> None:
+    assert rate_bits("200mbit") == 200e6 and rate_bits("1gbit") == 1e9
+    assert link_rates(3, "1gbit", ["2=100mbit"]) == ["1gbit", "1gbit", "100mbit"]
+    assert LinkEvent.parse("20:1:down", 2) == LinkEvent(20.0, 1, "down")
+    for bad in (lambda: rate_bits("200mb"), lambda: link_rates(2, "1gbit", ["2=1gbit"])):
+        with pytest.raises(ClusterError):
+            bad()
+    for text in ("20:1", "x:1:down", "5:2:down", "5:0:fast"):
+        with pytest.raises(ClusterError):
+            LinkEvent.parse(text, 2)
