@@ -58,10 +58,9 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     timeout_s = cfg.parallel.comm_timeout or desync.default_timeout_s(device_type)
     cfg.parallel.comm_timeout = timeout_s
-    if dist.is_initialized():
-        desync.set_timeout(timeout_s, [None])
-    else:
+    if not dist.is_initialized():
         _join(timeout_s)
+    desync.set_timeout(timeout_s, [None])
     with desync.report_timeouts(timeout_s):
         return Trainer(cfg).train()
 

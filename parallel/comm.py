@@ -305,8 +305,14 @@ def side_group(group: Group) -> dist.ProcessGroup:
     can never be matched with one of ``group``'s own (a rank that skipped a collective there
     waits here instead of exchanging the wrong data); named "<group>-side", with its own
     channel in the flight recorder. Every rank of ``group`` calls it."""
-    ranks = dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
-    side = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    pg = dist.group.WORLD if group is None else group
+    try:  # the group's own timeout, not torch's default for a new group (30 minutes on gloo)
+        timeout = pg._get_backend(pg._device_types[0]).options._timeout
+    except (AttributeError, IndexError, RuntimeError):
+        timeout = None
+    side = dist.new_group(
+        dist.get_process_group_ranks(pg), backend="gloo", timeout=timeout, use_local_synchronization=True
+    )
     _sides.add(side)
     set_group_name(side, f"{group_name(group)}-side")
     return side

@@ -39,7 +39,8 @@ from parallel import comm
 CPU_TIMEOUT_S = 180.0  # gloo: a few minutes, then the report
 CUDA_TIMEOUT_S = 900.0  # NCCL: longer, its watchdog applies
 PUBLISH_INTERVAL_S = 1.0
-SILENT_AFTER_S = 5.0  # a rank whose heartbeat is older than this is named as silent
+SILENT_AFTER_S = 5.0
+STORE_GRACE_S = 30.0  # past the comm timeout, how long the store may stay silent  # a rank whose heartbeat is older than this is named as silent
 STORE_WAIT_S = 10.0  # how long a report waits for the store before giving up on it
 REPORT_LENGTH = 4  # collectives per rank in the printed table
 _PREFIX = "zero3d/flight"
@@ -54,10 +55,15 @@ def default_timeout_s(device_type: str) -> float:
 
 
 def set_timeout(seconds: float, groups: list[dist.ProcessGroup | None]) -> None:
-    """Give every group in `groups` (None: the default group) a timeout of `seconds`:
-    subgroups otherwise keep torch's 30-minute default whatever the default group has."""
+    """Give every group in `groups` (None: the default group) a timeout of `seconds`, and
+    every group made from now on: torch makes a new group with its own default (30 minutes
+    on gloo, 10 on NCCL) whatever the default group has, and a rank that loses a peer while
+    the group connects would wait that long."""
+    timeout = timedelta(seconds=seconds)
     for group in groups:
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    dist.distributed_c10d.default_pg_timeout = timeout  # read by new_group when given no timeout
+    dist.distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def is_timeout(error: BaseException) -> bool:
@@ -75,18 +81,23 @@ def report_timeouts(timeout_s: float | None = None) -> Iterator[None]:
     """Publish this rank's flight record while the block runs; a timed-out collective inside
     it prints the desync report and ends the process with status 1 (no hang, no traceback);
     a collective whose peer exited (it failed, or it reported a timeout) prints one line and
-    ends it with status 1 too. A collective: every rank enters it. `timeout_s` is only
-    quoted in the report."""
+    ends it with status 1 too; a store that stops answering for `timeout_s` + STORE_GRACE_S
+    (its host, rank 0's, is unreachable: no collective nor its own timeout can be trusted to
+    return) ends it with one sentence. A collective: every rank enters it."""
     global _generation
     _generation += 1
     comm.reset_flight()
     store = dist.PrefixStore(f"{_PREFIX}/{_generation}/", dist.distributed_c10d._get_default_store())
     rank, world = dist.get_rank(), dist.get_world_size()
-    stop = threading.Event()
+    stop, answered = threading.Event(), [time.monotonic()]
     thread = threading.Thread(
-        target=_publish_until, args=(store, rank, stop), daemon=True, name="zero3d-flight-recorder"
+        target=_publish_until, args=(store, rank, stop, answered), daemon=True, name="zero3d-flight-recorder"
     )
     thread.start()
+    patience = (timeout_s or CPU_TIMEOUT_S) + STORE_GRACE_S
+    threading.Thread(
+        target=_guard_store, args=(rank, stop, answered, patience), daemon=True, name="zero3d-store-guard"
+    ).start()
     try:
         yield
     except RuntimeError as error:
@@ -104,16 +115,30 @@ def report_timeouts(timeout_s: float | None = None) -> Iterator[None]:
         thread.join(timeout=5 * PUBLISH_INTERVAL_S)  # never inside a store call when Python finalizes
 
 
-def _publish_until(store: dist.Store, rank: int, stop: threading.Event) -> None:
+def _publish_until(store: dist.Store, rank: int, stop: threading.Event, answered: list[float]) -> None:
     """Write comm.recent() and a heartbeat (`beat`: unix time) to the store every
     PUBLISH_INTERVAL_S: a rank whose heartbeat stops has died, hung holding the interpreter,
-    or lost its network."""
-    while True:
-        try:
+    or lost its network. `answered[0]`: when the store last answered."""
+    while not stop.is_set():
+        with contextlib.suppress(RuntimeError, OSError):  # unanswered: `_guard_store` judges
             store.set(f"rank_{rank}", json.dumps({**comm.recent(), "beat": time.time()}))
-        except (RuntimeError, OSError):
-            return
-        if stop.wait(PUBLISH_INTERVAL_S):
+            answered[0] = time.monotonic()
+        stop.wait(PUBLISH_INTERVAL_S)
+
+
+def _guard_store(rank: int, stop: threading.Event, answered: list[float], patience: float) -> None:
+    """End the process when the store has not answered a heartbeat for `patience` seconds: a
+    store call to an unreachable host blocks without end, as may the collectives and group
+    creations (gloo's connect) that go through it."""
+    while not stop.wait(PUBLISH_INTERVAL_S):
+        silent = time.monotonic() - answered[0]
+        if silent > patience:
+            where = os.environ.get("MASTER_ADDR", "?")
+            doing = _waiting_in().removesuffix(", ") or "not in a collective"
+            _exit(
+                f"error: rank {rank} lost contact with the rendezvous store at {where} (rank 0's host): no answer for "
+                f"{silent:.0f} s ({doing}); that host is down or the network between them is, so the job cannot go on"
+            )
             return
 
 
@@ -191,10 +216,11 @@ def report(
         )
     silent = silent_ranks(records, world, rank, now)
     if silent:
-        head += (
-            f"; rank(s) {', '.join(map(str, silent))} have been silent for {min(silent.values()):.0f} s or more "
+        lost = (
+            f"rank(s) {', '.join(map(str, silent))} have been silent for {min(silent.values()):.0f} s or more "
             "(no heartbeat to the store: they died or hung, or their host's network is down)"
         )
+        head = f"a collective timed out{waited} on rank {rank}: {lost}" if entry is None else f"{head}; {lost}"
     lines = [
         head + ". Raise --comm-timeout if a rank is only slow, else look at what the ranks above were doing.",
         "last collectives per rank (op #seq on group [channel ranks], oldest first):",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from experiments.cluster import network
 from experiments.cluster.__main__ import link_rates
 from experiments.cluster.__main__ import main as cluster_main
 from experiments.cluster.launch import LinkEvent
-from experiments.cluster.network import PREFIX, ClusterError, rate_bits, why_unavailable
+from experiments.cluster.network import PREFIX, ClusterError, Network, rate_bits, why_unavailable
 from experiments.process_tree import stop
 from research import costmodel
 from research.costmodel import Cluster
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 UNAVAILABLE = why_unavailable() if sys.platform == "linux" else "network namespaces are Linux only"
 needs_namespaces = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no emulated cluster: {UNAVAILABLE}")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1"}
+COMM_TIMEOUT_S = 10
 HYBRID = [
     *("-m", "experiments.train", "--config", "experiments/configs/tiny.yaml"),
     *("--n-layers", "2", "--n-heads", "4", "--d-model", "32", "--max-seq-len", "32", "--seq-len", "32"),
@@ -108,6 +110,71 @@ def test_cross_host_bytes_are_the_planners(runs) -> None:
         assert groups["dp_replicate"] == pytest.approx(predicted["replicate"], rel=1e-9)
         assert groups.get("dp", 0) < 64
         assert set(groups) <= {"dp_shard", "dp_shard-side", "dp_replicate", "dp"}, groups
+
+
+FAULTY = [
+    *HYBRID[: HYBRID.index("--dp")],
+    *("--dp", "4", "--zero", "3", "--steps", "100000", "--seed", "0", "--precision", "fp32"),
+    *("--wandb", "disabled", "--log-every", "1", "--comm-timeout", str(COMM_TIMEOUT_S)),
+]
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory):
+    """A dp 4 ZeRO-3 run on 2 hosts × 2 processes: host 1's link is slowed 10× (200 → 20
+    Mbit/s) after step 10, then cut after step 30. Returns (exit code, seconds from the cut
+    to the launcher's end, its output, the metrics rows)."""
+    out = tmp_path_factory.mktemp("faulty")
+    command = cluster("--hosts", "2", "--procs-per-host", "2", "--link", "200mbit", "--timeout", "240", "--")
+    proc = subprocess.Popen([*command, *FAULTY, "--out", str(out / "run"), "--data-cache", str(out / "cache")],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines, cut_at = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "] step 10/" in line or "] step 30/" in line:
+                tag = next(n for n in ours() if n.startswith(f"{PREFIX}{proc.pid}-")).rsplit("-", 1)[0]
+                link = Network(["200mbit"] * 2, tag=tag)
+                if "step 10/" in line:
+                    link.shape(1, "20mbit")
+                else:
+                    link.cut(1)
+                    cut_at = time.monotonic()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            stop(proc)
+    assert cut_at is not None, "".join(lines[-40:])
+    with open(out / "run" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    return proc.returncode, time.monotonic() - cut_at, "".join(lines), rows
+
+
+@needs_namespaces
+@pytest.mark.timeout(300)
+def test_a_cut_link_ends_every_rank_naming_the_lost_ones(faulty) -> None:
+    """Every rank on both hosts exits within --comm-timeout + 60 s of the cut, non-zero; host
+    0's report names ranks 2 and 3, each rank of host 1 names ranks 0 and 1."""
+    code, seconds, output, _ = faulty
+    assert code != 0 and seconds < COMM_TIMEOUT_S + 60, (code, seconds)
+    said = [line for line in output.splitlines() if "error: a collective timed out" in line]
+    assert any(line.startswith("[host 0]") and "rank(s) 2, 3" in line for line in said), said
+    assert sum(line.startswith("[host 1]") and "lost rank(s) 0, 1" in line for line in said) == 2, said
+    assert not ours()
+
+
+@needs_namespaces
+@pytest.mark.timeout(300)
+def test_a_slowed_link_shows_in_the_ranks_comm_wait(faulty) -> None:
+    """After host 1's link is slowed 10× the run goes on, and every rank's comm_wait_s rises
+    (each collective of dp 4 crosses that link: the ranks of both hosts wait for it)."""
+    _, _, _, rows = faulty
+    before = [r["comm_wait_s"] for r in rows if 3 <= r["step"] <= 10]
+    after = [r["comm_wait_s"] for r in rows if 13 <= r["step"] <= 30]
+    assert len(after) == 18
+    for rank in range(4):
+        slow, fast = statistics.median(w[rank] for w in after), statistics.median(w[rank] for w in before)
+        assert slow > 3 * fast, (rank, fast, slow)
 
 
 def _start_sleeping_job() -> tuple[subprocess.Popen, list[str]]:

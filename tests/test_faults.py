@@ -68,6 +68,52 @@ def test_a_rank_blocked_behind_the_stalled_one_is_not_blamed() -> None:
     assert "  rank 0 (waits for rank 2):" in text and "  rank 2 (did not arrive):" in text
 
 
+def test_ranks_whose_heartbeat_stopped_are_named() -> None:
+    """Every rank issued broadcast #8 (a link cut while all were in it): the sequence numbers
+    blame no one, the heartbeats do: ranks 2 and 3 have not published for 12 s."""
+    records = {
+        r: {
+            "last": [_entry("broadcast", "dp", "0,1,2,3", 8)],
+            "issued": {"0,1,2,3": 8},
+            "beat": 88.0 if r > 1 else 99.5,
+        }
+        for r in range(4)
+    }
+    text = desync.report(0, records, 4, 10.0, now=100.0)
+    assert text.startswith("a collective timed out after 10 s on rank 0: rank(s) 2, 3 have been silent for 12 s"), text
+    assert "  rank 2 (silent 12 s):" in text and "  rank 1:" in text
+
+
+def test_a_store_that_stops_answering_ends_the_rank(monkeypatch) -> None:
+    said: list[str] = []
+    monkeypatch.setattr(desync, "_exit", said.append)
+    monkeypatch.setattr(desync, "PUBLISH_INTERVAL_S", 0.01)
+    stop = __import__("threading").Event()
+    desync._guard_store(3, stop, [time.monotonic() - 50.0], patience=40.0)  # returns once it has spoken
+    assert len(said) == 1 and said[0].startswith("error: rank 3 lost contact with the rendezvous store"), said
+
+
+def _group_timeouts() -> list[float]:
+    """The timeouts of a group made after set_timeout, and of a side group of it."""
+    from datetime import timedelta
+
+    import torch
+
+    desync.set_timeout(7.0, [None])
+    group = __import__("torch.distributed", fromlist=["new_group"]).new_group([0, 1])
+    side = comm.side_group(group)
+    cpu = torch.device("cpu")
+    out = [g._get_backend(cpu).options._timeout / timedelta(seconds=1) for g in (group, side)]
+    return out
+
+
+def test_groups_made_later_take_the_run_timeout() -> None:
+    """torch gives a new group 30 minutes whatever the default group has: a rank that loses a
+    peer while a group connects would wait that long."""
+    for timeouts in run_distributed(_group_timeouts, 2, timeout=60):
+        assert timeouts == [7.0, 7.0]
+
+
 def test_a_rank_that_never_published_is_reported_missing() -> None:
     records = {0: {"last": [_entry("barrier", "world", "0,1", 1)], "issued": {"0,1": 1}}}
     _, behind = comm.missing_ranks(records[0], records)
