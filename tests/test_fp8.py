@@ -162,3 +162,18 @@ def test_fp8_is_refused_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.version, "hip", "6.3.42131", raising=False)
     with pytest.raises(ConfigError, match="train in bf16 on ROCm"):
         validate_fp8(GPTConfig(d_model=64, fp8="tensorwise"), ParallelConfig(), "bf16")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("not torch.cuda.is_available()", reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2], ids=["e4m3", "e5m2"])
+def test_compiled_cast_on_cuda_is_the_eager_one(dtype: torch.dtype) -> None:
+    """On CUDA the scale-and-cast runs compiled (one elementwise kernel): the same float8 bits
+    as the eager ops, for shapes that share one compiled graph."""
+    for shape in [(4096, 2048), (2048, 8192), (333, 64)]:
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 7
+        top = torch.finfo(dtype).max
+        scale = top / x.abs().amax().float()
+        got, inv = fp8.to_float8(x, dtype)
+        want = fp8.scale_cast(x, scale, top, dtype)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and inv == scale.reciprocal()
