@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from research import costmodel
 from research.costmodel import Cluster, Collective, Estimate, GiB, Layout, Plan
-from research.costmodel.hardware import NETWORK_STEP_LATENCY, NVLINK_STEP_LATENCY
+from research.costmodel.hardware import NETWORK_STEP_LATENCY, NVLINK_STEP_LATENCY, SYSTEMS, load_system
 from research.model import GPTConfig
 
 
@@ -81,8 +81,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "ZeRO-3 vs hybrid vs ZeRO++ (markdown)",
     )
     p.add_argument("--gpus", type=int, help="GPUs in all (default: the preset's)")
-    p.add_argument("--gpu", choices=list(costmodel.GPUS), default="a100-80gb", help="GPU type")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    hardware = p.add_mutually_exclusive_group()
+    hardware.add_argument(
+        "--gpu", choices=list(SYSTEMS), default="a100-80gb", help="a built-in system (research/costmodel/systems)"
+    )
+    hardware.add_argument(
+        "--hardware",
+        metavar="FILE.yaml",
+        help="a hardware file (research/costmodel/hardware.py; experiments.calibrate)",
+    )
+    p.add_argument("--gpus-per-node", type=int, help="devices per node (default: the system's)")
     p.add_argument("--global-batch-size", type=int, help="sequences per step (default: the preset's or config's)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: 2048 or the config's)")
     p.add_argument("--top", type=int, default=10, help="layouts to show")
@@ -207,7 +215,12 @@ def from_config(path: str) -> tuple[GPTConfig, int, int | None]:
 
 
 def cluster_of(args: argparse.Namespace, gpus: int) -> Cluster:
-    gpu = costmodel.GPUS[args.gpu]
+    """The system of --gpu or --hardware, with the command's overrides, at `gpus` devices."""
+    try:
+        system = load_system(args.hardware) if args.hardware else SYSTEMS[args.gpu]
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: --hardware: {e}")
+    gpu = system.gpu
     overrides = {
         "memory_bytes": args.memory_gib and int(args.memory_gib * GiB),
         "peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
@@ -217,7 +230,10 @@ def cluster_of(args: argparse.Namespace, gpus: int) -> Cluster:
     gpu = dataclasses.replace(gpu, **{k: v for k, v in overrides.items() if v})
     latencies = {"intra_node_latency": args.intra_node_latency_us, "inter_node_latency": args.inter_node_latency_us}
     latencies = {k: us * 1e-6 for k, us in latencies.items() if us is not None}  # 0: bandwidth only
-    return Cluster(gpu, gpus, args.gpus_per_node, args.inter_node_gbps, **latencies)
+    per_node = {"gpus_per_node": args.gpus_per_node} if args.gpus_per_node else {}
+    return dataclasses.replace(system, gpu=gpu).cluster(
+        gpus, inter_node_gbps=args.inter_node_gbps, **per_node, **latencies
+    )
 
 
 def _count(n: int) -> str:

@@ -79,6 +79,8 @@ class _Peak(NamedTuple):
 # come first ("h100 nvl" before "h100"). Vendor datasheets / architecture whitepapers. ROCm
 # builds of torch name AMD GPUs "AMD Instinct MI300X", "AMD Instinct MI250X/MI250".
 _PEAKS: tuple[tuple[str, _Peak], ...] = (
+    ("gb200", _Peak(2500.0, 2500.0, 1250.0, 80.0, 8000.0, 5000.0)),  # per GPU of a GB200 superchip
+    ("b200", _Peak(2250.0, 2250.0, 1100.0, 75.0, 8000.0, 4500.0)),  # HGX / DGX B200, 1000 W
     ("h200 nvl", _Peak(835.5, 835.5, 417.5, 60.0, 4800.0, 1671.0)),
     ("h200", _Peak(989.4, 989.4, 494.7, 66.9, 4800.0, 1978.9)),
     ("gh200", _Peak(989.4, 989.4, 494.7, 66.9, 4000.0, 1978.9)),

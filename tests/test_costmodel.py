@@ -1217,3 +1217,42 @@ def test_plan_predicts_one_given_layout_as_json(capsys: pytest.CaptureFixture[st
         with pytest.raises(SystemExit) as exit_:
             plan.main([*argv, "--layout", bad])
         assert exit_.value.code == 1 and why in json.loads(capsys.readouterr().out)["error"], bad
+
+
+# ---- hardware files ---------------------------------------------------------------------------
+def test_built_in_systems_are_files_with_their_datasheets() -> None:
+    """Each built-in system is a file of research/costmodel/systems; a Frontier node is 8
+    MI250X GCDs sharing 4 × 25 GB/s Slingshot NICs; B200 and MI300X from their datasheets."""
+    from research.costmodel.hardware import SYSTEMS, SYSTEMS_DIR, load_system
+
+    assert set(SYSTEMS) == {p.stem for p in SYSTEMS_DIR.glob("*.yaml")} >= {"h100", "b200", "mi250x", "mi300x"}
+    frontier = SYSTEMS["mi250x"]
+    assert frontier.gpus_per_node == 8 and frontier.gpu.inter_node_bandwidth == 4 * 25e9 / 8
+    assert (frontier.gpu.memory_bytes, frontier.gpu.peak_flops) == (64 * GiB, 191.5e12)
+    b200, mi300x = SYSTEMS["b200"].gpu, SYSTEMS["mi300x"].gpu
+    assert (b200.peak_flops, b200.fp8_flops, b200.hbm_bandwidth) == (2250e12, 4500e12, 8000e9)
+    assert (mi300x.peak_flops, mi300x.hbm_bandwidth, mi300x.intra_node_bandwidth) == (1307.4e12, 5300e9, 448e9)
+    assert load_system(SYSTEMS_DIR / "h100.yaml") == SYSTEMS["h100"]
+    assert SYSTEMS["h100"].cluster(16) == Cluster(GPUS["h100"], 16)  # NCCL's latencies unless a file says
+
+
+def test_plan_takes_a_hardware_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--hardware FILE predicts as the built-in system it copies; a measured η, peak and
+    network in the file change the prediction; a broken file is one sentence and exit."""
+    from experiments import plan
+
+    layout = ["--json", "--layout", "tp=2,pp=1,dp=8,zero=3,mbs=1,recompute=none,sp=1"]
+
+    def predict(*hardware: str) -> dict:
+        plan.main(["--model", "gpt-7b", "--gpus", "16", *hardware, *layout])
+        return json.loads(capsys.readouterr().out)
+
+    h100 = Path(costmodel.hardware.SYSTEMS_DIR / "h100.yaml").read_text()
+    (tmp_path / "same.yaml").write_text(h100)
+    assert predict("--hardware", str(tmp_path / "same.yaml")) == predict("--gpu", "h100")
+    slow = h100.replace("inter_node: {gbs: 50}", "inter_node: {gbs: 5, latency_us: 50}")
+    (tmp_path / "slow.yaml").write_text(slow + "matmul_efficiency: 0.3\n")
+    assert predict("--hardware", str(tmp_path / "slow.yaml"))["step_s"] > 2 * predict("--gpu", "h100")["step_s"]
+    (tmp_path / "cpu.yaml").write_text(slow.replace("device: h100", "device: cpu"))
+    with pytest.raises(SystemExit, match=r"is not in research\.metrics' GPU table: give peak_tflops\.bf16 and hbm_gbs"):
+        predict("--hardware", str(tmp_path / "cpu.yaml"))

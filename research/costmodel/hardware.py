@@ -1,10 +1,27 @@
-"""GPUs and clusters the planner knows: memory, peak FLOP/s, bandwidths, latencies."""
+"""GPUs and clusters the planner knows: memory, peak FLOP/s, bandwidths, latencies.
+
+A system (one kind of node and its network) is a YAML file; the built-in ones are
+research/costmodel/systems/*.yaml, and `python -m experiments.calibrate` writes one measured
+on the machine at hand. Keys (bandwidths in GB/s per device and direction):
+
+    name: h100
+    device: h100            # a row of research.metrics' GPU table: peak FLOP/s, HBM bandwidth
+    memory_mib: 81559       # per device
+    devices_per_node: 8
+    intra_node: {gbs: 450}  # optional latency_us: µs per step of a ring collective (NCCL's below)
+    inter_node: {gbs: 50}
+    # optional, instead of the device row or measured: peak_tflops: {bf16: .., fp8: ..},
+    # hbm_gbs: .., matmul_efficiency: .. (the share of the peak a layer's GEMMs reach)
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
 
 from research.metrics import gpu_hbm_bandwidth, gpu_peak_flops
 
@@ -23,31 +40,7 @@ class GPU:
     intra_node_bandwidth: float
     inter_node_bandwidth: float
     fp8_flops: float | None = None  # dense float8 tensor-core FLOP/s (None: no float8 matmuls)
-
-
-def _gpu(name: str, row: str, memory_bytes: int, intra_node: float, inter_node: float) -> GPU:
-    """The planner GPU `name` whose peak and HBM bandwidth come from research.metrics' GPU
-    table, its `row` (the one source of both)."""
-    peak, hbm = gpu_peak_flops(row, torch.bfloat16), gpu_hbm_bandwidth(row)
-    if peak is None or hbm is None:
-        raise KeyError(f"{row} is not in research.metrics' GPU table with its bandwidth; add it there")
-    fp8 = gpu_peak_flops(row, torch.float8_e4m3fn)
-    return GPU(name, memory_bytes, peak, hbm, intra_node, inter_node, fp8)
-
-
-# Memory as nvidia-smi / rocm-smi report it; link bandwidths per GPU and direction from the
-# vendors' datasheets: NVLink (half the bidirectional figure), AMD Infinity Fabric (MI300X:
-# 7 links, 448 GB/s; MI250X: a GCD's links to the others in its node, about 100 GB/s);
-# networks of DGX and similar nodes: 8 × HDR 200 Gb/s (A100), 8 × NDR 400 Gb/s (H100, H200,
-# MI300X), and Frontier's 4 × 200 Gb/s Slingshot NICs for 8 GCDs (MI250X).
-GPUS: dict[str, GPU] = {
-    "a100-40gb": _gpu("a100-40gb", "a100", 40960 * MiB, 300e9, 25e9),
-    "a100-80gb": _gpu("a100-80gb", "a100-sxm4-80gb", 81920 * MiB, 300e9, 25e9),
-    "h100": _gpu("h100", "h100", 81559 * MiB, 450e9, 50e9),
-    "h200": _gpu("h200", "h200", 143771 * MiB, 450e9, 50e9),
-    "mi250x": _gpu("mi250x", "mi250x", 65536 * MiB, 100e9, 12.5e9),
-    "mi300x": _gpu("mi300x", "mi300x", 196592 * MiB, 448e9, 50e9),
-}
+    matmul_efficiency: float | None = None  # η measured on this device (None: the planner's fit)
 
 
 # Latency per step of a ring collective (the α of alpha-beta), from NCCL's own cost model:
@@ -57,6 +50,73 @@ GPUS: dict[str, GPU] = {
 # fixed cost per call (`baseLat`, 8.4 µs) is left out.
 NVLINK_STEP_LATENCY = 3.4e-6
 NETWORK_STEP_LATENCY = 14e-6
+
+SYSTEM_KEYS = {"name", "device", "memory_mib", "devices_per_node", "intra_node", "inter_node"}
+OPTIONAL_KEYS = {"peak_tflops", "hbm_gbs", "matmul_efficiency"}
+
+
+@dataclass(frozen=True)
+class System:
+    """A node of `gpus_per_node` devices `gpu` and its network's step latencies (seconds):
+    what a hardware file describes. `cluster(n)`: n such devices."""
+
+    gpu: GPU
+    gpus_per_node: int
+    intra_node_latency: float
+    inter_node_latency: float
+
+    def cluster(self, gpus: int, **overrides: Any) -> Cluster:
+        fields = {
+            "gpus_per_node": self.gpus_per_node,
+            "intra_node_latency": self.intra_node_latency,
+            "inter_node_latency": self.inter_node_latency,
+        }
+        return Cluster(self.gpu, gpus, **{**fields, **overrides})
+
+
+def load_system(path: str | Path) -> System:
+    """The system described by the YAML file at `path` (module docstring); a ValueError
+    naming the file and the key when it is not one."""
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    where = str(path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: a hardware file is a mapping of {', '.join(sorted(SYSTEM_KEYS))}")
+    missing, unknown = SYSTEM_KEYS - set(raw) - {"device"}, set(raw) - SYSTEM_KEYS - OPTIONAL_KEYS
+    if missing or unknown:
+        raise ValueError(
+            f"{where}: missing {sorted(missing)} / unknown {sorted(unknown)} keys (see research/costmodel/hardware.py)"
+        )
+    try:
+        peaks = {k: float(v) * 1e12 for k, v in (raw.get("peak_tflops") or {}).items()}
+        row = raw.get("device")
+        bf16 = peaks.get("bf16") or (row and gpu_peak_flops(row, torch.bfloat16))
+        fp8 = peaks.get("fp8") or (row and gpu_peak_flops(row, torch.float8_e4m3fn))
+        hbm = float(raw["hbm_gbs"]) * 1e9 if "hbm_gbs" in raw else row and gpu_hbm_bandwidth(row)
+        if not bf16 or not hbm:
+            raise ValueError(f"device {row!r} is not in research.metrics' GPU table: give peak_tflops.bf16 and hbm_gbs")
+        intra, inter = raw["intra_node"], raw["inter_node"]
+        eta = raw.get("matmul_efficiency")
+        gpu = GPU(
+            str(raw["name"]), int(raw["memory_mib"]) * MiB, bf16, hbm, float(intra["gbs"]) * 1e9,
+            float(inter["gbs"]) * 1e9, fp8 or None, None if eta is None else float(eta),
+        )  # fmt: skip
+        latency = [
+            part["latency_us"] * 1e-6 if "latency_us" in part else default
+            for part, default in ((intra, NVLINK_STEP_LATENCY), (inter, NETWORK_STEP_LATENCY))
+        ]
+        system = System(gpu, int(raw["devices_per_node"]), *latency)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    if system.gpus_per_node < 1 or min(gpu.intra_node_bandwidth, gpu.inter_node_bandwidth) <= 0:
+        raise ValueError(f"{where}: devices_per_node and both bandwidths must be positive")
+    return system
+
+
+SYSTEMS_DIR = Path(__file__).parent / "systems"
+# The built-in systems, by name (`--gpu NAME`): one file each, datasheet figures.
+SYSTEMS: dict[str, System] = {p.stem: load_system(p) for p in sorted(SYSTEMS_DIR.glob("*.yaml"))}
+GPUS: dict[str, GPU] = {name: system.gpu for name, system in SYSTEMS.items()}
 
 
 def ranks_per_node(size: int, stride: int, gpus_per_node: int) -> int:

@@ -120,10 +120,10 @@ def _micro_batch(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluste
 
 
 def _matmul_rate(model: GPTConfig, layout: Layout, gpu: GPU, seq_len: int, layers: int, moe: int) -> float:
-    """η × the matmul FLOP/s of the rank's layers: the 16-bit peak, or with float8 linear
+    """η (the GPU's measured one, else the fit) × the matmul FLOP/s of the rank's layers: the 16-bit peak, or with float8 linear
     layers their share of the FLOPs (QKV, projection, dense MLPs) at the float8 peak."""
     if not layout.fp8:
-        return MATMUL_EFFICIENCY * gpu.peak_flops
+        return (gpu.matmul_efficiency or MATMUL_EFFICIENCY) * gpu.peak_flops
     if gpu.fp8_flops is None:
         raise ValueError(f"the {gpu.name} has no float8 tensor cores: plan it without --fp8")
     h = model.d_model
@@ -131,7 +131,7 @@ def _matmul_rate(model: GPTConfig, layout: Layout, gpu: GPU, seq_len: int, layer
     linear = layers * 8 * h * h + (layers - moe) * (layer - core - 8 * h * h)
     total = layers * layer + (moe * model.moe_layer_extra_flops() if moe else 0.0) + head
     share = linear / total
-    return MATMUL_EFFICIENCY / ((1 - share) / gpu.peak_flops + share / gpu.fp8_flops)
+    return (gpu.matmul_efficiency or MATMUL_EFFICIENCY) / ((1 - share) / gpu.peak_flops + share / gpu.fp8_flops)
 
 
 def _layer_traffic(model: GPTConfig, layout: Layout, seq_len: int, moe: int, layers: int) -> tuple[float, float]:
