@@ -81,6 +81,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "ZeRO-3 vs hybrid vs ZeRO++ (markdown)",
     )
     p.add_argument("--gpus", type=int, help="GPUs in all (default: the preset's)")
+    _hardware_args(p)
+    p.add_argument("--global-batch-size", type=int, help="sequences per step (default: the preset's or config's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: 2048 or the config's)")
+    p.add_argument("--top", type=int, default=10, help="layouts to show")
+    p.add_argument(
+        "--comm",
+        choices=list(costmodel.COMM_SCHEMES),
+        default="exact",
+        help="data-parallel communication: exact (the fastest without quantization: plain, hybrid, hpZ), "
+        "any (the fastest, quantized too), zero (plain), hybrid (--dp-shard), "
+        "zero++ (qwZ, hpZ at stage 3, int4 qgZ at stages 2-3)",
+    )
+    _one_layout_args(p)
+    return p.parse_args(argv)
+
+
+def _hardware_args(p: argparse.ArgumentParser) -> None:
+    """The system (--gpu or --hardware) and overrides of its figures."""
     hardware = p.add_mutually_exclusive_group()
     hardware.add_argument(
         "--gpu", choices=list(SYSTEMS), default="a100-80gb", help="a built-in system (research/costmodel/systems)"
@@ -91,9 +109,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a hardware file (research/costmodel/hardware.py; experiments.calibrate)",
     )
     p.add_argument("--gpus-per-node", type=int, help="devices per node (default: the system's)")
-    p.add_argument("--global-batch-size", type=int, help="sequences per step (default: the preset's or config's)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: 2048 or the config's)")
-    p.add_argument("--top", type=int, default=10, help="layouts to show")
     p.add_argument("--memory-gib", type=float, help="override the GPU's memory")
     p.add_argument("--peak-tflops", type=float, help="override the GPU's dense 16-bit peak")
     p.add_argument("--intra-node-gbs", type=float, help="override NVLink GB/s per GPU and direction")
@@ -112,16 +127,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         help=f"override µs per ring step across nodes ({NETWORK_STEP_LATENCY * 1e6:g})",
     )
-    p.add_argument(
-        "--comm",
-        choices=list(costmodel.COMM_SCHEMES),
-        default="exact",
-        help="data-parallel communication: exact (the fastest without quantization: plain, hybrid, hpZ), "
-        "any (the fastest, quantized too), zero (plain), hybrid (--dp-shard), "
-        "zero++ (qwZ, hpZ at stage 3, int4 qgZ at stages 2-3)",
-    )
-    _one_layout_args(p)
-    return p.parse_args(argv)
 
 
 def _one_layout_args(p: argparse.ArgumentParser) -> None:
