@@ -256,3 +256,26 @@ def test_rates_and_events_are_checked() -> None:
     for text in ("20:1", "x:1:down", "5:2:down", "5:0:fast"):
         with pytest.raises(ClusterError):
             LinkEvent.parse(text, 2)
+
+
+@needs_namespaces
+@pytest.mark.timeout(200)
+def test_calibrate_writes_a_hardware_file_of_the_emulated_cluster(tmp_path: Path, capsys) -> None:
+    """2 hosts × 2 processes over 200 Mbit/s links: the file loads, and its network across
+    hosts is the link's 25 MB/s shared by the host's 2 processes (planner: per device and
+    direction), within 30%; the planner predicts a layout on it."""
+    from experiments import plan
+    from research.costmodel.hardware import load_system
+
+    out = tmp_path / "cal.yaml"
+    argv = ["--hosts", "2", "--procs-per-host", "2", "--link", "200mbit", "--config", "experiments/configs/tiny.yaml"]
+    done = subprocess.run([sys.executable, "-m", "experiments.calibrate", *argv, "--out", str(out)], check=False,
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    system = load_system(out)
+    assert system.gpus_per_node == 2 and 0 < system.gpu.matmul_efficiency < 1
+    assert system.gpu.inter_node_bandwidth == pytest.approx(200e6 / 8 / 2, rel=0.3)
+    assert system.gpu.intra_node_bandwidth > 10 * system.gpu.inter_node_bandwidth  # loopback, unshaped
+    plan.main(["--config", "experiments/configs/tiny.yaml", "--gpus", "4", "--hardware", str(out), "--json",
+               "--layout", "tp=1,pp=1,dp=4,zero=3,mbs=1,recompute=none,sp=0"])  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["step_s"] > 0
