@@ -133,7 +133,7 @@ def faulty(tmp_path_factory):
         for line in proc.stdout:
             lines.append(line)
             if "] step 10/" in line or "] step 30/" in line:
-                tag = next(n for n in ours() if n.startswith(f"{PREFIX}{proc.pid}-")).rsplit("-", 1)[0]
+                tag = next(n for n in ours() if n.startswith(f"{PREFIX}{proc.pid}-")).rsplit("-", 1)[0]  # less "-h0"
                 link = Network(["200mbit"] * 2, tag=tag)
                 if "step 10/" in line:
                     link.shape(1, "20mbit")

@@ -6,7 +6,7 @@ receives), so a host's link is a NIC of that rate. Latency cannot be added (no `
 
 Processes of one host talk through the host's loopback, unshaped: the fast link inside a
 node. Nothing is made outside the namespaces, and deleting them removes every link, so the
-names (`z3d-<launcher pid>-...`) are all there is to clean up; a launcher killed by SIGKILL
+names (`z3d-<launcher pid>-<its start time>-...`) are all there is to clean up; a launcher killed by SIGKILL
 leaves them behind and the next one removes them (`remove_stale`).
 """
 
@@ -22,6 +22,8 @@ import subprocess
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from experiments.process_tree import start_time
 
 PREFIX = "z3d-"
 ETC = Path("/etc/netns")  # `ip netns exec NAME` sees /etc/netns/NAME/hosts as /etc/hosts
@@ -73,12 +75,16 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in listed.splitlines() if line.strip()]
 
 
-def _owner_alive(pid: int) -> bool:
-    """Whether `pid` is a live experiments.cluster launcher (not a later process with its pid)."""
-    try:
-        return b"experiments.cluster" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
+def _owner_tag() -> str:
+    """`z3d-<pid>-<start time>-<random>`: the launcher's pid and start time name its namespaces,
+    so a later process that reuses the pid is not taken for it."""
+    return f"{PREFIX}{os.getpid()}-{start_time(os.getpid())}-{uuid.uuid4().hex[:4]}"
+
+
+def _owner_alive(name: str) -> bool:
+    """Whether the launcher that made namespace `name` still runs (a name of another form: yes)."""
+    m = re.match(rf"^{PREFIX}(\d+)-(\d+)-", name)
+    return m is None or start_time(int(m[1])) == m[2]
 
 
 def delete_namespace(name: str) -> None:
@@ -93,12 +99,9 @@ def delete_namespace(name: str) -> None:
 
 def remove_stale() -> list[str]:
     """Delete the namespaces of launchers that are gone (killed before they could clean up)."""
-    stale = []
-    for name in _namespaces():
-        m = re.match(rf"^{PREFIX}(\d+)-", name)
-        if m and int(m[1]) != os.getpid() and not _owner_alive(int(m[1])):
-            delete_namespace(name)
-            stale.append(name)
+    stale = [name for name in _namespaces() if name.startswith(PREFIX) and not _owner_alive(name)]
+    for name in stale:
+        delete_namespace(name)
     return stale
 
 
@@ -107,7 +110,7 @@ class Network:
     """`hosts` namespaces on one switch, host i's link at `rates[i]` (tc rate strings)."""
 
     rates: list[str]
-    tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:4]}")
+    tag: str = field(default_factory=_owner_tag)
     made: list[str] = field(default_factory=list)
 
     @property
