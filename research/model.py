@@ -228,22 +228,50 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tenso
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rope(x_bHsd: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (x₁, x₂) = (even, odd) by the position's angle."""
-    x1, x2 = x_bHsd[..., 0::2], x_bHsd[..., 1::2]
-    cos, sin = cos_sd.to(x_bHsd.dtype), sin_sd.to(x_bHsd.dtype)
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.flatten(-2)
+class _Rope(torch.autograd.Function):
+    """q and k of every head rotated by the position's angle θ, v copied: one new tensor, so
+    attention keeps it in place of the QKV output. A rotation's adjoint is the rotation by
+    -θ: the backward needs only cos and sin (the model's shared tables), no activation."""
+
+    @staticmethod
+    def forward(ctx, qkv_sbX, cos_sd, sin_sd, heads):
+        ctx.save_for_backward(cos_sd, sin_sd)
+        ctx.heads = heads
+        return _rotate_qk(qkv_sbX, cos_sd, sin_sd, heads)
+
+    @staticmethod
+    def backward(ctx, d_sbX):
+        cos_sd, sin_sd = ctx.saved_tensors
+        return _rotate_qk(d_sbX, cos_sd, -sin_sd, ctx.heads), None, None, None
+
+
+def _rotate_qk(qkv_sbX: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor, heads: int) -> torch.Tensor:
+    """Channel pairs (x₁, x₂) = (even, odd) of q and k to (x₁cos - x₂sin, x₁sin + x₂cos),
+    in x's dtype; rows of qkv as (head, {q, k, v}, d)."""
+    out = torch.empty_like(qkv_sbX, memory_format=torch.contiguous_format)
+    x = qkv_sbX.unflatten(-1, (heads, 3, -1))
+    y = out.view_as(x)
+    x1, x2 = x[..., :2, 0::2], x[..., :2, 1::2]
+    cos, sin = (t.to(x.dtype)[:, None, None, None] for t in (cos_sd, sin_sd))
+    y[..., :2, :] = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    y[..., 2, :] = x[..., 2, :]
+    return out
+
+
+def apply_rope(qkv_sbX: torch.Tensor, cos_sd: torch.Tensor, sin_sd: torch.Tensor, heads: int) -> torch.Tensor:
+    """RoPE (Su et al. 2021) on the QKV output [s, b, H·3·d]: q and k of each of the `heads`
+    rotated by pos · θ^(-2i/d) (cos, sin [s, d/2]), v as is; the backward keeps no activation."""
+    return _Rope.apply(qkv_sbX, cos_sd, sin_sd, heads)
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool, per_tp_rank: bool) -> torch.Tensor:
-    """Dropout; masks drawn from the per-TP-rank RNG where activations differ across ranks."""
+    """Dropout keeping a 1-byte mask for backward on every device (`native_dropout`, which
+    F.dropout runs on CUDA; on the CPU F.dropout keeps a mask in x's dtype); masks drawn from
+    the per-TP-rank RNG where activations differ across ranks."""
     if p == 0.0 or not training:
         return x
-    if per_tp_rank:
-        with get_rng_tracker().fork():
-            return F.dropout(x, p, True)
-    return F.dropout(x, p, True)
+    with get_rng_tracker().fork() if per_tp_rank else contextlib.nullcontext():
+        return torch.native_dropout(x, p, True)[0]
 
 
 class Attention(nn.Module):
@@ -263,9 +291,9 @@ class Attention(nn.Module):
     def core(self, qkv_sbX: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         """softmax(q kᵀ/√d + causal mask) v for this rank's heads: [s, b, H·3·d] -> [s, b, H·d]."""
         c = self.config
-        q, k, v = rearrange(qkv_sbX, "s b (H three d) -> three b H s d", H=self.heads, three=3)
         if cos is not None:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qkv_sbX = apply_rope(qkv_sbX, cos, sin, self.heads)
+        q, k, v = rearrange(qkv_sbX, "s b (H three d) -> three b H s d", H=self.heads, three=3)
         drop = c.dropout if self.training else 0.0
         if c.sliding_window is None:
             with get_rng_tracker().fork() if drop else contextlib.nullcontext():

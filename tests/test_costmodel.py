@@ -427,7 +427,8 @@ def test_bubble_is_the_simulators(name: str, pp: int, m: int, v: int) -> None:
 def test_activations_follow_korthikanti() -> None:
     """Per layer, with attention that keeps its scores: 34sbh + 5as²b at t = 1; without SP
     sbh(10 + 24/t + 5as/(ht)); with SP everything / t; selective drops the scores; full
-    keeps 2sbh (/t with SP). The model's fused attention keeps no scores: none = selective."""
+    keeps 2sbh (/t with SP). The model's own layer (`attention="fused"`) keeps no scores and no
+    dropout masks at p = 0 (tests/test_activation_memory.py measures it)."""
     model = GPTConfig(vocab_size=51200, n_layers=8, n_heads=32, d_model=4096, max_seq_len=2048)
     s, b, h, a = 2048, 2, 4096, 32
     sbh = s * b * h
@@ -446,10 +447,15 @@ def test_activations_follow_korthikanti() -> None:
     assert act(8, False, "full") == pytest.approx(2 * sbh)
     assert act(8, True, "full") == pytest.approx(2 * sbh / 8)
     for tp, sp in ((1, False), (8, False), (8, True)):
-        assert act(tp, sp, "none", "fused") == act(tp, sp, "selective", "fused") == act(tp, sp, "selective")
-    assert costmodel.layer_activation_bytes(model, s, Layout(precision="fp32", micro_batch_size=b)) == pytest.approx(
-        2 * act(1, False, "none", "fused")
-    )
+        rows = s * b / (tp if sp else 1)
+        # zero3d's layer: no dropout (the paper's two sbh masks of 1 byte), LayerNorm's fp32
+        # mean and rstd (16 B a row); the fused attention keeps its fp32 log-sum-exp (4 B per
+        # head and token) instead of the scores, and selective recomputes it
+        selective = act(tp, sp, "selective") - 2 * sbh / (tp if sp else 1) + 16 * rows
+        assert act(tp, sp, "selective", "fused") == pytest.approx(selective)
+        assert act(tp, sp, "none", "fused") == pytest.approx(selective + 4 * a * s * b / tp)
+    fp32 = costmodel.layer_activation_bytes(model, s, Layout(precision="fp32", micro_batch_size=b))
+    assert fp32 == pytest.approx(2 * act(1, False, "none", "fused") - (16 * s * b + 4 * a * s * b))  # fp32 either way
 
 
 def test_in_flight_activations_per_schedule() -> None:

@@ -113,7 +113,8 @@ def collectives_per_layer(sequence_parallel: bool, recompute: str) -> dict:
 
 # Under SP each TP-replicated parameter of a layer (2 norms × weight and bias, 2 row-parallel
 # biases) also gets its gradient summed over TP: 6 small all-reduces per layer, on top of
-# the 4 all-gathers + 4 reduce-scatters of activations.
+# the 4 all-gathers + 4 reduce-scatters of activations, and the QKV and MLP inputs gathered
+# again in backward (+2): their linears keep only the sequence shard for dW.
 SP_GRAD_SYNC = 6
 
 
@@ -121,15 +122,15 @@ SP_GRAD_SYNC = 6
     "sequence_parallel,recompute,expected",
     [
         (False, "none", {"all_reduce": 4, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}),
-        (True, "none", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}),
+        (True, "none", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 6, "reduce_scatter_tensor": 4}),
         (False, "selective", {"all_reduce": 4, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}),
-        (True, "selective", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}),
+        (True, "selective", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 6, "reduce_scatter_tensor": 4}),
         # full recompute re-runs the block's forward in backward, but torch's non-reentrant
         # checkpoint stops once the last tensor backward needs is rebuilt (the MLP's input):
         # without SP the attention output's all-reduce runs again (+1); with SP both
         # all-gathers (+2) and the attention output's reduce-scatter (+1), not the MLP's
         (False, "full", {"all_reduce": 5, "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}),
-        (True, "full", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 6, "reduce_scatter_tensor": 5}),
+        (True, "full", {"all_reduce": SP_GRAD_SYNC, "all_gather_into_tensor": 8, "reduce_scatter_tensor": 5}),
     ],
 )
 def test_collectives_per_layer(sequence_parallel: bool, recompute: str, expected: dict) -> None:

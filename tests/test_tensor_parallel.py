@@ -330,8 +330,9 @@ def test_mappings(world, tp):
 def test_layers(world, tp):
     """Outputs and gradients are checked on the ranks; here: an MLP block's collectives
     (Korthikanti et al.: without SP one all-reduce each way; with SP all-gather +
-    reduce-scatter each way, plus the row bias's SP grad all-reduce in backward)."""
-    expected = {False: ({AR: 1}, {AR: 1}), True: ({AG: 1, RS: 1}, {AG: 1, RS: 1, AR: 1})}
+    reduce-scatter each way, plus the row bias's SP grad all-reduce in backward, and the
+    column input's all-gather again in backward: it keeps only its shard for dW)."""
+    expected = {False: ({AR: 1}, {AR: 1}), True: ({AG: 1, RS: 1}, {AG: 2, RS: 1, AR: 1})}
     if tp == 1:
         expected = {False: ({}, {}), True: ({}, {})}
     for result in _results(world, tp):

@@ -6,8 +6,10 @@ r = this rank's index in the TP group. A linear layer is Y = X Wᵀ + b with W [
 
     ColumnParallelLinear   W split by rows (output features): rank r computes
                            Y_r = X W_rᵀ + b_r, the r-th column block of Y.
-                           X enters through f (copy_to_tp), or through g' (gather_from_sp)
-                           when X is SP-sharded [s/tp, b, in].
+                           X enters through f (copy_to_tp), or through g' (all-gather
+                           along s) when X is SP-sharded [s/tp, b, in]; then backward
+                           all-gathers X again for dW = dYᵀX and keeps only X's shard
+                           for it (Korthikanti et al. 2022 §4.2.2).
     RowParallelLinear      W split by columns (input features): rank r computes the
                            partial sum X_r W_rᵀ from its input block X_r; then
                            Y = Σ_r X_r W_rᵀ via g (reduce_from_tp), or ḡ'
@@ -36,6 +38,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from parallel import comm
 from parallel.tensor import fp8
 from parallel.tensor.mappings import (
+    _all_gather_dim0,
+    _reduce_scatter_dim0,
     copy_to_tp,
     gather_from_sp,
     gather_from_tp,
@@ -154,6 +158,35 @@ class _TPModule(nn.Module):
         return new
 
 
+class _SequenceParallelColumnLinear(torch.autograd.Function):
+    """Y = g'(X) Wᵀ + b for an SP-sharded X [s/tp, b, in], keeping X's shard, not the
+    gathered X, for backward (Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication
+    with sequence_parallel):
+
+        forward    X_g = all-gather_s(X);  Y = X_g Wᵀ + b
+        backward   dX = reduce-scatter_s(dY W);  dW = dYᵀ all-gather_s(X);  db = Σ dY
+
+    The products are those autograd takes for F.linear, in dY's dtype (the autocast one,
+    if any), each gradient returned in its input's dtype: the numbers are the same.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.bias_dtype = group, None if bias is None else bias.dtype
+        return F.linear(_all_gather_dim0(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy_2d = dy.reshape(-1, dy.shape[-1])
+        x_2d = _all_gather_dim0(x, ctx.group).view(dy_2d.shape[0], -1).to(dy.dtype)
+        dx = dy_2d.mm(weight.to(dy.dtype)).view(*dy.shape[:-1], -1)
+        dw = dy_2d.t().mm(x_2d).to(weight.dtype)
+        db = None if ctx.bias_dtype is None else dy_2d.sum(0).to(ctx.bias_dtype)
+        return _reduce_scatter_dim0(dx.to(x.dtype), ctx.group), dw, db, None
+
+
 class ColumnParallelLinear(_TPModule):
     """Y = X Wᵀ + b with W [out, in] split by rows: weight [out/tp, in], bias [out/tp].
 
@@ -185,8 +218,11 @@ class ColumnParallelLinear(_TPModule):
             comm.mark_partitioned(self, "bias", 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
-        y = fp8.linear(x, self.weight, self.bias, self.fp8)
+        if self.sequence_parallel and self.fp8 == "none" and tp_size(self.group) > 1:
+            y = _SequenceParallelColumnLinear.apply(x, self.weight, self.bias, self.group)
+        else:  # X replicated, or float8 under SP: its matmul keeps the gathered X in 1 byte
+            x = gather_from_sp(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+            y = fp8.linear(x, self.weight, self.bias, self.fp8)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:

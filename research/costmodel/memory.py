@@ -20,26 +20,48 @@ smaller than `optim.policies.default_resident_numel(layout.unit_numel)` stays wh
 device (`research.costmodel.params`). Each parameter is aligned to `optim.buffers.ALIGN`
 elements; bucket padding is ignored.
 
-Activations per layer per micro-batch (Korthikanti et al. 2022, bytes with 16-bit
-activations and 1-byte dropout masks; scaled by A/2):
+Activations per layer per micro-batch, read off what the model's layer saves for backward
+(`Layout.attention` "fused", the default), with T = sb tokens, T_r the residual stream's
+tokens on a rank (T/t under SP, else T), f the MLP width, A the bytes of an activation:
+
+    saved for backward                                      | by                  | bytes
+    layer input; the residual after attention               | the two norms       | 2A·h·T_r
+    their statistics, fp32 (mean, 1/σ; RMSNorm 1/rms only)  | the two norms       | 2·4n·T_r, n = 2 (1)
+    the norms' outputs; under SP their sequence shards,     | QKV, MLP-up         | 2A·h·T_r
+      all-gathered again in backward for dW
+    q, k, v: the QKV output, or with RoPE its rotated copy  | attention core      | 3A·h·T/t
+      in its place (the rotation's adjoint needs only cos, sin)
+    attention output                                        | core, projection    | A·h·T/t
+    log-sum-exp per row, fp32 (recompute none only)         | attention core      | 4a·T/t
+    dropout masks, 1 byte (dropout p > 0)                   | both branches       | 2h·T_r
+    GELU input, its output                                  | GELU, MLP-down      | 2A·f·T/t
+    SwiGLU: [gate, up], silu(gate), their product           | SwiGLU, MLP-down    | 4A·f·T/t
+
+Recompute none keeps all of it; selective all but the log-sum-exp (the checkpointed core
+keeps its input, the QKV output, and the projection its output); full the layer input,
+A·h·T_r (+ one layer's `none` bytes while it is recomputed). Biases and positions add
+nothing per layer: a bias's gradient is a sum of its output's, learned positions join
+before the first layer and RoPE's cos / sin tables are one buffer for all layers. The
+attention core's own dropout keeps no mask (the flash kernel draws it again from a seed).
+At the paper's layer (GELU with f = 4h, p > 0, A = 2; statistics and log-sum-exp aside)
+this is Korthikanti et al. 2022's selective row, sbh(10 + 24/t) without SP and 34sbh/t
+with SP; tests/test_activation_memory.py measures it on the saved tensors.
+
+`Layout.attention` "unfused" predicts the paper's own layer whatever the model's options
+(Table 2: GELU 4h, dropout after attention and MLP, attention that keeps its scores,
+softmax, dropout mask and dropout output, 5as²b/t), in bytes at A = 2, scaled by A/2:
 
     recompute | without SP                 | with SP
     none      | sbh(10 + 24/t + 5as/(ht))  | sbh(34/t + 5as/(ht))
     selective | sbh(10 + 24/t)             | sbh·34/t
-    full      | 2sbh (the layer input)     | 2sbh/t      (+ one layer's `none` bytes while recomputed)
+    full      | 2sbh (the layer input)     | 2sbh/t
 
-The 5as/(ht) term is the attention scores, softmax and its dropout mask that the paper's
-unfused kernels keep (`Layout.attention` "unfused"). The model's attention core is torch's
-fused scaled_dot_product_attention (flash or memory-efficient kernels), which keeps only
-O(s) row statistics: for it (`attention` "fused", the default) the term is 0 and `none`
-keeps what `selective` keeps (measured on an H200, 1.31B GPT: within 0.1 %), so selective
-recompute only costs time.
 MoE layers (`--moe-experts`) keep the block's input, norms and attention as above and, in
-place of the dense MLP's input and two [s, b, 4h] tensors (A·sbh, /t under SP, and 8A·sbh/t
-of the 34), what the MoE MLP saves (`moe_mlp_bytes`, read off the layer's saved tensors),
-with T = sb tokens, R = T·k rows a rank's experts take (balanced routing: an uneven router raises the busiest rank's; with a
-capacity factor c, R = c·T·k slots, padding included), T_r = T/t router tokens under SP (T
-without), G = 2 for SwiGLU (1 for GELU), f the expert width:
+place of the dense MLP's input and hidden tensors (A·h·T_r and the GELU / SwiGLU row above;
+the paper's A·sbh, /t under SP, and 8A·sbh/t), what the MoE MLP saves (`moe_mlp_bytes`,
+read off the layer's saved tensors), with R = T·k rows a rank's experts take (balanced
+routing: an uneven router raises the busiest rank's; with a capacity factor c, R = c·T·k
+slots, padding included), G = 2 for SwiGLU (1 for GELU), f the expert width:
 
     router (fp32):   (4h + 8E + 12k + 8)·T_r (its fp32 input, logits, probabilities, top-k)
                      + 4hE when A < 4 (the fp32 copy of its weight)
@@ -49,10 +71,12 @@ without), G = 2 for SwiGLU (1 for GELU), f the expert width:
     shared experts:  2G·A·T·f_s/t, and their input A·h·T_r when A < 4 (in fp32 the router's)
 
 Every TP rank runs its experts' f/t slice on all T tokens of the group (gathered under SP).
-With float8 linear layers (`Layout.fp8`, `--fp8`) a layer saves, per the A-byte tensor of
-the table, the QKV and MLP-up inputs and the MLP-down input (f wide) in 1 byte, the
-projection's input once more (1 byte: the attention kernel keeps its own copy), as
-`fp8_bytes` counts (measured to the byte on the saved tensors).
+With float8 linear layers (`Layout.fp8`, `--fp8`) the QKV and MLP-up linears keep their
+input in 1 byte, all-gathered under SP (h·T in place of A·h·T_r), the MLP-down its input
+(f wide) in 1 byte in place of A, and the projection its input in 1 byte: once more with
+recompute none (the attention core keeps its own A-byte copy), in place of the A-byte one
+under selective recompute; `fp8_bytes` counts the difference (measured to the scales' few
+bytes on the saved tensors).
 
 A pipeline rank keeps them for its peak number of (micro-batch, chunk) pairs in flight,
 read off the repo's own schedule (`parallel.pipeline`): p - r for 1F1B on rank r, p·v + p - 1
@@ -72,7 +96,7 @@ NCCL / cuBLAS workspaces, allocator slack). qwZ's and qgZ's quantized buffers ar
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from parallel.pipeline.schedules import SCHEDULES, splits_backward
 from parallel.pipeline.schedules import validate as validate_schedule
@@ -83,6 +107,7 @@ from research.costmodel.params import rank_params
 from research.model import GPTConfig
 
 RESERVED_BYTES = 2 * GiB
+NORM_STATISTICS = {"layernorm": 2, "rmsnorm": 1}  # fp32 values per token a norm keeps for backward
 
 
 @dataclass(frozen=True)
@@ -114,35 +139,72 @@ def predict_model_states(model: GPTConfig, layout: Layout, pp_rank: int = 0) -> 
 def layer_activation_bytes(
     model: GPTConfig, seq_len: int, layout: Layout, recompute: Recompute | None = None, moe: bool = False
 ) -> float:
-    """Bytes one layer (an MoE one with `moe`) keeps for backward per micro-batch (Korthikanti
-    et al. 2022, the table in the module docstring; `recompute` defaults to the layout's)."""
-    s, b, h, a, t = seq_len, layout.micro_batch_size, model.d_model, model.n_heads, layout.tp
-    A = DTYPE_BYTES[layout.precision]
-    sbh = s * b * h * A / 2
+    """Bytes one layer (an MoE one with `moe`) keeps for backward per micro-batch: the model's
+    layer, or the paper's with unfused attention (the tables in the module docstring;
+    `recompute` defaults to the layout's)."""
     recompute = recompute or layout.recompute
+    paper = layout.attention == "unfused"
+    saved = (_paper_layer_bytes if paper else _model_layer_bytes)(model, seq_len, layout, recompute)
+    if recompute == "full":
+        return saved
+    if layout.fp8:
+        saved += fp8_bytes(model, seq_len, replace(layout, recompute=recompute), moe)
+    if moe:
+        saved += moe_mlp_bytes(model, seq_len, layout) - _dense_mlp_bytes(model, seq_len, layout, paper)
+    return saved
+
+
+def _model_layer_bytes(model: GPTConfig, seq_len: int, layout: Layout, recompute: Recompute) -> float:
+    """The model's layer, the first table of the module docstring: 2(A·h + 4n)·T_r (norms)
+    + 2A·h·T_r (QKV, MLP-up inputs) + 4A·h·T/t (q, k, v, attention output) + 4a·T/t
+    (log-sum-exp, recompute none) + 2h·T_r (masks, p > 0) + 2A·f·T/t (GELU) or 4A·f·T/t
+    (SwiGLU); A·h·T_r under full recompute."""
+    T, h, t, A = seq_len * layout.micro_batch_size, model.d_model, layout.tp, DTYPE_BYTES[layout.precision]
+    T_r = T / t if layout.sp else T
+    if recompute == "full":
+        return A * h * T_r
+    norms = 2 * (A * h + 4 * NORM_STATISTICS[model.norm]) * T_r
+    linear_inputs = 2 * A * h * T_r
+    attention = 4 * A * h * T / t + (4 * model.n_heads * T / t if recompute == "none" else 0.0)
+    masks = 2 * h * T_r if model.dropout > 0 else 0.0
+    return norms + linear_inputs + attention + masks + _hidden_bytes(model, T, layout)
+
+
+def _hidden_bytes(model: GPTConfig, tokens: int, layout: Layout) -> float:
+    """The dense MLP's hidden tensors: GELU's input and output, or SwiGLU's [gate, up],
+    silu(gate) and their product, f/t wide."""
+    width = (4 if model.activation == "swiglu" else 2) * model.ffn_dim / layout.tp
+    return DTYPE_BYTES[layout.precision] * tokens * width
+
+
+def _paper_layer_bytes(model: GPTConfig, seq_len: int, layout: Layout, recompute: Recompute) -> float:
+    """Korthikanti et al. 2022's layer, the second table of the module docstring."""
+    s, b, h, a, t = seq_len, layout.micro_batch_size, model.d_model, model.n_heads, layout.tp
+    sbh = s * b * h * DTYPE_BYTES[layout.precision] / 2
     if recompute == "full":
         return 2 * sbh / (t if layout.sp else 1)
-    scores = 5 * a * s / (h * t) if recompute == "none" and layout.attention == "unfused" else 0.0
-    dense = sbh * ((34 / t if layout.sp else 10 + 24 / t) + scores) + (
-        fp8_bytes(model, seq_len, layout, moe) if layout.fp8 else 0.0
-    )
-    if not moe:
-        return dense
-    mlp = A * s * b * h * (8 / t + (1 / t if layout.sp else 1))  # the dense MLP's input and hidden tensors
-    return dense - mlp + moe_mlp_bytes(model, seq_len, layout)
+    scores = 5 * a * s / (h * t) if recompute == "none" else 0.0
+    return sbh * ((34 / t if layout.sp else 10 + 24 / t) + scores)
+
+
+def _dense_mlp_bytes(model: GPTConfig, seq_len: int, layout: Layout, paper: bool) -> float:
+    """What an MoE layer keeps in place of the dense MLP's: its input and hidden tensors."""
+    T, h, t, A = seq_len * layout.micro_batch_size, model.d_model, layout.tp, DTYPE_BYTES[layout.precision]
+    T_r = T / t if layout.sp else T
+    return A * h * (T_r + 8 * T / t) if paper else A * h * T_r + _hidden_bytes(model, T, layout)
 
 
 def fp8_bytes(model: GPTConfig, seq_len: int, layout: Layout, moe: bool = False) -> float:
     """What float8 linear layers change in a layer's saved bytes (the module docstring): the
-    QKV and MLP-up inputs saved in 1 byte instead of A, the MLP-down input (f wide) too, the
-    projection's input once more in float8 (the attention kernel keeps its own copy); an MoE
-    layer's experts stay in bf16."""
-    s, b, h, t, A = seq_len, layout.micro_batch_size, model.d_model, layout.tp, DTYPE_BYTES[layout.precision]
-    replicated = 1 / t if layout.sp else 1
-    tokens, f = s * b, model.ffn_dim
-    attention = (-(A - 1) * replicated + 1 / t) * tokens * h
-    mlp = -(A - 1) * tokens * (h * replicated + f / t)
-    return attention + (0.0 if moe else mlp)
+    QKV and MLP-up inputs kept in 1 byte, gathered under SP, in place of A bytes (shards under
+    SP), the MLP-down input (f wide) in 1 byte too, the projection's input in 1 byte once more
+    (recompute none: the attention core keeps its own copy) or in place of the A-byte one
+    (selective); an MoE layer's experts stay in bf16."""
+    T, h, t, A = seq_len * layout.micro_batch_size, model.d_model, layout.tp, DTYPE_BYTES[layout.precision]
+    column = T * h * (1 - A * (1 / t if layout.sp else 1))
+    projection = T * h / t * (1 if layout.recompute == "none" else 1 - A)
+    mlp = column - (A - 1) * T * model.ffn_dim / t
+    return column + projection + (0.0 if moe else mlp)
 
 
 def moe_mlp_bytes(model: GPTConfig, seq_len: int, layout: Layout) -> float:

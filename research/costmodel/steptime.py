@@ -15,7 +15,8 @@ Step time, per micro-batch on the slowest pipeline rank (the last: L/p layers + 
 - C: TP collectives, each equivalent to an all-reduce of sbh·A bytes (ring: 2(t-1)/t of it
   over the intra-node bandwidth, and 2(t-1) steps of α_intra, `Cluster.latency`): 2 forward
   and 2 backward per layer, plus 1 with full recompute (all-gather + reduce-scatter pairs
-  under SP move the same bytes in the same steps).
+  under SP move the same bytes in the same steps), plus 1 backward under SP without float8:
+  the QKV and MLP-up linears keep their input's sequence shard and all-gather it again for dW.
 - X: pipeline p2p, one activation (sbh·A, /t under SP) sent per chunk in F and in B, one
   step of α each (α_intra inside a node, else α_inter).
 - E: expert parallelism (ep > 1): per MoE layer two all-to-alls of the rows in F (dispatch,
@@ -113,7 +114,8 @@ def _micro_batch(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluste
     msg = s * b * h * DTYPE_BYTES[layout.precision]
     all_reduce = 2 * (t - 1) / t * msg / cluster.ring_bandwidth(t, 1) + cluster.latency(2 * (t - 1), 0)
     tp_f = 2 * layers * all_reduce
-    tp_b = (2 + full) * layers * all_reduce
+    regather = layout.sp and t > 1 and not layout.fp8  # the column linears' inputs, gathered again
+    tp_b = (2 + full + regather) * layers * all_reduce
     a2a = moe * expert_all_to_all(model, layout, s, cluster)
     p2p = _p2p(layout, msg / (t if layout.sp else 1), cluster)
     return compute_f, compute_b, tp_f, tp_b, 2 * a2a, (2 + 2 * full) * a2a, p2p
