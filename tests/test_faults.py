@@ -235,7 +235,8 @@ def test_a_stalled_rank_is_named_and_the_others_exit(tmp_path: Path) -> None:
     assert proc.returncode != 0
     report = next(line for line in text.splitlines() if line.startswith("error: a collective timed out"))
     assert "rank(s) 2 did not arrive at" in report and "rank 2 last issued" in report, report
-    assert "  rank 2 (did not arrive):" in text
+    # a stopped process publishes no heartbeat either: once silent for 5 s it is named so too
+    assert re.search(r"  rank 2 \(did not arrive\)( \(silent \d+ s\))?:", text), text
     assert noticed < 4 + 20, noticed
     assert not re.search(r"\[rank\d\]: Traceback", text), text  # no worker tracebacks (torchrun prints its own)
 
