@@ -5,6 +5,7 @@ benchmarks' smoke runs. A test appends its own flags; the last of a repeated fla
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +23,14 @@ TINY_RUN = [
 os.environ["PYTHONWARNINGS"] = ",".join(
     w for w in (os.environ.get("PYTHONWARNINGS"), "error:ZeroOptimizer(:DeprecationWarning") if w
 )
+
+
+def read_run(out: Path) -> tuple[list[float], dict]:
+    """(the loss of every step, summary.json) of a training run's folder `out`."""
+    with open(out / "metrics.jsonl") as f:
+        losses = [json.loads(line)["loss"] for line in f]
+    with open(out / "summary.json") as f:
+        return losses, json.load(f)
 
 
 def slow_except(quick: list, rest: list) -> list:

@@ -27,6 +27,7 @@ from experiments.process_tree import stop
 from research import costmodel
 from research.costmodel import Cluster
 from research.costmodel.hardware import GPUS
+from tests.conftest import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 UNAVAILABLE = why_unavailable() if sys.platform == "linux" else "network namespaces are Linux only"
@@ -51,13 +52,6 @@ def ours() -> list[str]:
     """The namespaces of experiments.cluster launchers on this machine."""
     listed = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True).stdout
     return [line.split()[0] for line in listed.splitlines() if line.startswith(PREFIX)]
-
-
-def read_run(out: Path) -> tuple[list[float], dict]:
-    with open(out / "metrics.jsonl") as f:
-        losses = [json.loads(line)["loss"] for line in f]
-    with open(out / "summary.json") as f:
-        return losses, json.load(f)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import json
 import os
 import re
 import signal
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from experiments.process_tree import descendants, stop
+from tests.conftest import read_run
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -100,13 +100,6 @@ def rendezvous_result(log: str) -> dict[str, object]:
         except (ValueError, SyntaxError):
             fields[m[1]] = m[2]
     return fields
-
-
-def read_run(out: Path) -> tuple[list[float], dict]:
-    with open(out / "metrics.jsonl") as f:
-        losses = [json.loads(line)["loss"] for line in f]
-    with open(out / "summary.json") as f:
-        return losses, json.load(f)
 
 
 @pytest.fixture(scope="module")
