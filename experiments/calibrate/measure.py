@@ -2,16 +2,19 @@
 the emulated cluster by `python -m experiments.calibrate`), written by rank 0 as a hardware
 file (research/costmodel/hardware.py):
 
-- matmul FLOP/s of one process while every process multiplies (square matmuls of the run's
-  dtype: the cores and the memory are shared as in training);
-- η, the share of it the model reaches: training FLOPs of the config's model
-  (`GPTConfig.flops_per_token`) over one forward + backward of a micro-batch, every rank at
-  once, divided by the matmul rate;
-- memory bandwidth: a copy, bytes read + written over the time;
+- matmul FLOP/s of one process computing alone (square matmuls of the run's dtype), and
+  of each while every process multiplies at once: n times the second over the first is the
+  compute the n processes share (`compute_units`: the cores of the machine the emulated
+  hosts run on, as far as they scale);
+- η, the share of the matmul rate the model reaches: training FLOPs of the config's model
+  (`GPTConfig.flops_per_token`) over one forward + backward of a micro-batch, alone;
+- memory bandwidth: a copy, bytes read + written over the time, alone; and the rate of
+  ZeRO++'s quantizers in the planner's bytes (`quantize_gbs`), alone;
 - collectives inside a host (the ranks of one host) and across hosts (one rank per host,
   the same local rank): all-reduces of a small and a large tensor; with a ring's 2(n-1)
-  steps and 2(n-1)/n·S bytes per rank, the small one's time per step is the latency α and
-  the large one's bytes over its time beyond α·steps the bandwidth.
+  steps and 2(n-1)/n·S bytes per rank, the large one's bytes over its time beyond the small
+  one's the bandwidth, and the small one's cost per step between blocks of compute (every
+  process computing, as in training) the latency α.
 
     python -m experiments.cluster --hosts 2 --procs-per-host 2 --link 200mbit -- \\
         -m experiments.calibrate.measure --config C --out FILE.yaml
@@ -29,6 +32,8 @@ import torch.distributed as dist
 import yaml
 
 from experiments.bench.common import median
+from optim.grads import QGZ_BLOCK
+from optim.quantize import dequantize, quantize
 from parallel import comm
 from research import data
 from research.config import parse_args as parse_run_args
@@ -37,12 +42,15 @@ from research.model import GPT
 SMALL, LARGE = 2**12, 2**24  # bytes of the latency and the bandwidth all-reduces
 
 
-def _seconds(fn: Callable[[], object], repeats: int, group: dist.ProcessGroup | None = None) -> float:
+def _seconds(
+    fn: Callable[[], object], repeats: int, group: dist.ProcessGroup | None = None, together: bool = True
+) -> float:
     """Median seconds of `fn` over `repeats` calls after one warm-up, every rank of `group`
-    starting each call together."""
+    starting each call together (`together`), or this rank alone."""
     times = []
     for i in range(repeats + 1):
-        comm.barrier(group)
+        if together:
+            comm.barrier(group)
         start = time.perf_counter()
         fn()
         if i:
@@ -50,23 +58,52 @@ def _seconds(fn: Callable[[], object], repeats: int, group: dist.ProcessGroup | 
     return median(times)
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 1024) -> float:
+def matmul_flops(dtype: torch.dtype, together: bool, n: int = 1024, burst: int = 8) -> float:
+    """FLOP/s of `burst` n × n matmuls back to back: long enough that processes sharing cores
+    are time-sliced fairly, as in training."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / _seconds(lambda: a @ b, 10)
+
+    def matmuls() -> None:
+        for _ in range(burst):
+            a @ b
+
+    return burst * 2 * n**3 / _seconds(matmuls, 5, together=together)
 
 
 def copy_bandwidth(nbytes: int = 64 * 2**20) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
     dst = torch.empty_like(src)
-    return 2 * nbytes / _seconds(lambda: dst.copy_(src), 10)
+    return 2 * nbytes / _seconds(lambda: dst.copy_(src), 10, together=False)
 
 
-def model_efficiency(config: str, matmul: float) -> tuple[float, str]:
-    """(η, a description): the config's model's training FLOP/s over one micro-batch's
-    forward + backward, as a share of `matmul`."""
+def quantize_bandwidth(numel: int = 2**22) -> float:
+    """Bytes/s of ZeRO++'s quantizers as the planner counts them (`research.costmodel.dpcomm`:
+    P + q bytes per element quantized or dequantized): qwZ's int8 and qgZ's int4, blocks of
+    2048, fp32 values, each quantized and dequantized."""
+    x = torch.randn(numel)
+    moved, seconds = 0.0, 0.0
+    for bits in (8, 4):
+        q = quantize(x, QGZ_BLOCK, bits)
+        seconds += _seconds(lambda b=bits: quantize(x, QGZ_BLOCK, b), 3, together=False)
+        seconds += _seconds(lambda q=q: dequantize(q), 3, together=False)
+        moved += 2 * (4 + bits / 8 + 4 / QGZ_BLOCK) * numel
+    return moved / seconds
+
+
+def alone(measure: Callable[[], float]) -> float:
+    """`measure()` on rank 0 while the other ranks wait, then the same on every rank."""
+    value = torch.tensor([measure() if dist.get_rank() == 0 else 0.0], dtype=torch.float64)
+    comm.broadcast(value, src=0)
+    return float(value)
+
+
+def model_efficiency(config: str, matmul: float, own: dist.ProcessGroup) -> float:
+    """η: the config's model's training FLOP/s over one micro-batch's forward + backward, as
+    a share of `matmul`; the whole model on this rank (`own`: a group of this rank alone, not
+    the default group, which would split it over every rank by tensor parallelism)."""
     cfg = parse_run_args(["--config", config], 1)
     model_cfg = cfg.model.with_vocab_of(data.load_tokenizer(cfg.data.tokenizer).vocab_size)
-    model = GPT(model_cfg)
+    model = GPT(model_cfg, tp_group=own)
     b, s = cfg.train.micro_batch_size, cfg.data.seq_len
     ids = torch.randint(0, model_cfg.vocab_size, (b, s + 1))
 
@@ -74,19 +111,39 @@ def model_efficiency(config: str, matmul: float) -> tuple[float, str]:
         model(ids[:, :-1], ids[:, 1:]).backward()
 
     flops = model_cfg.flops_per_token(s) * b * s
-    return flops / _seconds(step, 3) / matmul, f"{config}: micro-batch {b} × {s} tokens"
+    return flops / _seconds(step, 3, together=False) / matmul
 
 
 def ring_fit(group: dist.ProcessGroup) -> tuple[float, float]:
-    """(bytes/s, seconds per step) of all-reduces over `group`: latency from the small one,
-    bandwidth from the large one's time beyond it."""
+    """(bytes/s, seconds per step) of all-reduces over `group`: bandwidth from the large
+    one's time beyond the small one's; latency from the small one between blocks of compute
+    (`loaded_latency`)."""
     n = dist.get_world_size(group)
     steps = 2 * (n - 1)
     small, large = torch.zeros(SMALL // 4), torch.zeros(LARGE // 4)
     alpha = _seconds(lambda: comm.all_reduce(small, group=group), 20, group) / steps
     t_large = _seconds(lambda: comm.all_reduce(large, group=group), 5, group)
     wire = 2 * (n - 1) / n * LARGE
-    return wire / max(t_large - alpha * steps, 1e-9), alpha
+    return wire / max(t_large - alpha * steps, 1e-9), loaded_latency(group, small, steps)
+
+
+def loaded_latency(group: dist.ProcessGroup, small: torch.Tensor, steps: int, calls: int = 30) -> float:
+    """Seconds per step of an all-reduce of `small` issued between blocks of compute, every
+    process computing as in training: (`calls` blocks each followed by the all-reduce − the
+    blocks alone) / (calls · steps). Where processes share cores this holds the wait for the
+    group's other ranks to be scheduled, which an all-reduce of idle processes does not see
+    (on 2 cores, 4 processes: about 3 ms a call against 1 ms idle)."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def blocks(sync: bool) -> None:
+        for _ in range(calls):
+            for _ in range(8):
+                a @ b
+            if sync:
+                comm.all_reduce(small, group=group)
+
+    alone, synced = _seconds(lambda: blocks(False), 3, group), _seconds(lambda: blocks(True), 3, group)
+    return max(synced - alone, 0.0) / (calls * steps)
 
 
 def groups(hosts: int, per_host: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
@@ -115,10 +172,12 @@ def _worst(value: float, worst: str) -> float:
 def measure(config: str, name: str) -> dict:
     """The hardware file's contents, the same on every rank."""
     hosts, per_host = int(os.environ.get("GROUP_WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    matmul = _worst(matmul_flops(torch.float32), "min")
-    eta, described = model_efficiency(config, matmul)
-    eta = _worst(eta, "min")
-    hbm = _worst(copy_bandwidth(), "min")
+    matmul = alone(lambda: matmul_flops(torch.float32, together=False))
+    units = hosts * per_host * _worst(matmul_flops(torch.float32, together=True), "min") / matmul
+    own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    eta = alone(lambda: model_efficiency(config, matmul, own))
+    hbm = alone(copy_bandwidth)
+    quantizers = alone(quantize_bandwidth)
     intra, inter = groups(hosts, per_host)
     links = {}
     for key, group in (("intra_node", intra), ("inter_node", inter)):
@@ -137,7 +196,10 @@ def measure(config: str, name: str) -> dict:
         "peak_tflops": {"bf16": round(matmul / 1e12, 6)},
         "hbm_gbs": round(hbm / 1e9, 3),
         "matmul_efficiency": round(eta, 4),
-        "_measured": f"{hosts} hosts × {per_host} processes, fp32 on the CPU; η of {described}",
+        "quantize_gbs": round(quantizers / 1e9, 4),
+        "backend": "gloo",
+        "compute_units": round(units, 3),
+        "_measured": f"{hosts} hosts × {per_host} processes, fp32 on the CPU; η of one micro-batch of {config}",
     }
 
 
@@ -153,7 +215,9 @@ def main(argv: list[str] | None = None) -> None:
         if dist.get_rank() == 0:
             note = found.pop("_measured")
             with open(args.out, "w") as f:
-                f.write(f"# experiments.calibrate: {note}.\n# peak_tflops.bf16 holds the run's matmul rate.\n")
+                f.write(
+                    f"# experiments.calibrate: {note}.\n# peak_tflops.bf16 holds one process's matmul rate, alone.\n"
+                )
                 yaml.safe_dump(found, f, sort_keys=False)
             print(f"wrote {args.out}: " + ", ".join(f"{k} {v}" for k, v in found.items() if k != "name"), flush=True)
     finally:

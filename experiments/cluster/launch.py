@@ -94,6 +94,9 @@ def run_job(
 ) -> int:
     """Run `command` under torchrun on every host of `network`; the worst exit code (124 on timeout)."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "PYTHONUNBUFFERED": "1"}
+    # The hosts share this machine's cores: each process its even share of them (torchrun
+    # sets 1 only where a host runs several), unless the caller chose.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // (len(network.rates) * procs))))
     lock = threading.Lock()
 
     def say(text: str) -> None:

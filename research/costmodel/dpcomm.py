@@ -26,13 +26,15 @@ rank holds Ψ_e/ep of them, sharded and reduced over the N/ep ranks holding the 
 Where the bytes go (`Cluster.ring_bytes`): a ring inside a node is all NVLink; across nodes
 NCCL runs k rings through k NICs, so a rank sends 1/k of it over its network share
 (`Cluster.inter_node_bandwidth`) and the rest over NVLink, both at once: the slower sets the
-time. qgZ's two hops run one after the other.
+time. qgZ's two hops run one after the other. On gloo (`Cluster.backend`: CPU runs, the
+emulated cluster) the all-gather is a ring too, and the reduce-scatter an all-reduce
+(2GΨ(N-1)/N over 2(N-1) steps), as a shaped link counts their bytes.
 
 Seconds of one collective (`Traffic.seconds`), alpha-beta plus quantization kernels:
 
     c = max(intra / NVLink, inter / network)   (qgZ: the sum)
       + α_intra·s_intra + α_inter·s_inter      (`Cluster.latency`, per call)
-      + K / HBM
+      + K / HBM                                (`GPU.kernel_bandwidth`: measured, else HBM's)
 
 Steps s (`Cluster.ring_steps`): a ring all-gather / reduce-scatter over N ranks on n nodes
 takes N-1 steps, n-1 of them between nodes; an all-reduce twice that; an all-to-all N-1.
@@ -51,16 +53,17 @@ Overlap. A pass is one chunk's forward or backward of one micro-batch, over its 
 a window of compute w_s = W·Ψ_s/Ψ (W: the rank's forward or backward compute of a
 micro-batch, Ψ_s: the slot's parameters, Ψ: the rank's). Per family and pass:
 
-    exposed = c_whole + Σ_{s ≠ whole} max(0, c_s - w_s)
+    exposed = c_whole + Σ_{s ≠ whole} max(0, c_s - w_{n(s)})
 
 Stage 3 gathers one unit ahead (`optim.stage3`'s prefetch), so a gather hides under one
 unit's compute, and the first gather of a pass (forward: the chunk's first slot; backward:
 its last) has nothing before it: exposed whole. A reduction starts once its unit's (or
 bucket's) gradients are complete and hides under the next one's compute; the last of the
-backward (the first slot) is exposed whole. Each collective is paired with its own slot's
-window: neighbours in a GPT's repeated blocks are alike. In a backward that reduces, the
-reduction hides under what the gather left of the window, and the replica all-reduce under
-what both left (`_in_turn`). Reductions run in the last backward of each chunk (grad_sync
+backward (the first slot) is exposed whole. So n(s), whose window hides s's collective, is
+the slot before s in forward order for forward gathers and reductions and the one after it
+for backward gathers (`Pass.windows`); one large bucket beside small ones is exposed nearly
+whole. Under one window, the backward gather goes first, a reduction hides under what it
+left, and the replica all-reduce under what both left (`_in_turn`). Reductions run in the last backward of each chunk (grad_sync
 every: in every backward); stages 1-2's gather after the step and the tied-embedding
 all-reduce after the last backward are exposed whole.
 """
@@ -68,7 +71,6 @@ all-reduce after the last backward are exposed whole.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -99,7 +101,7 @@ class Traffic:
         return cluster.latency(*self.steps)
 
     def kernel_seconds(self, cluster: Cluster) -> float:
-        return self.kernel_bytes / cluster.gpu.hbm_bandwidth
+        return self.kernel_bytes / cluster.gpu.kernel_bandwidth * cluster.compute_share
 
     def seconds(self, cluster: Cluster) -> float:
         """c = transfer + α·steps + kernels (module docstring)."""
@@ -128,6 +130,13 @@ def ring(cluster: Cluster, size: int, stride: int, volume: float, rounds: int = 
     apart, sending `volume` bytes per rank in all."""
     intra_steps, inter_steps = cluster.ring_steps(size, stride, rounds)
     return Traffic(*cluster.ring_bytes(size, stride, volume), steps=(calls * intra_steps, calls * inter_steps))
+
+
+def reduce_scatter(cluster: Cluster, size: int, stride: int, volume: float) -> Traffic:
+    """A reduce-scatter over `size` ranks `stride` apart, `volume` bytes per rank in a ring;
+    on gloo an all-reduce (`Cluster.reduce_scatter_rounds`): twice the bytes and steps."""
+    rounds = cluster.reduce_scatter_rounds()
+    return ring(cluster, size, stride, rounds * volume, rounds=rounds)
 
 
 def _gather(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
@@ -167,7 +176,7 @@ def dp_traffic(layout: Layout, cluster: Cluster, psi: float) -> dict[str, Traffi
     if layout.qgz_bits and sharded.gradients:
         out["reduce"] = _qgz_reduce(layout, cluster, psi)
     elif sharded.optimizer_state:
-        out["reduce"] = ring(cluster, N, t, G * psi * (N - 1) / N)
+        out["reduce"] = reduce_scatter(cluster, N, t, G * psi * (N - 1) / N)
     else:
         out["reduce"] = ring(cluster, N, t, 2 * G * psi * (N - 1) / N, rounds=2)
     if R > 1:
@@ -221,27 +230,19 @@ def _in_turn(window: float, busy: list[float]) -> list[float]:
     return exposed
 
 
-@functools.cache
-def _instances(p: Pass) -> tuple[tuple[Slot, int, tuple[str, ...]], ...]:
-    """The slots of a pass once each as (slot, how many, ends): the first and last apart."""
-    ends = [(p.first, ("first", "last") if p.length == 1 else ("first",))]
-    ends += [(p.last, ("last",))] if p.length > 1 else []
-    counts = dict(p.slots)
-    for slot, _ in ends:
-        counts[slot] -= 1
-    return (*((slot, n, ()) for slot, n in counts.items() if n), *((slot, 1, end) for slot, end in ends))
-
-
 def _exposed(p: Pass, window: float, streams: list[_Stream]) -> list[float]:
     """Exposed seconds per stream of one pass over `p`, compute `window` seconds per
-    parameter (module docstring)."""
+    parameter (module docstring): under each slot's compute run the collectives of its
+    neighbour on the stream's side (the next slot's forward gather or reduction, the previous
+    slot's backward gather), in turn; the end slot's is exposed whole."""
     exposed = [0.0] * len(streams)
-    for slot, count, ends in _instances(p):
-        busy = [s.seconds(slot) for s in streams]
-        whole = [s.whole in ends for s in streams]
-        hidden = _in_turn(window * slot.numel, [0.0 if w else c for c, w in zip(busy, whole)])
-        for j, (c, w, e) in enumerate(zip(busy, whole, hidden)):
-            exposed[j] += count * (c if w else e)
+    for (before, slot, after), count in p.windows:
+        neighbours = [after if s.whole == "first" else before for s in streams]
+        busy = [0.0 if n is None else s.seconds(n) for s, n in zip(streams, neighbours)]
+        for j, e in enumerate(_in_turn(window * slot.numel, busy)):
+            exposed[j] += count * e
+    for j, s in enumerate(streams):
+        exposed[j] += s.seconds(p.first if s.whole == "first" else p.last)
     return exposed
 
 

@@ -11,7 +11,11 @@ on the machine at hand. Keys (bandwidths in GB/s per device and direction):
     intra_node: {gbs: 450}  # optional latency_us: µs per step of a ring collective (NCCL's below)
     inter_node: {gbs: 50}
     # optional, instead of the device row or measured: peak_tflops: {bf16: .., fp8: ..},
-    # hbm_gbs: .., matmul_efficiency: .. (the share of the peak a layer's GEMMs reach)
+    # hbm_gbs: .., matmul_efficiency: .. (the share of the peak a layer's GEMMs reach),
+    # quantize_gbs: .. (the rate ZeRO++'s quantization kernels move their bytes; HBM's when absent)
+    # optional: backend: nccl | gloo (whose collective algorithms; nccl when absent),
+    # compute_units: .. (the devices of the whole cluster share this much compute, as the
+    # processes of an emulated cluster share a machine's CPU cores; absent: each its own)
 """
 
 from __future__ import annotations
@@ -41,6 +45,13 @@ class GPU:
     inter_node_bandwidth: float
     fp8_flops: float | None = None  # dense float8 tensor-core FLOP/s (None: no float8 matmuls)
     matmul_efficiency: float | None = None  # η measured on this device (None: the planner's fit)
+    quantize_bandwidth: float | None = None  # bytes/s of the quantization kernels (None: HBM's)
+
+    @property
+    def kernel_bandwidth(self) -> float:
+        """Bytes/s at which ZeRO++'s quantize / dequantize kernels move their bytes: measured,
+        else HBM's (the fused GPU kernels are memory-bound)."""
+        return self.quantize_bandwidth or self.hbm_bandwidth
 
 
 # Latency per step of a ring collective (the α of alpha-beta), from NCCL's own cost model:
@@ -52,24 +63,30 @@ NVLINK_STEP_LATENCY = 3.4e-6
 NETWORK_STEP_LATENCY = 14e-6
 
 SYSTEM_KEYS = {"name", "device", "memory_mib", "devices_per_node", "intra_node", "inter_node"}
-OPTIONAL_KEYS = {"peak_tflops", "hbm_gbs", "matmul_efficiency"}
+OPTIONAL_KEYS = {"peak_tflops", "hbm_gbs", "matmul_efficiency", "quantize_gbs", "backend", "compute_units"}
+BACKENDS = ("nccl", "gloo")
 
 
 @dataclass(frozen=True)
 class System:
-    """A node of `gpus_per_node` devices `gpu` and its network's step latencies (seconds):
-    what a hardware file describes. `cluster(n)`: n such devices."""
+    """A node of `gpus_per_node` devices `gpu`, its network's step latencies (seconds), the
+    backend whose collectives it runs and the compute its devices share (`Cluster`): what a
+    hardware file describes. `cluster(n)`: n such devices."""
 
     gpu: GPU
     gpus_per_node: int
     intra_node_latency: float
     inter_node_latency: float
+    backend: str = "nccl"
+    compute_units: float | None = None
 
     def cluster(self, gpus: int, **overrides: Any) -> Cluster:
         fields = {
             "gpus_per_node": self.gpus_per_node,
             "intra_node_latency": self.intra_node_latency,
             "inter_node_latency": self.inter_node_latency,
+            "backend": self.backend,
+            "compute_units": self.compute_units,
         }
         return Cluster(self.gpu, gpus, **{**fields, **overrides})
 
@@ -96,20 +113,27 @@ def load_system(path: str | Path) -> System:
         if not bf16 or not hbm:
             raise ValueError(f"device {row!r} is not in research.metrics' GPU table: give peak_tflops.bf16 and hbm_gbs")
         intra, inter = raw["intra_node"], raw["inter_node"]
-        eta = raw.get("matmul_efficiency")
+        eta, quantize = raw.get("matmul_efficiency"), raw.get("quantize_gbs")
         gpu = GPU(
             str(raw["name"]), int(raw["memory_mib"]) * MiB, bf16, hbm, float(intra["gbs"]) * 1e9,
             float(inter["gbs"]) * 1e9, fp8 or None, None if eta is None else float(eta),
+            None if quantize is None else float(quantize) * 1e9,
         )  # fmt: skip
         latency = [
             part["latency_us"] * 1e-6 if "latency_us" in part else default
             for part, default in ((intra, NVLINK_STEP_LATENCY), (inter, NETWORK_STEP_LATENCY))
         ]
-        system = System(gpu, int(raw["devices_per_node"]), *latency)
+        backend = str(raw.get("backend", "nccl"))
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        units = raw.get("compute_units")
+        system = System(gpu, int(raw["devices_per_node"]), *latency, backend, None if units is None else float(units))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
     if system.gpus_per_node < 1 or min(gpu.intra_node_bandwidth, gpu.inter_node_bandwidth) <= 0:
         raise ValueError(f"{where}: devices_per_node and both bandwidths must be positive")
+    if system.compute_units is not None and system.compute_units <= 0:
+        raise ValueError(f"{where}: compute_units must be positive (or absent: every device computes on its own)")
     return system
 
 
@@ -129,7 +153,9 @@ class Cluster:
     """`gpus` GPUs, `gpus_per_node` to a node. `inter_node_gbps`: a node's network in Gb/s per
     direction, all its NICs together, shared evenly by its GPUs (DGX H100: 8 × 400 = 3200);
     None keeps each GPU's own NIC, `GPU.inter_node_bandwidth`. `intra_node_latency` /
-    `inter_node_latency`: seconds per step of a ring collective inside a node / across nodes."""
+    `inter_node_latency`: seconds per step of a ring collective inside a node / across nodes.
+    `backend`: whose collective algorithms move the bytes (`reduce_scatter_rounds`).
+    `compute_units`: the compute all the devices share (`compute_share`); None: each its own."""
 
     gpu: GPU
     gpus: int
@@ -137,6 +163,8 @@ class Cluster:
     inter_node_gbps: float | None = None
     intra_node_latency: float = NVLINK_STEP_LATENCY
     inter_node_latency: float = NETWORK_STEP_LATENCY
+    backend: str = "nccl"
+    compute_units: float | None = None
 
     @property
     def inter_node_bandwidth(self) -> float:
@@ -154,6 +182,17 @@ class Cluster:
             return volume, 0.0
         k = ranks_per_node(size, stride, self.gpus_per_node)
         return volume * (k - 1) / k, volume / k
+
+    def reduce_scatter_rounds(self) -> int:
+        """Ring rounds of a reduce-scatter: 1 on NCCL; 2 on gloo, whose reduce-scatter is an
+        all-reduce (twice the bytes: 2(N-1)/N of the input per rank, counted on a shaped link)."""
+        return 2 if self.backend == "gloo" else 1
+
+    @property
+    def compute_share(self) -> float:
+        """How much slower each device computes while all of them compute than one alone:
+        max(1, gpus / compute_units); 1 where every device has its own compute."""
+        return 1.0 if self.compute_units is None else max(1.0, self.gpus / self.compute_units)
 
     def ring_steps(self, size: int, stride: int, rounds: int = 1) -> tuple[int, int]:
         """(in-node, cross-node) steps of a ring over `size` ranks `stride` apart on n nodes:

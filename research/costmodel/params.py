@@ -217,19 +217,20 @@ class Slot(NamedTuple):
 
 @dataclass(frozen=True)
 class Pass:
-    """A chunk's slots in the order forward uses them: (slot, how many), the first and last,
-    and their sum (`total`)."""
+    """A chunk's slots in the order forward uses them: each with its neighbours as ((slot
+    before, slot, slot after), how many; None past an end), the first and last, and their
+    sum (`total`)."""
 
     first: Slot
     last: Slot
-    slots: tuple[tuple[Slot, int], ...]
-    length: int
+    windows: tuple[tuple[tuple[Slot | None, Slot, Slot | None], int], ...]
     total: Slot
 
     @classmethod
     def of(cls, slots: list[Slot]) -> Pass:
         """The pass over `slots`, given in forward order."""
-        return cls(slots[0], slots[-1], tuple(Counter(slots).items()), len(slots), Slot(*map(sum, zip(*slots))))
+        neighbours = zip([None, *slots[:-1]], slots, [*slots[1:], None])
+        return cls(slots[0], slots[-1], tuple(Counter(neighbours).items()), Slot(*map(sum, zip(*slots))))
 
 
 def _unit_slots(units: list[Parts], resident: int) -> list[Slot]:

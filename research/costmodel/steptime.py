@@ -18,16 +18,23 @@ Step time, per micro-batch on the slowest pipeline rank (the last: L/p layers + 
   under SP move the same bytes in the same steps), plus 1 backward under SP without float8:
   the QKV and MLP-up linears keep their input's sequence shard and all-gather it again for dW.
 - X: pipeline p2p, one activation (sbh·A, /t under SP) sent per chunk in F and in B, one
-  step of α each (α_intra inside a node, else α_inter).
+  step of α each (α_intra inside a node, else α_inter); sent asynchronously, so only the
+  fill and drain wait for them (`exposed_p2p`), not t_f and t_b.
 - E: expert parallelism (ep > 1): per MoE layer two all-to-alls of the rows in F (dispatch,
   combine), two in B (four with full recompute), each A·h·R·(ep − 1)/ep bytes per rank
   (`expert_all_to_all_bytes`; R = s·b·k rows, balanced routing assumed).
 - η (`MATMUL_EFFICIENCY`): the one calibrated constant, see there. With float8 linear
   layers (`Layout.fp8`) their FLOPs run at the GPU's float8 peak, the rest at its 16-bit one.
 
-Step = m(t_f + t_b) + bubble + exposed DP communication + optimizer step. The bubble is
+Step = m(t_f + t_b) + bubble + exposed p2p + exposed DP communication + optimizer step. The bubble is
 (p-1)(t_f + t_b)/v for gpipe / 1f1b / interleaved-1f1b and (p-1)·max(t_f, t_b/2) for zb-h1
 (W fills the cool-down): the makespan of `parallel.pipeline.simulate` under these costs.
+
+Shared compute (`Cluster.compute_share` σ > 1: the processes of an emulated cluster on fewer
+CPU cores): compute runs at 1/σ while every rank computes, and a rank idle in the bubble
+gives its share to the others, so the pipeline takes max(m(t_f + t_b) + bubble at the rate
+of one alone, m(σ·compute + communication)); in the second case every compute term (and the
+overlap windows, the optimizer step, quantization kernels) is σ times one alone's.
 
 Data-parallel communication (`research.costmodel.dpcomm`: bytes, alpha-beta latency,
 quantization kernels, overlap per stage-3 unit or bucket) adds what compute does not hide,
@@ -69,10 +76,10 @@ class StepTime:
 
     forward: float
     backward: float
-    pipeline: float  # m(t_f + t_b) + bubble
+    pipeline: float  # m(t_f + t_b) + bubble + pp_comm
     bubble: float
     tp_comm: float  # part of pipeline: TP collectives of all micro-batches
-    pp_comm: float  # part of pipeline: p2p of all micro-batches
+    pp_comm: float  # part of pipeline: the p2p it waits for (`exposed_p2p`)
     dp_comm: float  # exposed data-parallel (and tied-embedding) communication: Σ collectives' exposed
     optimizer: float
     collectives: tuple[Collective, ...] = ()  # the data-parallel families and the tied embedding (`dpcomm`)
@@ -178,6 +185,18 @@ def expert_all_to_all(model: GPTConfig, layout: Layout, seq_len: int, cluster: C
     return max(intra, inter) + cluster.latency(int(near > 1), int(ep > near))
 
 
+def exposed_p2p(pp: int, micro_batches: int, p2p: float, t_forward: float, t_backward: float) -> float:
+    """Seconds of pipeline sends a step waits for: the executor sends asynchronously and
+    receives right before the compute that needs it, so a send hides under the compute that
+    follows it, except while the pipeline fills and drains (the first forward and the last
+    backward cross p - 1 hops each: 2(p - 1) sends), and where a send takes longer than that
+    compute (m times the excess, each direction). `p2p`: a micro-batch's sends in one direction."""
+    if pp == 1:
+        return 0.0
+    steady = max(0.0, p2p - t_forward) + max(0.0, p2p - t_backward)
+    return 2 * (pp - 1) * p2p + micro_batches * steady
+
+
 def _p2p(layout: Layout, msg: float, cluster: Cluster) -> float:
     """Seconds of a micro-batch's pipeline sends in one direction: one `msg`-byte activation
     per chunk, one step each, over NVLink when the pipeline fits in a node, else the network."""
@@ -195,9 +214,14 @@ def predict_step_times(model: GPTConfig, layouts: list[Layout], seq_len: int, cl
     t, p, v, m = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batches
     P, G = DTYPE_BYTES[layout.precision], DTYPE_BYTES[layout.reduce_dtype]
     compute_f, compute_b, tp_f, tp_b, ep_f, ep_b, p2p = _micro_batch(model, layout, seq_len, cluster)
-    t_f, t_b = compute_f + tp_f + ep_f + p2p, compute_b + tp_b + ep_b + p2p
+    comm_f, comm_b, share = tp_f + ep_f, tp_b + ep_b, cluster.compute_share
+    t_f, t_b = compute_f + comm_f, compute_b + comm_b
     bubble = pipeline_bubble(layout.schedule, p, v, t_f, t_b)
-    pipeline = m * (t_f + t_b) + bubble
+    if m * (share * (compute_f + compute_b) + comm_f + comm_b) > m * (t_f + t_b) + bubble:
+        compute_f, compute_b = share * compute_f, share * compute_b  # every rank computes all the time
+        t_f, t_b, bubble = compute_f + comm_f, compute_b + comm_b, 0.0
+    sends = exposed_p2p(p, m, p2p, t_f, t_b)
+    pipeline = m * (t_f + t_b) + bubble + sends
     ranks = (rank_params(model, t, p, v, r, layout.unit_numel, layout.ep) for r in {0, p - 1})
     rank = max(ranks, key=lambda r: r.numel)
     tied = tied_embedding(model, layout, cluster)
@@ -206,7 +230,7 @@ def predict_step_times(model: GPTConfig, layouts: list[Layout], seq_len: int, cl
         collectives = dp_collectives(lo, cluster, rank, compute_f, compute_b) + ((tied,) if tied else ())
         dp = sum(c.exposed for c in collectives)
         optimized = rank.numel / lo.shard if lo.sharding.optimizer_state else rank.held  # experts: 1/ep held
-        optimizer = optimized * (2 * 12 + G + P) / cluster.gpu.hbm_bandwidth
+        optimizer = optimized * (2 * 12 + G + P) / cluster.gpu.hbm_bandwidth * cluster.compute_share
         times.append(
             StepTime(
                 t_f,
@@ -214,7 +238,7 @@ def predict_step_times(model: GPTConfig, layouts: list[Layout], seq_len: int, cl
                 pipeline,
                 bubble,
                 m * (tp_f + tp_b),
-                m * 2 * p2p,
+                sends,
                 dp,
                 optimizer,
                 collectives,
