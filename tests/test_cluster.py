@@ -34,7 +34,6 @@ UNAVAILABLE = why_unavailable() if sys.platform == "linux" else "network namespa
 needs_namespaces = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no emulated cluster: {UNAVAILABLE}")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1"}
 COMM_TIMEOUT_S = 5  # the faulty run's --comm-timeout: the cut link is found this long after it
-CALIBRATE = ["--hosts", "2", "--procs-per-host", "2", "--link", "200mbit", "--config", "experiments/configs/tiny.yaml"]
 HYBRID = [
     *("-m", "experiments.train", "--config", "experiments/configs/tiny.yaml"),
     *("--n-layers", "2", "--n-heads", "4", "--d-model", "32", "--max-seq-len", "32", "--seq-len", "32"),
@@ -56,8 +55,8 @@ def ours() -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The hybrid run on 2 hosts × 2 processes over 200 Mbit/s links, and on one host; and,
-    at the same time, the calibration of another such cluster."""
+    """The hybrid run on 2 hosts × 2 processes over 200 Mbit/s links, and on one host, at
+    the same time."""
     base = tmp_path_factory.mktemp("cluster")
     two = cluster("--hosts", "2", "--procs-per-host", "2", "--link", "200mbit", "--timeout", "200", "--")
     jobs = {
@@ -66,7 +65,6 @@ def runs(tmp_path_factory):
             *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"),
             *(*HYBRID, "--out", str(base / "one"), "--data-cache", str(base / "cache_one")),
         ],
-        "calibrate": [sys.executable, "-m", "experiments.calibrate", *CALIBRATE, "--out", str(base / "cal.yaml")],
     }
     procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True, start_new_session=True) for name, cmd in jobs.items()}  # fmt: skip
@@ -79,7 +77,7 @@ def runs(tmp_path_factory):
         for proc in procs.values():
             if proc.poll() is None:
                 stop(proc)
-    return {"two": read_run(base / "two"), "one": read_run(base / "one"), "log": logs["two"], "cal": base / "cal.yaml"}
+    return {"two": read_run(base / "two"), "one": read_run(base / "one"), "log": logs["two"]}
 
 
 @needs_namespaces
@@ -257,36 +255,46 @@ def test_rates_and_events_are_checked() -> None:
             LinkEvent.parse(text, 2)
 
 
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """A small `experiments.bench.planner_vs_cluster`: 2 hosts × 2 processes at 1 Gbit/s are
+    calibrated, then ZeRO-3 over dp 4 (its gathers and reductions cross the link) and pp 2 ×
+    dp 2 (only activations cross) each train 5 steps. Returns (rows, the hardware file)."""
+    from experiments.bench import planner_vs_cluster
+
+    work = tmp_path_factory.mktemp("planned")
+    return planner_vs_cluster.compare(2, 2, "1gbit", ["zero3", "pp2"], 5, 2, work), work / "2x2-1gbit.yaml"
+
+
 @needs_namespaces
-@pytest.mark.timeout(300)
-def test_calibrate_writes_a_hardware_file_of_the_emulated_cluster(runs, capsys) -> None:
-    """2 hosts × 2 processes over 200 Mbit/s links: the file loads, names gloo and the
-    compute the processes share, and its network across hosts is the link's 25 MB/s shared by
-    the host's 2 processes (planner: per device and direction), within 30%; the planner
-    predicts a layout on it."""
+@pytest.mark.timeout(400)
+def test_calibrate_writes_a_hardware_file_of_the_emulated_cluster(planned, capsys) -> None:
+    """2 hosts × 2 processes over 1 Gbit/s links: the file loads, names gloo and the compute
+    the processes share, and its network across hosts is the link's 125 MB/s shared by the
+    host's 2 processes (planner: per device and direction), within 30%; the planner predicts
+    a layout on it."""
     from experiments import plan
     from research.costmodel.hardware import load_system
 
-    system = load_system(runs["cal"])
+    _, hardware = planned
+    system = load_system(hardware)
     assert system.gpus_per_node == 2 and 0 < system.gpu.matmul_efficiency < 1 and system.backend == "gloo"
     assert 0 < system.compute_units <= 1.5 * len(os.sched_getaffinity(0))  # the 4 processes share the cores
-    assert system.gpu.inter_node_bandwidth == pytest.approx(200e6 / 8 / 2, rel=0.3)
-    assert system.gpu.intra_node_bandwidth > 10 * system.gpu.inter_node_bandwidth  # loopback, unshaped
-    plan.main(["--config", "experiments/configs/tiny.yaml", "--gpus", "4", "--hardware", str(runs["cal"]), "--json",
+    assert system.gpu.inter_node_bandwidth == pytest.approx(1e9 / 8 / 2, rel=0.3)
+    assert system.gpu.intra_node_bandwidth > 5 * system.gpu.inter_node_bandwidth  # loopback, unshaped
+    plan.main(["--config", "experiments/configs/tiny.yaml", "--gpus", "4", "--hardware", str(hardware), "--json",
                "--layout", "tp=1,pp=1,dp=4,zero=3,mbs=1,recompute=none,sp=0"])  # fmt: skip
     assert json.loads(capsys.readouterr().out)["step_s"] > 0
 
 
 @needs_namespaces
 @pytest.mark.timeout(400)
-def test_the_calibrated_planner_predicts_the_measured_step_times(tmp_path) -> None:
-    """A small `experiments.bench.planner_vs_cluster`: on 2 hosts × 2 processes at 1 Gbit/s,
-    calibrated first, ZeRO-3 over dp 4 (its gathers and reductions cross the link) and pp 2 ×
-    dp 2 (only activations cross) each train 5 steps: every prediction is within 25% of the
-    measured median step, and the planner's faster layout is the measured faster one."""
+def test_the_calibrated_planner_predicts_the_measured_step_times(planned) -> None:
+    """Every prediction of the small study is within 25% of the measured median step, and
+    the planner's faster layout is the measured faster one."""
     from experiments.bench import planner_vs_cluster
 
-    rows = planner_vs_cluster.compare(2, 2, "1gbit", ["zero3", "pp2"], 5, 2, tmp_path)
+    rows, _ = planned
     assert all("measured_s" in r for r in rows), rows
     assert all(0.75 < r["ratio"] < 1.25 for r in rows), planner_vs_cluster.table(rows)
     assert planner_vs_cluster.fastest(rows) == ["2 × 2 at 1gbit: fastest measured pp2, predicted pp2"]

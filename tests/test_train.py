@@ -23,7 +23,8 @@ from tests.dist_utils import run_distributed
 
 pytestmark = pytest.mark.slow
 
-STEPS = 20
+STEPS = 12
+HALF = STEPS // 2  # where runs save and others resume
 MODEL = ["--n-layers", "4", "--n-heads", "4", "--d-model", "32", "--max-seq-len", "32", "--vocab-multiple", "128"]
 TRAIN = [
     "--seq-len",
@@ -169,31 +170,33 @@ def launch_single(base: str) -> dict[str, list[float]]:
 
 
 def launch_two(base: str) -> dict[str, list[float]]:
-    """tp2, pp2 (1F1B, interleaved); bf16 / fp16 variants; pp2 1F1B again as 10 steps +
-    resume for 10."""
+    """tp2, pp2 (1F1B, interleaved); bf16 / fp16 variants; pp2 1F1B again as HALF steps +
+    resume for the rest."""
     out = {
         name: train(base, name, "--steps", str(STEPS), *LAYOUTS[name])
         for name in ("tp2", "pp2-1f1b", "pp2-interleaved-v2")
     }
     out.update({name: train(base, name, "--steps", str(STEPS), *argv) for name, argv in LOW_PRECISION.items()})
     ckpt = os.path.join(base, "resume", "ckpt")
-    first = train(base, "resume", "--steps", "10", "--lr-decay-steps", str(STEPS), "--save", ckpt, *LAYOUTS["pp2-1f1b"])
+    first = train(
+        base, "resume", "--steps", str(HALF), "--lr-decay-steps", str(STEPS), "--save", ckpt, *LAYOUTS["pp2-1f1b"]
+    )
     out["resume-exact"] = (
-        first + train(base, "resume", "--steps", str(STEPS), "--load", ckpt, *LAYOUTS["pp2-1f1b"])[10:]
+        first + train(base, "resume", "--steps", str(STEPS), "--load", ckpt, *LAYOUTS["pp2-1f1b"])[HALF:]
     )
     # ZeRO-3 with units small enough that parameters are really freed between uses, run as a
     # restartable job: the same --resume command starts it fresh, then continues it
     zero3 = ["--zero", "3", *UNITS]
     out["dp2-zero3-units"] = train(base, "dp2-zero3-units", "--steps", str(STEPS), *zero3)
-    job = ["--resume", os.path.join(base, "resume-zero3", "ckpt"), "--save-every", "5", *zero3]
-    first3 = train(base, "resume-zero3", "--steps", "10", "--lr-decay-steps", str(STEPS), *job)
-    out["resume-zero3"] = first3 + train(base, "resume-zero3", "--steps", str(STEPS), *job)[10:]
+    job = ["--resume", os.path.join(base, "resume-zero3", "ckpt"), "--save-every", str(HALF // 2), *zero3]
+    first3 = train(base, "resume-zero3", "--steps", str(HALF), "--lr-decay-steps", str(STEPS), *job)
+    out["resume-zero3"] = first3 + train(base, "resume-zero3", "--steps", str(STEPS), *job)[HALF:]
     return out
 
 
 def launch_four_first(base: str) -> dict[str, list[float]]:
     """dp4 zero3 parity, plain and hybrid (2 replicas × 2 shards); pp2 × dp2 with both gradient-sync policies; dp4 zero1 saves after
-    10 steps (for the 8-rank resume)."""
+    HALF steps (for the 8-rank resume)."""
     out = {
         name: train(base, name, "--steps", str(STEPS), *LAYOUTS[name]) for name in ("dp4-zero3", "dp4-hybrid2x2-zero3")
     }
@@ -209,7 +212,7 @@ def launch_four_first(base: str) -> dict[str, list[float]]:
         base,
         "dp4-zero1",
         "--steps",
-        "10",
+        str(HALF),
         "--lr-decay-steps",
         str(STEPS),
         "--save",
@@ -220,7 +223,7 @@ def launch_four_first(base: str) -> dict[str, list[float]]:
 
 
 def launch_eight(base: str) -> dict[str, list[float]]:
-    """tp2×pp2×dp2 at stages 1 (overlapped parameter gathers) and 3 (saves at 10 and 20, and
+    """tp2×pp2×dp2 at stages 1 (overlapped parameter gathers) and 3 (saves at HALF and STEPS, and
     exports; tests/test_pipeline.py checks this layout at every stage, weights and norms
     included, without the trainer) and as 2 replicas of 1 shard at zero3; then the dp4 zero1
     checkpoint resumed as tp2×pp2×dp2 zero3."""
@@ -232,7 +235,7 @@ def launch_eight(base: str) -> dict[str, list[float]]:
                 "--save",
                 os.path.join(base, name, "ckpt"),
                 "--save-every",
-                "10",
+                str(HALF),
                 "--export",
                 os.path.join(base, "3d.safetensors"),
             ]
@@ -271,8 +274,8 @@ RESUMED_FROM_3D = {
 
 
 def launch_four_second(base: str) -> dict[str, list[float]]:
-    """The tp2×pp2×dp2 zero3 checkpoint of step 10 resumed under each of RESUMED_FROM_3D."""
-    ckpt = os.path.join(base, "tp2-pp2-dp2-zero3", "ckpt", "step_00000010")
+    """The tp2×pp2×dp2 zero3 checkpoint of step HALF resumed under each of RESUMED_FROM_3D."""
+    ckpt = os.path.join(base, "tp2-pp2-dp2-zero3", "ckpt", f"step_{HALF:08d}")
     return {
         f"3d-zero3->{name}": train(base, f"from-3d-{name}", "--steps", str(STEPS), "--load", ckpt, *argv)
         for name, argv in RESUMED_FROM_3D.items()
@@ -331,7 +334,7 @@ def test_grad_sync_every_trades_dp_traffic_for_gradient_memory(runs, name: str) 
 @pytest.mark.parametrize("variant", list(LOW_PRECISION))
 def test_bf16_and_fp16_runs_track_fp32(runs, variant: str) -> None:
     """bf16 (tp2, SP, selective recompute) and fp16 (pp2 zero-bubble, full recompute,
-    ZeRO-2) track the fp32 losses over 20 steps within 1e-2 relative (measured: 3.2e-4 and
+    ZeRO-2) track the fp32 losses over STEPS steps within 1e-2 relative (measured: 3.2e-4 and
     2.4e-5; fp32 layouts differ by about 1.5e-7)."""
     _, losses = runs
     torch.testing.assert_close(torch.tensor(losses[variant]), torch.tensor(losses["single"]), rtol=1e-2, atol=0)
@@ -342,7 +345,7 @@ def test_zeropp_runs_track_fp32(runs, variant: str) -> None:
     """int8 parameter all-gathers (blocks of 64), hpZ's secondary partition and int8 gradient
     all-to-alls, with tp 2, SP and the interleaved pipeline on 8 ranks, and with pp 2 × dp 2
     under zero-bubble, 1F1B (reducing every micro-batch) and GPipe on 4,
-    track the exact losses over 20 steps within 1e-2 relative."""
+    track the exact losses over STEPS steps within 1e-2 relative."""
     _, losses = runs
     torch.testing.assert_close(torch.tensor(losses[variant]), torch.tensor(losses["single"]), rtol=1e-2, atol=0)
     assert losses[variant] != losses["single"]  # the gathers really were quantized
@@ -361,7 +364,7 @@ def test_resume_continues_exactly(runs) -> None:
 def test_a_zero3_run_resumes_into_zero3(runs) -> None:
     """Saved and loaded at ZeRO-3 with several units (parameters empty between uses; the
     expected shapes come from the optimizer's record), by one --resume command run twice:
-    fresh at first, then from the step-10 checkpoint."""
+    fresh at first, then from the step-HALF checkpoint."""
     _, losses = runs
     assert losses["resume-zero3"] == losses["dp2-zero3-units"]
     torch.testing.assert_close(
@@ -373,7 +376,7 @@ def test_a_zero3_run_resumes_into_zero3(runs) -> None:
 def test_resume_under_another_layout(runs, resumed: str) -> None:
     _, losses = runs
     torch.testing.assert_close(
-        torch.tensor(losses[resumed][-10:]), torch.tensor(losses["single"][10:]), rtol=1e-5, atol=0
+        torch.tensor(losses[resumed][-HALF:]), torch.tensor(losses["single"][HALF:]), rtol=1e-5, atol=0
     )
 
 
@@ -444,7 +447,7 @@ def bad_load(base: str, case: str) -> str:
     """The error of loading a damaged or mismatched copy of the single-process checkpoint."""
     from experiments.train import run
 
-    src = os.path.join(base, "single", "ckpt", "step_00000020")
+    src = os.path.join(base, "single", "ckpt", f"step_{STEPS:08d}")
     ckpt = os.path.join(base, f"bad-{case}")
     shutil.copytree(src, ckpt)
     extra = []
