@@ -137,7 +137,7 @@ def _guard_store(rank: int, stop: threading.Event, answered: list[float], patien
             doing = _waiting_in().removesuffix(", ") or "not in a collective"
             _exit(
                 f"error: rank {rank} lost contact with the rendezvous store at {where} (rank 0's host): no answer for "
-                f"{silent:.0f} s ({doing}); that host is down or the network between them is, so the job cannot go on"
+                f"{silent:.0f} s ({doing}); {_unreachable()}, so the job cannot go on"
             )
             return
 

@@ -152,9 +152,10 @@ def test_a_cut_link_ends_every_rank_naming_the_lost_ones(faulty) -> None:
     0's report names ranks 2 and 3, each rank of host 1 names ranks 0 and 1."""
     code, seconds, output, _ = faulty
     assert code != 0 and seconds < COMM_TIMEOUT_S + 60, (code, seconds)
-    said = [line for line in output.splitlines() if "error: a collective timed out" in line]
+    said = [line for line in output.splitlines() if "error: " in line]
     assert any(line.startswith("[host 0]") and "rank(s) 2, 3" in line for line in said), said
-    assert sum(line.startswith("[host 1]") and "lost rank(s) 0, 1" in line for line in said) == 2, said
+    # by its collective's timeout, or by the store's silence if that came first (a store call blocks)
+    assert sum(line.startswith("[host 1]") and "lost rank(s) 0, 1" in line for line in said) == 2, "\n".join(said)
     assert not ours()
 
 
