@@ -283,9 +283,13 @@ def _waiting_in() -> str:
 
 
 def _exit(line: str) -> None:
-    """Print `line` to stderr and end the process with status 1 at once: a normal exit
-    could wait on the broken process group."""
-    print(line, file=sys.stderr)
+    """Write `line` to stderr and end the process with status 1 at once: a normal exit
+    could wait on the broken process group. One write of the line and its newline, so that
+    ranks sharing a pipe (torchrun's) do not interleave their sentences."""
     sys.stdout.flush()
     sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (AttributeError, OSError, ValueError):  # a stderr with no descriptor (captured)
+        print(line, file=sys.stderr, flush=True)
     os._exit(1)
