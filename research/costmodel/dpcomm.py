@@ -63,9 +63,9 @@ backward (the first slot) is exposed whole. So n(s), whose window hides s's coll
 the slot before s in forward order for forward gathers and reductions and the one after it
 for backward gathers (`Pass.windows`); one large bucket beside small ones is exposed nearly
 whole. Under one window, the backward gather goes first, a reduction hides under what it
-left, and the replica all-reduce under what both left (`_in_turn`). Reductions run in the last backward of each chunk (grad_sync
-every: in every backward); stages 1-2's gather after the step and the tied-embedding
-all-reduce after the last backward are exposed whole.
+left, and the replica all-reduce under what both left (`_in_turn`). Reductions run in the
+last backward of each chunk (grad_sync every: in every backward); stages 1-2's gather after
+the step and the tied-embedding all-reduce after the last backward are exposed whole.
 """
 
 from __future__ import annotations
