@@ -10,7 +10,11 @@ all-reduce at stage 0, reduce-scatter at stages 1-3 — while backward goes on. 
 are launched strictly in bucket order, which every rank shares, so ranks whose autograd
 finishes buckets in a different order still issue the same collectives in the same order.
 At the end of backward the remaining buckets (whose parameters got no gradient this time)
-are launched too and every reduction is waited for.
+are launched too and every reduction is waited for, except inside `overlapped()`: there a
+backward returns with its reductions in flight (a pipeline stage sends its input gradient
+upstream meanwhile), and leaving the context waits for them. A gradient arriving for a bucket
+whose reduction is still in flight first waits for that reduction (it reads and may reuse
+the bucket's buffer).
 
 Scoped backward (`only(indices)`): the caller promises that the backward produces gradients
 only for the parameters of those buckets (a pipeline chunk's backward, on every rank alike),
@@ -26,9 +30,11 @@ which is then added to the gradients the shard already holds (no reduced sum kep
 so earlier reductions of the step are never quantized again).
 
 A reduction is retired (`FlatBucket.after_reduction`: stages 2-3 free the full bucket) as
-soon as it has completed, checked whenever a bucket is launched, and at most
-`MAX_IN_FLIGHT` reductions stay unretired: launching one more first waits for the oldest.
-So during backward a stage-2 rank holds its shards plus a few full buckets, not all of them.
+soon as it has completed, checked whenever a bucket is launched. Stages 2-3 keep at most
+`MAX_IN_FLIGHT` reductions unretired: launching one more first waits for the oldest, so during
+backward a stage-2 rank holds its shards plus a few full buckets, not all of them. Stages 0-1
+keep their full buckets anyway, so their backward never waits for a reduction (on a slow
+link such a wait would hold back the rest of backward, and a pipeline stage's send upstream).
 """
 
 from __future__ import annotations
@@ -112,6 +118,7 @@ class GradReducer:
         # reductions in flight: (their collectives in order, the works of the current one, bucket)
         self._works: list[tuple[Iterator[list[dist.Work | None]], list[dist.Work | None], FlatBucket]] = []
         self._callback_queued = False
+        self._wait_at_end = True  # False inside overlapped()
         # The parameters hold their hooks where Python's garbage collector cannot follow
         # (autograd's C++ side), so a hook that held this reducer would keep it, its buckets and
         # the whole optimizer alive for as long as the model lives: the hooks hold it weakly.
@@ -141,6 +148,17 @@ class GradReducer:
             self._scope = previous
             self._in_scope = set(previous)
 
+    @contextlib.contextmanager
+    def overlapped(self) -> Iterator[None]:
+        """Synced backward passes inside return without waiting for their reductions; leaving
+        the context (without an error) waits for every one."""
+        previous, self._wait_at_end = self._wait_at_end, False
+        try:
+            yield
+        finally:
+            self._wait_at_end = previous
+        self._retire(keep=0)
+
     def on_grad(self, b: int, i: int, param: torch.Tensor) -> None:
         if not self._callback_queued:
             self._callback_queued = True
@@ -149,6 +167,8 @@ class GradReducer:
             if self._on_backward_start is not None:
                 self._on_backward_start(b, i)
         bucket = self.buckets[b]
+        if self._ready[b] == 0:
+            self._finish_reduction_of(bucket)
         grad = param.grad
         if grad is self.placeholders[b][i]:
             grad = grad.take()
@@ -197,8 +217,13 @@ class GradReducer:
             bucket.after_reduction()
             self._works.pop(0)
 
+    def _finish_reduction_of(self, bucket: FlatBucket) -> None:
+        """Wait until `bucket` has no reduction in flight (retiring those launched before it)."""
+        while any(entry[2] is bucket for entry in self._works):
+            self._retire(keep=len(self._works) - 1)
+
     def _launch(self, bucket: FlatBucket) -> None:
-        self._retire(keep=MAX_IN_FLIGHT - 1)
+        self._retire(keep=MAX_IN_FLIGHT - 1 if bucket.sharding.gradients else len(self._works))
         steps = self._reduction(bucket)
         with comm.doing("a gradient reduction inside backward"):
             self._works.append((steps, next(steps), bucket))
@@ -228,7 +253,8 @@ class GradReducer:
         self._callback_queued = False
         if self._syncing:
             self._launch_in_order(everything=True)
-            self._retire(keep=0)
+            if self._wait_at_end:
+                self._retire(keep=0)
             self._next = 0
         self._ready = [0] * len(self.buckets)
         if self._on_backward_end is not None:

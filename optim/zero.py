@@ -406,6 +406,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with self._reducer.only(self._scopes[module]):
             yield
 
+    @contextlib.contextmanager
+    def overlapped_reductions(self) -> Iterator[None]:
+        """Synced backward passes inside return with their gradient reductions still in flight,
+        so the caller can communicate or compute meanwhile (a pipeline stage sends its input
+        gradient upstream before its reduction ends, not after); leaving the context waits for
+        every reduction, so gradients are whole again after it."""
+        with self._reducer.overlapped():
+            yield
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global L2 norm of the (unscaled) gradients over every shard and model-parallel
         rank; gradients are scaled by min(1, max_norm / (norm + 1e-6)) in the step."""

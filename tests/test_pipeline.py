@@ -279,6 +279,9 @@ def train_fp16_pipeline(overflow_at: int | None) -> tuple[list, list[float], lis
         def sync_only(self, module):
             return opt.sync_only(module)
 
+        def overlapped_reductions(self):
+            return opt.overlapped_reductions()
+
         def scale_loss(self, loss):
             return opt.scale_loss(loss) * (float("inf") if self.on else 1.0)
 

@@ -22,7 +22,10 @@ The executor talks to the optimizer through one small protocol, `ReductionContro
 Gradient reduction over data parallelism, two policies (`grad_sync`). "last": every backward
 but the rank's last runs under `no_sync()`, so reduction starts when the rank's last backward
 runs. "every": every backward of a (micro-batch, chunk) runs under `sync_only(chunk)` and
-reduces that chunk's gradients.
+reduces that chunk's gradients. The whole step runs under `overlapped_reductions()`: a
+backward returns with its reductions in flight, so the input gradient it sends upstream does
+not wait for them (else every stage's reduction would lie on the critical path of the
+stages before it); the step's end waits for them.
 Zero-bubble schedules split backward into B (input gradient only, sent upstream at once)
 and W (weight gradients only), see `parallel.pipeline.split_backward`.
 Per compute action the executor records (rank, kind, micro-batch, chunk, start, end) in
@@ -59,6 +62,9 @@ class ReductionControl(Protocol):
     def sync_only(self, module: nn.Module) -> AbstractContextManager:
         """Backward passes inside reduce only `module`'s gradients."""
 
+    def overlapped_reductions(self) -> AbstractContextManager:
+        """Synced backward passes inside return with their reductions in flight; leaving waits."""
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """loss × the fp16 loss scale (loss itself otherwise)."""
 
@@ -71,6 +77,9 @@ class LocalGradients:
         return contextlib.nullcontext()
 
     def sync_only(self, module: nn.Module) -> AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def overlapped_reductions(self) -> AbstractContextManager:
         return contextlib.nullcontext()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -139,19 +148,20 @@ class PipelineExecutor:
         micro-batches on the rank holding the last stage, None elsewhere."""
         self.events = []
         self._s = _StepState(inputs, targets, activation_shape, activation_dtype)
-        i = 0
-        while i < len(self.actions):
-            j = i
-            while j < len(self.actions) and self.actions[j].kind in COMM:
-                j += 1
-            if j > i:
-                self._communicate(self.actions[i:j])
-                i = j
-                continue
-            self._compute(i, self.actions[i])
-            i += 1
-        for work in self._s.sends:
-            work.wait()
+        with self.optimizer.overlapped_reductions():
+            i = 0
+            while i < len(self.actions):
+                j = i
+                while j < len(self.actions) and self.actions[j].kind in COMM:
+                    j += 1
+                if j > i:
+                    self._communicate(self.actions[i:j])
+                    i = j
+                    continue
+                self._compute(i, self.actions[i])
+                i += 1
+            for work in self._s.sends:
+                work.wait()
         self._free_sent_outputs()
         losses = self._s.losses
         del self._s
