@@ -256,6 +256,41 @@ def test_rates_and_events_are_checked() -> None:
             LinkEvent.parse(text, 2)
 
 
+LINK_PROBE = """
+import time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+for nbytes in (262144, 4194304):
+    x = torch.zeros(nbytes // 4)
+    times = []
+    for _ in range(4):
+        dist.barrier()
+        time.sleep(0.1)  # idle, so the link's token bucket is full
+        start = time.perf_counter()
+        dist.send(x, 1) if dist.get_rank() == 0 else dist.recv(x, 0)
+        times.append(time.perf_counter() - start)
+    if dist.get_rank() == 1:
+        print("probe", nbytes, sorted(times)[1], flush=True)
+"""
+
+
+@needs_namespaces
+def test_a_shaped_link_passes_messages_at_its_rate_not_faster() -> None:
+    """A message crosses a 100 Mbit/s link in its bytes over the rate, however short the
+    message: the token bucket holds only ~1 ms of the rate, so what it lets through at
+    memory speed after an idle spell does not make a pipeline's activations faster than the
+    link (a 128 KiB bucket sent 262 KB in 12 ms, where the rate allows 21)."""
+    command = cluster("--hosts", "2", "--link", "100mbit", "--timeout", "120", "--", "--no-python", sys.executable)
+    done = subprocess.run(
+        [*command, "-c", LINK_PROBE], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180, check=False
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    seconds = {int(w[-2]): float(w[-1]) for w in (line.split() for line in done.stdout.splitlines()) if "probe" in w}
+    for nbytes, took in seconds.items():
+        at_rate = nbytes * 8 / rate_bits("100mbit")
+        assert 0.8 * at_rate < took < 1.3 * at_rate + 0.005, (nbytes, took, at_rate)
+    assert len(seconds) == 2, done.stdout[-2000:]
+
+
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     """A small `experiments.bench.planner_vs_cluster`: 2 hosts × 2 processes at 1 Gbit/s are

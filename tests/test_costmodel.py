@@ -878,7 +878,8 @@ def test_exposed_communication_per_unit() -> None:
 
 def test_tied_embedding_all_reduce_is_its_own_line() -> None:
     """With pp > 1 and tied embeddings, the all-reduce of the embedding's gradient between the
-    first and last stage (GVh/t bytes, 2 steps, here across nodes) is a family of its own,
+    first and last stage (GVh/t bytes, the 1/dp shard of it at ZeRO-1: what each rank holds
+    of the reduced gradient; 2 steps, here across nodes) is a family of its own,
     exposed whole; the step's exposed DP comm is the sum over the families, and the plan
     prints the all-reduce as its own row of a table whose exposed total is that sum."""
     from experiments.plan import _where_the_bytes_go
@@ -888,8 +889,10 @@ def test_tied_embedding_all_reduce_is_its_own_line() -> None:
     layout = Layout(tp=8, pp=4, dp=2, zero=1, micro_batches=8)
     time = costmodel.predict_step_time(model, layout, 2048, cluster)
     tied = next(c for c in time.collectives if c.name == "tied_embedding")
-    volume = 4 * model.padded_vocab / 8 * 2048
+    volume = 4 * model.padded_vocab / 8 * 2048 / 2
     assert (tied.intra_bytes, tied.inter_bytes) == (0.0, pytest.approx(volume))
+    unsharded = costmodel.predict_step_time(model, dataclasses.replace(layout, zero=0), 2048, cluster)
+    assert next(c for c in unsharded.collectives if c.name == "tied_embedding").inter_bytes == pytest.approx(2 * volume)
     assert tied.exposed == tied.seconds == pytest.approx(volume / cluster.inter_node_bandwidth + 2 * 14e-6)
     assert time.dp_comm == pytest.approx(sum(c.exposed for c in time.collectives))
     rows = {line[:32].strip(): line.split() for line in _where_the_bytes_go(time.collectives, cluster)[2:]}

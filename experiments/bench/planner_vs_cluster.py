@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--topologies", nargs="+", default=["2x2", "4x1"], help="HOSTSxPROCS")
     p.add_argument("--links", nargs="+", default=["100mbit", "1gbit"])
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="2 × 2 at 1gbit, zero3 and zero1, 5 steps")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")

@@ -67,7 +67,7 @@ def matmul_flops(dtype: torch.dtype, together: bool, n: int = 1024, burst: int =
         for _ in range(burst):
             a @ b
 
-    return burst * 2 * n**3 / _seconds(matmuls, 5, together=together)
+    return burst * 2 * n**3 / _seconds(matmuls, 9, together=together)
 
 
 def copy_bandwidth(nbytes: int = 64 * 2**20) -> float:
@@ -84,8 +84,8 @@ def quantize_bandwidth(numel: int = 2**22) -> float:
     moved, seconds = 0.0, 0.0
     for bits in (8, 4):
         q = quantize(x, QGZ_BLOCK, bits)
-        seconds += _seconds(lambda b=bits: quantize(x, QGZ_BLOCK, b), 3, together=False)
-        seconds += _seconds(lambda q=q: dequantize(q), 3, together=False)
+        seconds += _seconds(lambda b=bits: quantize(x, QGZ_BLOCK, b), 7, together=False)
+        seconds += _seconds(lambda q=q: dequantize(q), 7, together=False)
         moved += 2 * (4 + bits / 8 + 4 / QGZ_BLOCK) * numel
     return moved / seconds
 
@@ -111,7 +111,7 @@ def model_efficiency(config: str, matmul: float, own: dist.ProcessGroup) -> floa
         model(ids[:, :-1], ids[:, 1:]).backward()
 
     flops = model_cfg.flops_per_token(s) * b * s
-    return flops / _seconds(step, 3, together=False) / matmul
+    return flops / _seconds(step, 9, together=False) / matmul
 
 
 def ring_fit(group: dist.ProcessGroup) -> tuple[float, float]:
@@ -142,7 +142,7 @@ def loaded_latency(group: dist.ProcessGroup, small: torch.Tensor, steps: int, ca
             if sync:
                 comm.all_reduce(small, group=group)
 
-    alone, synced = _seconds(lambda: blocks(False), 3, group), _seconds(lambda: blocks(True), 3, group)
+    alone, synced = _seconds(lambda: blocks(False), 7, group), _seconds(lambda: blocks(True), 7, group)
     return max(synced - alone, 0.0) / (calls * steps)
 
 

@@ -16,8 +16,8 @@ q = qgZ bits/8 + 4/2048 (the fp32 scales):
                    |              |   all-to-all of qΨ(k-1)/k in the node, then     |
                    |              |   q(Ψ/k)(n-1)/n across nodes                    |
     replicate      | R > 1        | all-reduce 2G(Ψ/N)(R-1)/R (stage 0: 2GΨ(R-1)/R) | as reduce
-    tied_embedding | pp > 1, tied | all-reduce of GVh/t between the first and last  | 1
-                   |              |   pipeline stage                                |
+    tied_embedding | pp > 1, tied | all-reduce of GVh/t (its 1/N shard at stages    | 1
+                   |              |   1-3) between the first and last pipeline stage|
 
 MoE expert parameters take the same families over their own groups (`expert_layout`): a
 rank holds Ψ_e/ep of them, sharded and reduced over the N/ep ranks holding the same experts
@@ -318,11 +318,15 @@ def _collective(name: str, row: list[float], cluster: Cluster) -> Collective:
 
 
 def tied_embedding(model: GPTConfig, layout: Layout, cluster: Cluster) -> Collective | None:
-    """The all-reduce of the tied embedding's gradient, GVh/t bytes, between the first and last
-    pipeline stage ((p-1)·dp·t ranks apart) after the last backward: exposed whole."""
+    """The all-reduce of the tied embedding's gradient between the first and last pipeline
+    stage ((p-1)·dp·t ranks apart) after the last backward: exposed whole. It sums what each
+    rank holds of the reduced gradient: GVh/t bytes, or its 1/N shard where ZeRO shards the
+    optimizer state (`optim.grad_tracker`: the tie groups' all-reduce of `grad_shard`)."""
     if layout.pp == 1 or not model.tie_embeddings:
         return None
     volume = DTYPE_BYTES[layout.reduce_dtype] * model.padded_vocab / layout.tp * model.d_model
+    if layout.sharding.optimizer_state:
+        volume /= layout.shard
     x = ring(cluster, 2, (layout.pp - 1) * layout.dp * layout.tp, volume, rounds=2)
     busy = x.seconds(cluster)
     return _collective("tied_embedding", [x.intra, x.inter, x.latency(cluster), 0.0, busy, busy], cluster)

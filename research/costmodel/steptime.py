@@ -224,9 +224,9 @@ def predict_step_times(model: GPTConfig, layouts: list[Layout], seq_len: int, cl
     pipeline = m * (t_f + t_b) + bubble + sends
     ranks = (rank_params(model, t, p, v, r, layout.unit_numel, layout.ep) for r in {0, p - 1})
     rank = max(ranks, key=lambda r: r.numel)
-    tied = tied_embedding(model, layout, cluster)
     times = []
     for lo in layouts:
+        tied = tied_embedding(model, lo, cluster)
         collectives = dp_collectives(lo, cluster, rank, compute_f, compute_b) + ((tied,) if tied else ())
         dp = sum(c.exposed for c in collectives)
         optimized = rank.numel / lo.shard if lo.sharding.optimizer_state else rank.held  # experts: 1/ep held
