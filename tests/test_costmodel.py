@@ -1350,3 +1350,35 @@ def test_a_hardware_file_names_its_backend_and_shared_compute(tmp_path: Path) ->
     (tmp_path / "bad.yaml").write_text(h100 + "backend: mpi\n")
     with pytest.raises(ValueError, match=r"bad\.yaml: backend 'mpi' is not one of nccl, gloo"):
         load_system(tmp_path / "bad.yaml")
+
+
+def _tp_all_reduces(tie: bool) -> tuple[float, float]:
+    """(activation-sized, token-sized) all-reduces one forward + backward of a tp 2 GPT makes
+    (no SP), from the calls and bytes parallel.comm counts."""
+    import torch.distributed as dist
+
+    from parallel import comm
+    from research.model import GPT
+
+    config = dataclasses.replace(TINY, tie_embeddings=tie)
+    model = GPT(config, tp_group=dist.new_group([0, 1]))
+    b, s = 2, config.max_seq_len
+    ids = torch.randint(0, config.vocab_size, (b, s))
+    with comm.tracking() as log:
+        model(ids, ids).backward()
+    calls, payload = log.calls(op="all_reduce"), log.total_bytes(op="all_reduce") / (2 * (2 - 1) / 2)
+    activation, token = 4 * s * b * config.d_model, 4 * s * b
+    acts = (payload - calls * token) / (activation - token)
+    return acts, calls - acts
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_tp_collectives_of_a_micro_batch_are_the_models(tie: bool) -> None:
+    """The planner's TP all-reduces of a micro-batch on one stage are the GPT's: two per layer
+    each way, the embedding's output in forward, the head's input in backward, and the three
+    token-sized ones of the vocabulary-parallel cross entropy."""
+    from research.costmodel.steptime import _tp_ends
+
+    acts, tokens = run_distributed(_tp_all_reduces, 2, tie)[0]
+    ends = sum(_tp_ends(dataclasses.replace(TINY, tie_embeddings=tie), Layout(tp=2)))
+    assert (acts, tokens) == (pytest.approx(4 * TINY.n_layers + ends), pytest.approx(3))

@@ -119,13 +119,34 @@ def _micro_batch(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluste
     compute_f = flops_f / rate + mem_f / gpu.hbm_bandwidth
     compute_b = flops_b / rate + mem_b / gpu.hbm_bandwidth
     msg = s * b * h * DTYPE_BYTES[layout.precision]
-    all_reduce = 2 * (t - 1) / t * msg / cluster.ring_bandwidth(t, 1) + cluster.latency(2 * (t - 1), 0)
-    tp_f = 2 * layers * all_reduce
+    all_reduce = _tp_all_reduce(msg, t, cluster)
     regather = layout.sp and t > 1 and not layout.fp8  # the column linears' inputs, gathered again
-    tp_b = (2 + full + regather) * layers * all_reduce
+    ends_f, ends_b = _tp_ends(model, layout)
+    # vocabulary-parallel cross entropy: the max, the target logit and Σ exp over s·b tokens
+    loss = 3 * _tp_all_reduce(4 * s * b, t, cluster) if t > 1 else 0.0
+    tp_f = (2 * layers + ends_f) * all_reduce + loss
+    tp_b = ((2 + full + regather) * layers + ends_b) * all_reduce
     a2a = moe * expert_all_to_all(model, layout, s, cluster)
     p2p = _p2p(layout, msg / (t if layout.sp else 1), cluster)
     return compute_f, compute_b, tp_f, tp_b, 2 * a2a, (2 + 2 * full) * a2a, p2p
+
+
+def _tp_all_reduce(nbytes: float, t: int, cluster: Cluster) -> float:
+    """Seconds of a ring all-reduce of `nbytes` over the t ranks of a TP group."""
+    return 2 * (t - 1) / t * nbytes / cluster.ring_bandwidth(t, 1) + cluster.latency(2 * (t - 1), 0)
+
+
+def _tp_ends(model: GPTConfig, layout: Layout) -> tuple[float, float]:
+    """TP communication of the model's ends on the last pipeline rank, (forward, backward) in
+    all-reduces of a micro-batch's activations: the head's input (all-reduced in backward;
+    under SP all-gathered, then reduce-scattered, and an untied head gathers it again for its
+    weight gradient) and, where one stage holds the whole model, the embedding's output
+    (all-reduced in forward; under SP reduce-scattered, then all-gathered)."""
+    if layout.tp == 1:
+        return 0.0, 0.0
+    head = (0.5, 0.5 + 0.5 * (not model.tie_embeddings)) if layout.sp else (0.0, 1.0)
+    embedding = (0.0, 0.0) if layout.pp > 1 else (0.5, 0.5) if layout.sp else (1.0, 0.0)
+    return head[0] + embedding[0], head[1] + embedding[1]
 
 
 def _matmul_rate(model: GPTConfig, layout: Layout, gpu: GPU, seq_len: int, layers: int, moe: int) -> float:
