@@ -44,9 +44,8 @@ def command(
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
 
-    cmd = [*launcher, "-m", "experiments.train", *TINY_RUN, "--data-cache", str(cache / "cache"), *argv]
     return subprocess.run(
-        cmd,
+        train_argv(cache, *argv, launcher=launcher),
         capture_output=True,
         text=True,
         timeout=240,
@@ -54,6 +53,10 @@ def command(
         preexec_fn=limit if limit_bytes else None,
         check=False,
     )
+
+
+def train_argv(cache: Path, *argv: str, launcher: tuple[str, ...] = (sys.executable,)) -> list[str]:
+    return [*launcher, "-m", "experiments.train", *TINY_RUN, "--data-cache", str(cache / "cache"), *argv]
 
 
 def one_sentence(proc: subprocess.CompletedProcess) -> str:
@@ -122,24 +125,19 @@ def test_an_intact_checkpoint_records_every_file(saved: Path) -> None:
     checkpoint_files.verify(str(folder), meta["files"], sorted(meta["files"]))
 
 
-@pytest.mark.parametrize(
-    "case, expected",
-    [
-        ("flip 64 bytes of a shard", "__0_0.distcp is damaged (its SHA-256 differs"),
-        ("truncate a shard", "__0_0.distcp is damaged ("),
-        ("delete an RNG file", "rng/rank_0.pt is missing"),
-        ("flip bytes of meta.json", "meta.json"),
-        ("meta.json is {}", "meta.json has no meta_sha256"),
-        ("edit a value in meta.json", "meta.json was altered after the save"),
-        ("pickle payload as .metadata", ".metadata is damaged"),
-        ("pickle payload as .metadata, digests rewritten", ".metadata is not DCP tensor metadata"),
-    ],
-)
-def test_a_damaged_checkpoint_is_one_sentence_naming_the_file(
-    saved: Path, tmp_path: Path, case: str, expected: str
-) -> None:
-    folder = damaged_copy(saved, tmp_path)
-    marker = tmp_path / MARKER
+DAMAGES = [
+    ("flip 64 bytes of a shard", "__0_0.distcp is damaged (its SHA-256 differs"),
+    ("truncate a shard", "__0_0.distcp is damaged ("),
+    ("delete an RNG file", "rng/rank_0.pt is missing"),
+    ("flip bytes of meta.json", "meta.json"),
+    ("meta.json is {}", "meta.json has no meta_sha256"),
+    ("edit a value in meta.json", "meta.json was altered after the save"),
+    ("pickle payload as .metadata", ".metadata is damaged"),
+    ("pickle payload as .metadata, digests rewritten", ".metadata is not DCP tensor metadata"),
+]
+
+
+def damage(folder: Path, case: str, marker: Path) -> None:
     meta_file = folder / "meta.json"
     if case == "flip 64 bytes of a shard":
         flip(shard(folder), shard(folder).stat().st_size // 2, 64)
@@ -157,10 +155,37 @@ def test_a_damaged_checkpoint_is_one_sentence_naming_the_file(
         write_payload(folder / ".metadata", marker)
         if case.endswith("digests rewritten"):
             reseal(folder)
-    sentence = one_sentence(resume(saved, tmp_path, folder))
+
+
+@pytest.fixture(scope="module")
+def damaged(
+    saved: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, Path, subprocess.CompletedProcess]]:
+    """Each case's damaged copy of step 4 and the command resuming from it: (its folder, its
+    temporary folder, the finished command). The commands run at once: each is mostly the
+    start of a Python process with torch, so together they take the time of a few."""
+    started = {}
+    for case, _ in DAMAGES:
+        tmp = tmp_path_factory.mktemp("damaged")
+        folder = damaged_copy(saved, tmp)
+        damage(folder, case, tmp / MARKER)
+        argv = train_argv(saved, "--steps", "6", "--load", str(folder), "--out", str(tmp / "resumed"))
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started[case] = (folder, tmp, proc)
+    done = {}
+    for case, (folder, tmp, proc) in started.items():
+        stdout, stderr = proc.communicate(timeout=240)
+        done[case] = (folder, tmp, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return done
+
+
+@pytest.mark.parametrize("case, expected", DAMAGES)
+def test_a_damaged_checkpoint_is_one_sentence_naming_the_file(damaged, case: str, expected: str) -> None:
+    folder, tmp, proc = damaged[case]
+    sentence = one_sentence(proc)
     assert expected in sentence and str(folder) in sentence, sentence
-    assert not marker.exists()
-    assert not (tmp_path / "resumed" / "metrics.jsonl").exists()
+    assert not (tmp / MARKER).exists()
+    assert not (tmp / "resumed" / "metrics.jsonl").exists()
 
 
 def test_export_refuses_a_damaged_checkpoint(saved: Path, tmp_path: Path) -> None:
