@@ -23,7 +23,7 @@ from tests.dist_utils import run_distributed
 
 pytestmark = pytest.mark.slow
 
-STEPS = 12
+STEPS = 8
 HALF = STEPS // 2  # where runs save and others resume
 MODEL = ["--n-layers", "4", "--n-heads", "4", "--d-model", "32", "--max-seq-len", "32", "--vocab-multiple", "128"]
 TRAIN = [
