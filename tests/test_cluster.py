@@ -307,8 +307,8 @@ def planned(tmp_path_factory):
 def test_calibrate_writes_a_hardware_file_of_the_emulated_cluster(planned, capsys) -> None:
     """2 hosts × 2 processes over 1 Gbit/s links: the file loads, names gloo and the compute
     the processes share, and its network across hosts is the link's 125 MB/s shared by the
-    host's 2 processes (planner: per device and direction), within 30%; the planner predicts
-    a layout on it."""
+    host's 2 processes (planner: per device and direction), within 30%, and a 2-rank exchange
+    across the hosts at most about that; the planner predicts a layout on it."""
     from experiments import plan
     from research.costmodel.hardware import load_system
 
@@ -317,6 +317,7 @@ def test_calibrate_writes_a_hardware_file_of_the_emulated_cluster(planned, capsy
     assert system.gpus_per_node == 2 and 0 < system.gpu.matmul_efficiency < 1 and system.backend == "gloo"
     assert 0 < system.compute_units <= 1.5 * len(os.sched_getaffinity(0))  # the 4 processes share the cores
     assert system.gpu.inter_node_bandwidth == pytest.approx(1e9 / 8 / 2, rel=0.3)
+    assert 0.2 * system.gpu.inter_node_bandwidth < system.gpu.pair_bandwidth < 1.3 * system.gpu.inter_node_bandwidth
     assert system.gpu.intra_node_bandwidth > 5 * system.gpu.inter_node_bandwidth  # loopback, unshaped
     plan.main(["--config", "experiments/configs/tiny.yaml", "--gpus", "4", "--hardware", str(hardware), "--json",
                "--layout", "tp=1,pp=1,dp=4,zero=3,mbs=1,recompute=none,sp=0"])  # fmt: skip

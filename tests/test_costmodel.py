@@ -1352,6 +1352,31 @@ def test_a_hardware_file_names_its_backend_and_shared_compute(tmp_path: Path) ->
         load_system(tmp_path / "bad.yaml")
 
 
+def test_a_two_rank_exchange_across_nodes_takes_the_measured_pair_rate(tmp_path: Path) -> None:
+    """`inter_node.pair_gbs` is the rate of two nodes exchanging one message each way: a
+    2-rank all-gather across nodes (ZeRO-1's gather over dp 2, qgZ's cross-node hop) moves its
+    network bytes at it; a ring over more ranks, an all-reduce and a file without the key keep
+    the network's rate; an override of the network scales the pair rate with it."""
+    from research.costmodel.hardware import SYSTEMS, SYSTEMS_DIR, load_system
+
+    h100 = (SYSTEMS_DIR / "h100.yaml").read_text()
+    (tmp_path / "pair.yaml").write_text(h100.replace("inter_node: {gbs: 50", "inter_node: {pair_gbs: 20, gbs: 50"))
+    paired, plain = load_system(tmp_path / "pair.yaml").cluster(16), SYSTEMS["h100"].cluster(16)
+    assert paired.pair_bandwidth == 20e9 and plain.pair_bandwidth == plain.inter_node_bandwidth
+    pair = dp_traffic(Layout(tp=8, dp=2, zero=1), paired, 1.0)
+    assert pair["gather_step"].pair and pair["gather_step"].transfer_seconds(paired) == pytest.approx(2 / 2 / 20e9)
+    assert not pair["reduce"].pair  # an all-reduce on NCCL, a reduce-scatter ring: at the network's rate
+    ring = dp_traffic(Layout(tp=4, dp=4, zero=1), paired, 1.0)["gather_step"]
+    assert not ring.pair and ring.transfer_seconds(paired) == ring.transfer_seconds(plain)
+    qgz = dp_traffic(Layout(tp=4, dp=4, zero=3, qgz_bits=4), paired, 1.0)["reduce"]
+    assert qgz.pair and qgz.transfer_seconds(paired) > qgz.transfer_seconds(plain)
+    wider = load_system(tmp_path / "pair.yaml").cluster(16, inter_node_gbps=800)
+    assert wider.pair_bandwidth == pytest.approx(wider.inter_node_bandwidth * 0.4)
+    (tmp_path / "bad.yaml").write_text(h100.replace("inter_node: {gbs: 50", "inter_node: {pair_gbs: 0, gbs: 50"))
+    with pytest.raises(ValueError, match="every bandwidth must be positive"):
+        load_system(tmp_path / "bad.yaml")
+
+
 def _tp_all_reduces(tie: bool) -> tuple[float, float]:
     """(activation-sized, token-sized) all-reduces one forward + backward of a tp 2 GPT makes
     (no SP), from the calls and bytes parallel.comm counts."""

@@ -14,7 +14,10 @@ file (research/costmodel/hardware.py):
   the same local rank): all-reduces of a small and a large tensor; with a ring's 2(n-1)
   steps and 2(n-1)/n·S bytes per rank, the large one's bytes over its time beyond the small
   one's the bandwidth, and the small one's cost per step between blocks of compute (every
-  process computing, as in training) the latency α.
+  process computing, as in training) the latency α;
+- the exchange of two hosts (hosts 0-1, 2-3, ... at once, every local rank): a 2-rank
+  all-gather of S/2 bytes per rank beyond a small one's time (`pair_gbs`), which on gloo
+  over TCP runs at 0.5-0.85 of the ring's rate.
 
     python -m experiments.cluster --hosts 2 --procs-per-host 2 --link 200mbit -- \\
         -m experiments.calibrate.measure --config C --out FILE.yaml
@@ -84,8 +87,8 @@ def quantize_bandwidth(numel: int = 2**22) -> float:
     moved, seconds = 0.0, 0.0
     for bits in (8, 4):
         q = quantize(x, QGZ_BLOCK, bits)
-        seconds += _seconds(lambda b=bits: quantize(x, QGZ_BLOCK, b), 7, together=False)
-        seconds += _seconds(lambda q=q: dequantize(q), 7, together=False)
+        seconds += _seconds(lambda b=bits: quantize(x, QGZ_BLOCK, b), 15, together=False)
+        seconds += _seconds(lambda q=q: dequantize(q), 15, together=False)
         moved += 2 * (4 + bits / 8 + 4 / QGZ_BLOCK) * numel
     return moved / seconds
 
@@ -111,7 +114,7 @@ def model_efficiency(config: str, matmul: float, own: dist.ProcessGroup) -> floa
         model(ids[:, :-1], ids[:, 1:]).backward()
 
     flops = model_cfg.flops_per_token(s) * b * s
-    return flops / _seconds(step, 9, together=False) / matmul
+    return flops / _seconds(step, 15, together=False) / matmul
 
 
 def ring_fit(group: dist.ProcessGroup) -> tuple[float, float]:
@@ -144,6 +147,34 @@ def loaded_latency(group: dist.ProcessGroup, small: torch.Tensor, steps: int, ca
 
     alone, synced = _seconds(lambda: blocks(False), 7, group), _seconds(lambda: blocks(True), 7, group)
     return max(synced - alone, 0.0) / (calls * steps)
+
+
+def pair_fit(pair: dist.ProcessGroup | None) -> float:
+    """Bytes/s each rank of a 2-rank group across two hosts sends when the two exchange one
+    message each way (a 2-rank all-gather of LARGE/2 bytes per rank, beyond a small one's
+    time), every pair of hosts at once; inf where this rank has no pair. On gloo over TCP such
+    an exchange of megabytes runs below the rate a ring reaches (`Cluster.pair_bandwidth`)."""
+    if pair is None:
+        return float("inf")
+    times = []
+    for nbytes in (SMALL, LARGE):
+        shard = torch.zeros(nbytes // 8)
+        whole = torch.empty(2 * shard.numel())
+        times.append(_seconds(lambda: comm.all_gather_into_tensor(whole, shard, group=pair), 5, pair))
+    return LARGE / 2 / max(times[1] - times[0], 1e-9)
+
+
+def host_pairs(hosts: int, per_host: int) -> dist.ProcessGroup | None:
+    """This rank's group with the rank of the same local rank on the paired host (hosts 0-1,
+    2-3, ...); None on an unpaired last host. Every rank makes every group (a collective)."""
+    rank, mine = dist.get_rank(), None
+    for h in range(0, hosts - 1, 2):
+        for local in range(per_host):
+            ranks = [h * per_host + local, (h + 1) * per_host + local]
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                mine = g
+    return mine
 
 
 def groups(hosts: int, per_host: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
@@ -185,6 +216,9 @@ def measure(config: str, name: str) -> dict:
         bw = _worst(bw if bw is not None else float("inf"), "min")
         alpha = _worst(alpha if alpha is not None else 0.0, "max")
         links[key] = {"gbs": round(bw / 1e9, 6), "latency_us": round(alpha * 1e6, 3)} if bw != float("inf") else None
+    if links["inter_node"] is not None:
+        pair = _worst(pair_fit(host_pairs(hosts, per_host)), "min")
+        links["inter_node"]["pair_gbs"] = round(pair / 1e9, 6)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_host
     fallback = links["inter_node"] or links["intra_node"] or {"gbs": 1.0, "latency_us": 0.0}
     return {

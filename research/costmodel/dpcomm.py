@@ -26,7 +26,9 @@ rank holds Ψ_e/ep of them, sharded and reduced over the N/ep ranks holding the 
 Where the bytes go (`Cluster.ring_bytes`): a ring inside a node is all NVLink; across nodes
 NCCL runs k rings through k NICs, so a rank sends 1/k of it over its network share
 (`Cluster.inter_node_bandwidth`) and the rest over NVLink, both at once: the slower sets the
-time. qgZ's two hops run one after the other. On gloo (`Cluster.backend`: CPU runs, the
+time. qgZ's two hops run one after the other. A group of two ranks on two nodes exchanges
+one message each way (a 2-rank all-gather, qgZ's hop across 2 nodes): its network bytes move
+at `Cluster.pair_bandwidth`, the network's unless the hardware file measured it. On gloo (`Cluster.backend`: CPU runs, the
 emulated cluster) the all-gather is a ring too, and the reduce-scatter an all-reduce
 (2GΨ(N-1)/N over 2(N-1) steps), as a shaped link counts their bytes.
 
@@ -85,16 +87,18 @@ from research.model import GPTConfig
 class Traffic:
     """One collective of one rank: bytes over NVLink (`intra`) and the network (`inter`), at
     once (a ring) or one hop after the other (`phased`: qgZ); its (in-node, cross-node) steps
-    per call, α each; the HBM bytes its quantization kernels move (`kernel_bytes`)."""
+    per call, α each; the HBM bytes its quantization kernels move (`kernel_bytes`); `pair`:
+    its network part is two nodes exchanging one message each way (`Cluster.pair_bandwidth`)."""
 
     intra: float
     inter: float
     phased: bool = False
     steps: tuple[int, int] = (0, 0)
     kernel_bytes: float = 0.0
+    pair: bool = False
 
     def transfer_seconds(self, cluster: Cluster) -> float:
-        intra, inter = cluster.seconds(self.intra, self.inter)
+        intra, inter = cluster.seconds(self.intra, self.inter, self.pair)
         return intra + inter if self.phased else max(intra, inter)
 
     def latency(self, cluster: Cluster) -> float:
@@ -143,10 +147,11 @@ def _gather(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
     """The all-gather of `psi` parameters over the shard group; qwZ: int8 values and fp32
     scales (packed in one all-gather), quantized before and dequantized after."""
     N, P = layout.shard, DTYPE_BYTES[layout.precision]
-    if layout.qwz_block is None:
-        return ring(cluster, N, layout.tp, P * psi * (N - 1) / N)
-    per = 1 + 4 / layout.qwz_block
+    per = P if layout.qwz_block is None else 1 + 4 / layout.qwz_block
     gathered = ring(cluster, N, layout.tp, per * psi * (N - 1) / N)
+    gathered = dataclasses.replace(gathered, pair=gathered.steps == (0, 1))
+    if layout.qwz_block is None:
+        return gathered
     return dataclasses.replace(gathered, kernel_bytes=(P + per) * (psi / N + psi))
 
 
@@ -157,7 +162,7 @@ def _qgz_reduce(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
     k = ranks_per_node(layout.shard, layout.tp, cluster.gpus_per_node)
     nodes = -(-layout.shard // k)
     kernels = 2 * (G + q) * (psi * (k > 1) + psi / k * (nodes > 1))
-    return Traffic(q * psi * (k - 1) / k, q * psi / k * (nodes - 1) / nodes, True, (k - 1, nodes - 1), kernels)
+    return Traffic(q * psi * (k - 1) / k, q * psi / k * (nodes - 1) / nodes, True, (k - 1, nodes - 1), kernels, nodes == 2)
 
 
 def dp_traffic(layout: Layout, cluster: Cluster, psi: float) -> dict[str, Traffic]:
@@ -308,13 +313,13 @@ def dp_collectives(
     for times, window, used in _schedule(layout, streams, compute_f / rank.numel, compute_b / rank.numel):
         for p, alike in passes.items() if times else ():
             _run_pass(p, window, used, times * alike, cluster, tally)
-    return tuple(_collective(name, row, cluster) for name, row in tally.items())
+    return tuple(_collective(name, row, cluster, per_param[name].pair) for name, row in tally.items())
 
 
-def _collective(name: str, row: list[float], cluster: Cluster) -> Collective:
+def _collective(name: str, row: list[float], cluster: Cluster, pair: bool = False) -> Collective:
     """The family `name` from its tally row (`_run_pass`)."""
     intra, inter, latency, kernels, busy, exposed = row
-    return Collective(name, intra, inter, *cluster.seconds(intra, inter), latency, kernels, busy, exposed)
+    return Collective(name, intra, inter, *cluster.seconds(intra, inter, pair), latency, kernels, busy, exposed)
 
 
 def tied_embedding(model: GPTConfig, layout: Layout, cluster: Cluster) -> Collective | None:

@@ -9,7 +9,8 @@ on the machine at hand. Keys (bandwidths in GB/s per device and direction):
     memory_mib: 81559       # per device
     devices_per_node: 8
     intra_node: {gbs: 450}  # optional latency_us: µs per step of a ring collective (NCCL's below)
-    inter_node: {gbs: 50}
+    inter_node: {gbs: 50}   # optional pair_gbs: two nodes exchanging one message each way
+                            # (a 2-rank all-gather across nodes), where it runs below gbs
     # optional, instead of the device row or measured: peak_tflops: {bf16: .., fp8: ..},
     # hbm_gbs: .., matmul_efficiency: .. (the share of the peak a layer's GEMMs reach),
     # quantize_gbs: .. (the rate ZeRO++'s quantization kernels move their bytes; HBM's when absent)
@@ -46,6 +47,7 @@ class GPU:
     fp8_flops: float | None = None  # dense float8 tensor-core FLOP/s (None: no float8 matmuls)
     matmul_efficiency: float | None = None  # η measured on this device (None: the planner's fit)
     quantize_bandwidth: float | None = None  # bytes/s of the quantization kernels (None: HBM's)
+    pair_bandwidth: float | None = None  # bytes/s of a 2-rank exchange across nodes (None: the network's)
 
     @property
     def kernel_bandwidth(self) -> float:
@@ -114,10 +116,11 @@ def load_system(path: str | Path) -> System:
             raise ValueError(f"device {row!r} is not in research.metrics' GPU table: give peak_tflops.bf16 and hbm_gbs")
         intra, inter = raw["intra_node"], raw["inter_node"]
         eta, quantize = raw.get("matmul_efficiency"), raw.get("quantize_gbs")
+        pair = inter.get("pair_gbs")
         gpu = GPU(
             str(raw["name"]), int(raw["memory_mib"]) * MiB, bf16, hbm, float(intra["gbs"]) * 1e9,
             float(inter["gbs"]) * 1e9, fp8 or None, None if eta is None else float(eta),
-            None if quantize is None else float(quantize) * 1e9,
+            None if quantize is None else float(quantize) * 1e9, None if pair is None else float(pair) * 1e9,
         )  # fmt: skip
         latency = [
             part["latency_us"] * 1e-6 if "latency_us" in part else default
@@ -130,8 +133,9 @@ def load_system(path: str | Path) -> System:
         system = System(gpu, int(raw["devices_per_node"]), *latency, backend, None if units is None else float(units))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
-    if system.gpus_per_node < 1 or min(gpu.intra_node_bandwidth, gpu.inter_node_bandwidth) <= 0:
-        raise ValueError(f"{where}: devices_per_node and both bandwidths must be positive")
+    bandwidths = (gpu.intra_node_bandwidth, gpu.inter_node_bandwidth, gpu.pair_bandwidth)
+    if system.gpus_per_node < 1 or min(b for b in bandwidths if b is not None) <= 0:
+        raise ValueError(f"{where}: devices_per_node and every bandwidth must be positive")
     if system.compute_units is not None and system.compute_units <= 0:
         raise ValueError(f"{where}: compute_units must be positive (or absent: every device computes on its own)")
     return system
@@ -173,6 +177,15 @@ class Cluster:
             return self.gpu.inter_node_bandwidth
         return self.inter_node_gbps * 1e9 / 8 / self.gpus_per_node
 
+    @property
+    def pair_bandwidth(self) -> float:
+        """Bytes/s per GPU and direction of a 2-rank exchange across nodes (each sends the other
+        one message, as a 2-rank all-gather does): the network's, times the measured
+        `GPU.pair_bandwidth` / `GPU.inter_node_bandwidth` where the hardware file gives one (on
+        gloo over TCP such an exchange of megabytes ran at 0.5-0.85 of the rate a ring reaches)."""
+        pair = self.gpu.pair_bandwidth
+        return self.inter_node_bandwidth * (1.0 if pair is None else pair / self.gpu.inter_node_bandwidth)
+
     def ring_bytes(self, size: int, stride: int, volume: float) -> tuple[float, float]:
         """(NVLink, network) bytes per rank of a ring collective that sends `volume` bytes per
         rank over `size` ranks `stride` apart (mesh (pp, dp, tp), tp innermost): all NVLink if
@@ -207,9 +220,10 @@ class Cluster:
         """Seconds of α·steps: `intra_steps` inside a node, `inter_steps` across nodes."""
         return intra_steps * self.intra_node_latency + inter_steps * self.inter_node_latency
 
-    def seconds(self, intra: float, inter: float) -> tuple[float, float]:
-        """Seconds of `intra` bytes over NVLink and `inter` bytes over this GPU's network share."""
-        return intra / self.gpu.intra_node_bandwidth, inter / self.inter_node_bandwidth
+    def seconds(self, intra: float, inter: float, pair: bool = False) -> tuple[float, float]:
+        """Seconds of `intra` bytes over NVLink and `inter` bytes over this GPU's network share
+        (`pair`: as a 2-rank exchange across nodes, `pair_bandwidth`)."""
+        return intra / self.gpu.intra_node_bandwidth, inter / (self.pair_bandwidth if pair else self.inter_node_bandwidth)
 
     def ring_bandwidth(self, size: int, stride: int) -> float:
         """Bus bandwidth of a ring collective (`ring_bytes`): volume / the slower of its NVLink
