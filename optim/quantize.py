@@ -198,13 +198,13 @@ def reduce_scatter_quantized(
     m = dist.get_world_size(inter) if inter is not None else 1
     shard = full.numel() // (k * m)
     rows = full.view(m, k, shard).transpose(0, 1).reshape(k, m * shard)
-    partial = (yield from _exchange(rows, intra, bits, block)) if k > 1 else rows[0].float()
+    partial = (yield from exchange_quantized(rows, intra, bits, block)) if k > 1 else rows[0].float()
     if m > 1:
-        partial = yield from _exchange(partial.view(m, shard), inter, bits, block)
+        partial = yield from exchange_quantized(partial.view(m, shard), inter, bits, block)
     out.copy_(partial)
 
 
-def _exchange(rows: torch.Tensor, group: dist.ProcessGroup | None, bits: int, block: int) -> Iterator[list]:
+def exchange_quantized(rows: torch.Tensor, group: dist.ProcessGroup | None, bits: int, block: int) -> Iterator[list]:
     """Σ_r (row i of rank r's `rows`) on group rank i: each row quantized on its own blocks,
     values and scales packed (`pack_rows`) into one all-to-all, summed in fp32 after dequantizing."""
     n, width = rows.shape

@@ -9,7 +9,9 @@ file (research/costmodel/hardware.py):
 - η, the share of the matmul rate the model reaches: training FLOPs of the config's model
   (`GPTConfig.flops_per_token`) over one forward + backward of a micro-batch, alone;
 - memory bandwidth: a copy, bytes read + written over the time, alone; and the rate of
-  ZeRO++'s quantizers in the planner's bytes (`quantize_gbs`), alone;
+  ZeRO++'s quantization as the runtime runs it (qwZ's gather and a qgZ hop with their
+  padding, packing and summing, on a group of one), in the planner's bytes (`quantize_gbs`),
+  alone;
 - collectives inside a host (the ranks of one host) and across hosts (one rank per host,
   the same local rank): all-reduces of a small and a large tensor; with a ring's 2(n-1)
   steps and 2(n-1)/n·S bytes per rank, the large one's bytes over its time beyond the small
@@ -36,13 +38,15 @@ import yaml
 
 from experiments.bench.common import median
 from optim.grads import QGZ_BLOCK
-from optim.quantize import dequantize, quantize
+from optim.collectives import all_gather_shards
+from optim.quantize import QuantizedGather, exchange_quantized
 from parallel import comm
 from research import data
 from research.config import parse_args as parse_run_args
 from research.model import GPT
 
 SMALL, LARGE = 2**12, 2**24  # bytes of the latency and the bandwidth all-reduces
+QWZ_BLOCK = 2048  # qwZ's block in the planner's studies (`--qwz-block 2048`)
 
 
 def _seconds(
@@ -79,17 +83,25 @@ def copy_bandwidth(nbytes: int = 64 * 2**20) -> float:
     return 2 * nbytes / _seconds(lambda: dst.copy_(src), 10, together=False)
 
 
-def quantize_bandwidth(numel: int = 2**22) -> float:
-    """Bytes/s of ZeRO++'s quantizers as the planner counts them (`research.costmodel.dpcomm`:
-    P + q bytes per element quantized or dequantized): qwZ's int8 and qgZ's int4, blocks of
-    2048, fp32 values, each quantized and dequantized."""
-    x = torch.randn(numel)
-    moved, seconds = 0.0, 0.0
-    for bits in (8, 4):
-        q = quantize(x, QGZ_BLOCK, bits)
-        seconds += _seconds(lambda b=bits: quantize(x, QGZ_BLOCK, b), 15, together=False)
-        seconds += _seconds(lambda q=q: dequantize(q), 15, together=False)
-        moved += 2 * (4 + bits / 8 + 4 / QGZ_BLOCK) * numel
+def quantize_bandwidth(own: dist.ProcessGroup, numel: int = 2**22) -> float:
+    """Bytes/s of ZeRO++'s quantization as the runtime runs it, in the planner's bytes
+    (`research.costmodel.dpcomm`: P + q per element quantized or dequantized): qwZ's int8
+    gather of a shard (quantize, pack, unpack, dequantize, copy into place) and one int4 hop of
+    qgZ (pad, quantize, pack, unpack, dequantize, sum), fp32 values, on `own`, a group of this
+    rank alone, so the all-gather and the all-to-all are a local copy."""
+    x, out = torch.randn(numel), torch.empty(numel)
+    qwz = QuantizedGather(QWZ_BLOCK)
+
+    def gather() -> None:
+        all_gather_shards(out, x, own, qwz).finish()
+
+    def hop() -> None:
+        for works in exchange_quantized(x.view(1, -1), own, 4, QGZ_BLOCK):
+            for w in works:
+                w.wait()
+
+    seconds = _seconds(gather, 15, together=False) + _seconds(hop, 15, together=False)
+    moved = 2 * (4 + 1 + 4 / QWZ_BLOCK) * numel + 2 * (4 + 0.5 + 4 / QGZ_BLOCK) * numel
     return moved / seconds
 
 
@@ -208,7 +220,7 @@ def measure(config: str, name: str) -> dict:
     own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
     eta = alone(lambda: model_efficiency(config, matmul, own))
     hbm = alone(copy_bandwidth)
-    quantizers = alone(quantize_bandwidth)
+    quantizers = alone(lambda: quantize_bandwidth(own))
     intra, inter = groups(hosts, per_host)
     links = {}
     for key, group in (("intra_node", intra), ("inter_node", inter)):
