@@ -1364,17 +1364,45 @@ def test_a_two_rank_exchange_across_nodes_takes_the_measured_pair_rate(tmp_path:
     paired, plain = load_system(tmp_path / "pair.yaml").cluster(16), SYSTEMS["h100"].cluster(16)
     assert paired.pair_bandwidth == 20e9 and plain.pair_bandwidth == plain.inter_node_bandwidth
     pair = dp_traffic(Layout(tp=8, dp=2, zero=1), paired, 1.0)
-    assert pair["gather_step"].pair and pair["gather_step"].transfer_seconds(paired) == pytest.approx(2 / 2 / 20e9)
-    assert not pair["reduce"].pair  # an all-reduce on NCCL, a reduce-scatter ring: at the network's rate
+    gather = pair["gather_step"]
+    assert gather.exchange and gather.transfer_seconds(paired) == pytest.approx(2 / 2 / 20e9)
+    assert not pair["reduce"].exchange  # a reduce-scatter ring (gloo: an all-reduce): at the network's rate
     ring = dp_traffic(Layout(tp=4, dp=4, zero=1), paired, 1.0)["gather_step"]
-    assert not ring.pair and ring.transfer_seconds(paired) == ring.transfer_seconds(plain)
+    assert not ring.exchange and ring.transfer_seconds(paired) == ring.transfer_seconds(plain)
     qgz = dp_traffic(Layout(tp=4, dp=4, zero=3, qgz_bits=4), paired, 1.0)["reduce"]
-    assert qgz.pair and qgz.transfer_seconds(paired) > qgz.transfer_seconds(plain)
+    assert qgz.exchange and qgz.transfer_seconds(paired) > qgz.transfer_seconds(plain)
     wider = load_system(tmp_path / "pair.yaml").cluster(16, inter_node_gbps=800)
     assert wider.pair_bandwidth == pytest.approx(wider.inter_node_bandwidth * 0.4)
     (tmp_path / "bad.yaml").write_text(h100.replace("inter_node: {gbs: 50", "inter_node: {pair_gbs: 0, gbs: 50"))
     with pytest.raises(ValueError, match="every bandwidth must be positive"):
         load_system(tmp_path / "bad.yaml")
+
+
+def test_a_collective_waits_once_per_call_for_its_groups_last_rank(tmp_path: Path) -> None:
+    """`wait_us` (inside a node, across nodes) and `pair_wait_us` (two ranks on two nodes) are
+    paid once per call, on top of α per ring step: a ring across nodes waits as one across
+    nodes however many steps it makes, qgZ once per hop, a TP all-reduce once; a built-in
+    system (devices that arrive together) waits nothing."""
+    from research.costmodel.dpcomm import ring
+    from research.costmodel.hardware import SYSTEMS, SYSTEMS_DIR, load_system
+    from research.costmodel.steptime import _tp_all_reduce
+
+    h100 = (SYSTEMS_DIR / "h100.yaml").read_text()
+    waits = "inter_node: {wait_us: 300, pair_wait_us: 500, latency_us: 10, gbs: 50"
+    text = h100.replace("inter_node: {gbs: 50", waits).replace("intra_node: {gbs: 450", "intra_node: {wait_us: 100, gbs: 450")
+    assert text.count("wait_us") == 3, "h100.yaml's links changed: update the replacements above"
+    (tmp_path / "waits.yaml").write_text(text)
+    cluster, plain = load_system(tmp_path / "waits.yaml").cluster(16), SYSTEMS["h100"].cluster(16)
+    a_in = cluster.intra_node_latency
+    assert ring(cluster, 8, 1, 1.0, rounds=2).latency(cluster) == pytest.approx(14 * a_in + 100e-6)
+    assert ring(cluster, 16, 1, 1.0).latency(cluster) == pytest.approx(14 * a_in + 10e-6 + 300e-6)
+    assert ring(cluster, 2, 8, 1.0, calls=3).latency(cluster) == pytest.approx(3 * (10e-6 + 500e-6))
+    qgz = dp_traffic(Layout(tp=4, dp=4, zero=3, qgz_bits=4), cluster, 1.0)["reduce"]
+    assert qgz.latency(cluster) == pytest.approx(a_in + 10e-6 + 100e-6 + 500e-6)
+    assert _tp_all_reduce(0.0, 8, cluster) == pytest.approx(14 * a_in + 100e-6)
+    assert _tp_all_reduce(0.0, 8, plain) == pytest.approx(14 * plain.intra_node_latency)
+    assert _tp_all_reduce(1e6, 1, cluster) == 0.0  # no TP group: nothing to wait for
+    assert plain.wait(True) == plain.wait(False) == plain.wait(True, pair=True) == 0.0
 
 
 def _tp_all_reduces(tie: bool) -> tuple[float, float]:

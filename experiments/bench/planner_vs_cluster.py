@@ -18,6 +18,7 @@ hosts on 4 × 1); pp 2 × dp 2 (the stages on different hosts).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="2 × 2 at 1gbit, zero3 and zero1, 5 steps")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--keep", metavar="DIR", help="write the hardware files and runs here (default: a temporary folder)")
     args = p.parse_args(argv)
     if args.quick:
         args.topologies, args.links, args.layouts, args.steps, args.warmup = (
@@ -146,11 +148,13 @@ def main(argv: list[str] | None = None) -> None:
             2,
         )
     rows = []
-    with tempfile.TemporaryDirectory(prefix="planner-vs-cluster-") as work:
+    with contextlib.ExitStack() as stack:
+        work = Path(args.keep) if args.keep else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pvc-")))
+        work.mkdir(parents=True, exist_ok=True)
         for topology in args.topologies:
             hosts, per_host = map(int, topology.split("x"))
             for link in args.links:
-                rows += compare(hosts, per_host, link, args.layouts, args.steps, args.warmup, Path(work))
+                rows += compare(hosts, per_host, link, args.layouts, args.steps, args.warmup, work)
                 print(table(rows), flush=True)
     print("\n".join(fastest(rows)))
     if args.json:

@@ -14,12 +14,13 @@ file (research/costmodel/hardware.py):
   alone;
 - collectives inside a host (the ranks of one host) and across hosts (one rank per host,
   the same local rank): all-reduces of a small and a large tensor; with a ring's 2(n-1)
-  steps and 2(n-1)/n·S bytes per rank, the large one's bytes over its time beyond the small
-  one's the bandwidth, and the small one's cost per step between blocks of compute (every
-  process computing, as in training) the latency α;
+  steps and 2(n-1)/n·S bytes per rank, the small one's time per step between idle processes
+  the latency α, the large one's bytes over its time beyond it the bandwidth, and what a
+  small one waits beyond α·steps between blocks of compute (every process computing, as in
+  training) the wait per call for the group's last rank (`wait_us`);
 - the exchange of two hosts (hosts 0-1, 2-3, ... at once, every local rank): a 2-rank
   all-gather of S/2 bytes per rank beyond a small one's time (`pair_gbs`), which on gloo
-  over TCP runs at 0.5-0.85 of the ring's rate.
+  over TCP runs at 0.5-0.85 of the ring's rate, and the pair's wait per call (`pair_wait_us`).
 
     python -m experiments.cluster --hosts 2 --procs-per-host 2 --link 200mbit -- \\
         -m experiments.calibrate.measure --config C --out FILE.yaml
@@ -129,25 +130,26 @@ def model_efficiency(config: str, matmul: float, own: dist.ProcessGroup) -> floa
     return flops / _seconds(step, 15, together=False) / matmul
 
 
-def ring_fit(group: dist.ProcessGroup) -> tuple[float, float]:
-    """(bytes/s, seconds per step) of all-reduces over `group`: bandwidth from the large
-    one's time beyond the small one's; latency from the small one between blocks of compute
-    (`loaded_latency`)."""
+def ring_fit(group: dist.ProcessGroup) -> tuple[float, float, float]:
+    """(bytes/s, seconds per step, seconds of wait per call) of all-reduces over `group`:
+    latency α from the small one between idle processes, bandwidth from the large one's time
+    beyond it, and the wait of a call between blocks of compute (`loaded_wait`)."""
     n = dist.get_world_size(group)
     steps = 2 * (n - 1)
     small, large = torch.zeros(SMALL // 4), torch.zeros(LARGE // 4)
     alpha = _seconds(lambda: comm.all_reduce(small, group=group), 20, group) / steps
     t_large = _seconds(lambda: comm.all_reduce(large, group=group), 5, group)
     wire = 2 * (n - 1) / n * LARGE
-    return wire / max(t_large - alpha * steps, 1e-9), loaded_latency(group, small, steps)
+    return wire / max(t_large - alpha * steps, 1e-9), alpha, loaded_wait(group, small, alpha * steps)
 
 
-def loaded_latency(group: dist.ProcessGroup, small: torch.Tensor, steps: int, calls: int = 30) -> float:
-    """Seconds per step of an all-reduce of `small` issued between blocks of compute, every
-    process computing as in training: (`calls` blocks each followed by the all-reduce − the
-    blocks alone) / (calls · steps). Where processes share cores this holds the wait for the
-    group's other ranks to be scheduled, which an all-reduce of idle processes does not see
-    (on 2 cores, 4 processes: about 3 ms a call against 1 ms idle)."""
+def loaded_wait(group: dist.ProcessGroup, small: torch.Tensor, idle: float, calls: int = 30) -> float:
+    """Seconds a call of an all-reduce of `small` waits beyond its time between idle processes
+    (`idle`), issued between blocks of compute, every process computing as in training:
+    (`calls` blocks each followed by the all-reduce − the blocks alone) / calls − idle. Where
+    processes share cores this is the wait for the group's last rank to be scheduled and
+    finish its block, once per call however many ring steps the call makes (on 2 cores, 4
+    processes: 2-6 ms a call against 0.2-0.5 ms idle)."""
     a, b = torch.randn(256, 256), torch.randn(256, 256)
 
     def blocks(sync: bool) -> None:
@@ -158,22 +160,25 @@ def loaded_latency(group: dist.ProcessGroup, small: torch.Tensor, steps: int, ca
                 comm.all_reduce(small, group=group)
 
     alone, synced = _seconds(lambda: blocks(False), 7, group), _seconds(lambda: blocks(True), 7, group)
-    return max(synced - alone, 0.0) / (calls * steps)
+    return max((synced - alone) / calls - idle, 0.0)
 
 
-def pair_fit(pair: dist.ProcessGroup | None) -> float:
-    """Bytes/s each rank of a 2-rank group across two hosts sends when the two exchange one
-    message each way (a 2-rank all-gather of LARGE/2 bytes per rank, beyond a small one's
-    time), every pair of hosts at once; inf where this rank has no pair. On gloo over TCP such
-    an exchange of megabytes runs below the rate a ring reaches (`Cluster.pair_bandwidth`)."""
+def pair_fit(pair: dist.ProcessGroup | None) -> tuple[float, float]:
+    """(bytes/s, seconds of wait per call) of two hosts exchanging one message each way: a
+    2-rank all-gather of LARGE/2 bytes per rank beyond a small one's time, every pair of hosts
+    at once, and a small all-reduce's wait between blocks of compute (`loaded_wait`); (inf, 0)
+    where this rank has no pair. On gloo over TCP such an exchange of megabytes runs below
+    the rate a ring reaches (`Cluster.pair_bandwidth`)."""
     if pair is None:
-        return float("inf")
+        return float("inf"), 0.0
     times = []
     for nbytes in (SMALL, LARGE):
         shard = torch.zeros(nbytes // 8)
         whole = torch.empty(2 * shard.numel())
         times.append(_seconds(lambda: comm.all_gather_into_tensor(whole, shard, group=pair), 5, pair))
-    return LARGE / 2 / max(times[1] - times[0], 1e-9)
+    small = torch.zeros(SMALL // 4)
+    idle = _seconds(lambda: comm.all_reduce(small, group=pair), 20, pair)
+    return LARGE / 2 / max(times[1] - times[0], 1e-9), loaded_wait(pair, small, idle)
 
 
 def host_pairs(hosts: int, per_host: int) -> dist.ProcessGroup | None:
@@ -224,21 +229,22 @@ def measure(config: str, name: str) -> dict:
     intra, inter = groups(hosts, per_host)
     links = {}
     for key, group in (("intra_node", intra), ("inter_node", inter)):
-        bw, alpha = ring_fit(group) if group is not None else (None, None)
-        bw = _worst(bw if bw is not None else float("inf"), "min")
-        alpha = _worst(alpha if alpha is not None else 0.0, "max")
-        links[key] = {"gbs": round(bw / 1e9, 6), "latency_us": round(alpha * 1e6, 3)} if bw != float("inf") else None
-    if links["inter_node"] is not None:
-        pair = _worst(pair_fit(host_pairs(hosts, per_host)), "min")
-        links["inter_node"]["pair_gbs"] = round(pair / 1e9, 6)
+        bw, alpha, wait = ring_fit(group) if group is not None else (float("inf"), 0.0, 0.0)
+        bw, alpha, wait = _worst(bw, "min"), _worst(alpha, "max"), _worst(wait, "max")
+        if bw != float("inf"):
+            links[key] = {"gbs": round(bw / 1e9, 6), "latency_us": round(alpha * 1e6, 3), "wait_us": round(wait * 1e6, 3)}
+    if "inter_node" in links:
+        bw, wait = pair_fit(host_pairs(hosts, per_host))
+        links["inter_node"]["pair_gbs"] = round(_worst(bw, "min") / 1e9, 6)
+        links["inter_node"]["pair_wait_us"] = round(_worst(wait, "max") * 1e6, 3)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_host
-    fallback = links["inter_node"] or links["intra_node"] or {"gbs": 1.0, "latency_us": 0.0}
+    fallback = links.get("inter_node") or links.get("intra_node") or {"gbs": 1.0, "latency_us": 0.0}
     return {
         "name": name,
         "memory_mib": memory // 2**20,
         "devices_per_node": per_host,
-        "intra_node": links["intra_node"] or fallback,
-        "inter_node": links["inter_node"] or fallback,
+        "intra_node": links.get("intra_node") or {k: v for k, v in fallback.items() if not k.startswith("pair")},
+        "inter_node": links.get("inter_node") or fallback,
         "peak_tflops": {"bf16": round(matmul / 1e12, 6)},
         "hbm_gbs": round(hbm / 1e9, 3),
         "matmul_efficiency": round(eta, 4),

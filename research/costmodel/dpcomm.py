@@ -36,7 +36,12 @@ Seconds of one collective (`Traffic.seconds`), alpha-beta plus quantization kern
 
     c = max(intra / NVLink, inter / network)   (qgZ: the sum)
       + α_intra·s_intra + α_inter·s_inter      (`Cluster.latency`, per call)
+      + ω                                      (`Cluster.wait`, per call; qgZ: per hop)
       + K / HBM                                (`GPU.kernel_bandwidth`: measured, else HBM's)
+
+ω is the wait for the group's last rank to arrive: 0 on devices of their own, measured
+where the processes of an emulated cluster share a CPU's cores (inside a node, across
+nodes, or two ranks on two nodes).
 
 Steps s (`Cluster.ring_steps`): a ring all-gather / reduce-scatter over N ranks on n nodes
 takes N-1 steps, n-1 of them between nodes; an all-reduce twice that; an all-to-all N-1.
@@ -88,7 +93,8 @@ class Traffic:
     """One collective of one rank: bytes over NVLink (`intra`) and the network (`inter`), at
     once (a ring) or one hop after the other (`phased`: qgZ); its (in-node, cross-node) steps
     per call, α each; the HBM bytes its quantization kernels move (`kernel_bytes`); `pair`:
-    its network part is two nodes exchanging one message each way (`Cluster.pair_bandwidth`)."""
+    its group (qgZ: its cross-node hop's) is two ranks on two nodes (`Cluster.wait`);
+    `exchange`: its network part is one message each way (`Cluster.pair_bandwidth`)."""
 
     intra: float
     inter: float
@@ -96,13 +102,22 @@ class Traffic:
     steps: tuple[int, int] = (0, 0)
     kernel_bytes: float = 0.0
     pair: bool = False
+    exchange: bool = False
+    calls: int = 1
 
     def transfer_seconds(self, cluster: Cluster) -> float:
-        intra, inter = cluster.seconds(self.intra, self.inter, self.pair)
+        intra, inter = cluster.seconds(self.intra, self.inter, self.exchange)
         return intra + inter if self.phased else max(intra, inter)
 
     def latency(self, cluster: Cluster) -> float:
-        return cluster.latency(*self.steps)
+        """α·steps, and the wait for the group's last rank (`Cluster.wait`) once per call (qgZ:
+        per hop)."""
+        inside, across = (s > 0 for s in self.steps)
+        if self.phased:
+            waits = inside * cluster.wait(False) + across * cluster.wait(True, self.pair)
+        else:
+            waits = cluster.wait(across, self.pair) if inside or across else 0.0
+        return cluster.latency(*self.steps) + self.calls * waits
 
     def kernel_seconds(self, cluster: Cluster) -> float:
         return self.kernel_bytes / cluster.gpu.kernel_bandwidth * cluster.compute_share
@@ -133,7 +148,9 @@ def ring(cluster: Cluster, size: int, stride: int, volume: float, rounds: int = 
     """`calls` ring collectives of `rounds` rounds (all-reduce: 2) over `size` ranks `stride`
     apart, sending `volume` bytes per rank in all."""
     intra_steps, inter_steps = cluster.ring_steps(size, stride, rounds)
-    return Traffic(*cluster.ring_bytes(size, stride, volume), steps=(calls * intra_steps, calls * inter_steps))
+    steps = (calls * intra_steps, calls * inter_steps)
+    pair = size == 2 and inter_steps > 0
+    return Traffic(*cluster.ring_bytes(size, stride, volume), steps=steps, pair=pair, calls=calls)
 
 
 def reduce_scatter(cluster: Cluster, size: int, stride: int, volume: float) -> Traffic:
@@ -149,7 +166,7 @@ def _gather(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
     N, P = layout.shard, DTYPE_BYTES[layout.precision]
     per = P if layout.qwz_block is None else 1 + 4 / layout.qwz_block
     gathered = ring(cluster, N, layout.tp, per * psi * (N - 1) / N)
-    gathered = dataclasses.replace(gathered, pair=gathered.steps == (0, 1))
+    gathered = dataclasses.replace(gathered, exchange=gathered.pair)
     if layout.qwz_block is None:
         return gathered
     return dataclasses.replace(gathered, kernel_bytes=(P + per) * (psi / N + psi))
@@ -162,7 +179,8 @@ def _qgz_reduce(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
     k = ranks_per_node(layout.shard, layout.tp, cluster.gpus_per_node)
     nodes = -(-layout.shard // k)
     kernels = 2 * (G + q) * (psi * (k > 1) + psi / k * (nodes > 1))
-    return Traffic(q * psi * (k - 1) / k, q * psi / k * (nodes - 1) / nodes, True, (k - 1, nodes - 1), kernels, nodes == 2)
+    pair = nodes == 2
+    return Traffic(q * psi * (k - 1) / k, q * psi / k * (nodes - 1) / nodes, True, (k - 1, nodes - 1), kernels, pair, pair)
 
 
 def dp_traffic(layout: Layout, cluster: Cluster, psi: float) -> dict[str, Traffic]:
@@ -313,13 +331,13 @@ def dp_collectives(
     for times, window, used in _schedule(layout, streams, compute_f / rank.numel, compute_b / rank.numel):
         for p, alike in passes.items() if times else ():
             _run_pass(p, window, used, times * alike, cluster, tally)
-    return tuple(_collective(name, row, cluster, per_param[name].pair) for name, row in tally.items())
+    return tuple(_collective(name, row, cluster, per_param[name].exchange) for name, row in tally.items())
 
 
-def _collective(name: str, row: list[float], cluster: Cluster, pair: bool = False) -> Collective:
+def _collective(name: str, row: list[float], cluster: Cluster, exchange: bool = False) -> Collective:
     """The family `name` from its tally row (`_run_pass`)."""
     intra, inter, latency, kernels, busy, exposed = row
-    return Collective(name, intra, inter, *cluster.seconds(intra, inter, pair), latency, kernels, busy, exposed)
+    return Collective(name, intra, inter, *cluster.seconds(intra, inter, exchange), latency, kernels, busy, exposed)
 
 
 def tied_embedding(model: GPTConfig, layout: Layout, cluster: Cluster) -> Collective | None:

@@ -8,9 +8,11 @@ on the machine at hand. Keys (bandwidths in GB/s per device and direction):
     device: h100            # a row of research.metrics' GPU table: peak FLOP/s, HBM bandwidth
     memory_mib: 81559       # per device
     devices_per_node: 8
-    intra_node: {gbs: 450}  # optional latency_us: µs per step of a ring collective (NCCL's below)
-    inter_node: {gbs: 50}   # optional pair_gbs: two nodes exchanging one message each way
-                            # (a 2-rank all-gather across nodes), where it runs below gbs
+    intra_node: {gbs: 450}  # optional latency_us: µs per step of a ring collective (NCCL's below);
+                            # wait_us: µs per call waiting for the group's other ranks (0 when
+                            # absent; measured where processes share cores, `Cluster.wait`)
+    inter_node: {gbs: 50}   # optional latency_us, wait_us; pair_gbs, pair_wait_us: two nodes
+                            # exchanging one message each way (a 2-rank all-gather across nodes)
     # optional, instead of the device row or measured: peak_tflops: {bf16: .., fp8: ..},
     # hbm_gbs: .., matmul_efficiency: .. (the share of the peak a layer's GEMMs reach),
     # quantize_gbs: .. (the rate ZeRO++'s quantization kernels move their bytes; HBM's when absent)
@@ -81,6 +83,7 @@ class System:
     inter_node_latency: float
     backend: str = "nccl"
     compute_units: float | None = None
+    waits: tuple[float, float, float | None] = (0.0, 0.0, None)  # `Cluster.wait`: intra, inter, pair
 
     def cluster(self, gpus: int, **overrides: Any) -> Cluster:
         fields = {
@@ -89,6 +92,7 @@ class System:
             "inter_node_latency": self.inter_node_latency,
             "backend": self.backend,
             "compute_units": self.compute_units,
+            "waits": self.waits,
         }
         return Cluster(self.gpu, gpus, **{**fields, **overrides})
 
@@ -130,7 +134,15 @@ def load_system(path: str | Path) -> System:
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         units = raw.get("compute_units")
-        system = System(gpu, int(raw["devices_per_node"]), *latency, backend, None if units is None else float(units))
+        pair_wait = inter.get("pair_wait_us")
+        waits = (
+            float(intra.get("wait_us", 0.0)) * 1e-6,
+            float(inter.get("wait_us", 0.0)) * 1e-6,
+            None if pair_wait is None else float(pair_wait) * 1e-6,
+        )
+        system = System(
+            gpu, int(raw["devices_per_node"]), *latency, backend, None if units is None else float(units), waits
+        )
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
     bandwidths = (gpu.intra_node_bandwidth, gpu.inter_node_bandwidth, gpu.pair_bandwidth)
@@ -159,7 +171,8 @@ class Cluster:
     None keeps each GPU's own NIC, `GPU.inter_node_bandwidth`. `intra_node_latency` /
     `inter_node_latency`: seconds per step of a ring collective inside a node / across nodes.
     `backend`: whose collective algorithms move the bytes (`reduce_scatter_rounds`).
-    `compute_units`: the compute all the devices share (`compute_share`); None: each its own."""
+    `compute_units`: the compute all the devices share (`compute_share`); None: each its own.
+    `waits`: seconds per call a collective waits for its group's other ranks (`wait`)."""
 
     gpu: GPU
     gpus: int
@@ -169,6 +182,7 @@ class Cluster:
     inter_node_latency: float = NETWORK_STEP_LATENCY
     backend: str = "nccl"
     compute_units: float | None = None
+    waits: tuple[float, float, float | None] = (0.0, 0.0, None)
 
     @property
     def inter_node_bandwidth(self) -> float:
@@ -220,10 +234,23 @@ class Cluster:
         """Seconds of α·steps: `intra_steps` inside a node, `inter_steps` across nodes."""
         return intra_steps * self.intra_node_latency + inter_steps * self.inter_node_latency
 
-    def seconds(self, intra: float, inter: float, pair: bool = False) -> tuple[float, float]:
+    def wait(self, across: bool, pair: bool = False) -> float:
+        """Seconds one collective call waits for the last of its group's ranks to arrive, beyond
+        its steps' latency: a group inside a node, across nodes, or of two ranks on two nodes
+        (`pair`; the cross-node wait where not measured). 0 on dedicated devices, whose ranks
+        arrive together; where the processes of an emulated cluster share a CPU's cores, each
+        arrives when the scheduler lets it finish its compute, once per call, not per ring step
+        (`experiments.calibrate`: the wait of a call between blocks of compute)."""
+        intra, inter, pair_wait = self.waits
+        if not across:
+            return intra
+        return pair_wait if pair and pair_wait is not None else inter
+
+    def seconds(self, intra: float, inter: float, exchange: bool = False) -> tuple[float, float]:
         """Seconds of `intra` bytes over NVLink and `inter` bytes over this GPU's network share
-        (`pair`: as a 2-rank exchange across nodes, `pair_bandwidth`)."""
-        return intra / self.gpu.intra_node_bandwidth, inter / (self.pair_bandwidth if pair else self.inter_node_bandwidth)
+        (`exchange`: as two nodes exchanging one message each way, `pair_bandwidth`)."""
+        network = self.pair_bandwidth if exchange else self.inter_node_bandwidth
+        return intra / self.gpu.intra_node_bandwidth, inter / network
 
     def ring_bandwidth(self, size: int, stride: int) -> float:
         """Bus bandwidth of a ring collective (`ring_bytes`): volume / the slower of its NVLink

@@ -13,7 +13,8 @@ Step time, per micro-batch on the slowest pipeline rank (the last: L/p layers + 
   forward-equivalent pass (forward 1, backward 2, recompute 1 or its attention part).
   Without SP the replicated part (10sbh) is not divided by t: that is what SP saves.
 - C: TP collectives, each equivalent to an all-reduce of sbh·A bytes (ring: 2(t-1)/t of it
-  over the intra-node bandwidth, and 2(t-1) steps of α_intra, `Cluster.latency`): 2 forward
+  over the intra-node bandwidth, 2(t-1) steps of α_intra, `Cluster.latency`, and one wait
+  for the group's last rank, `Cluster.wait`, 0 on devices of their own): 2 forward
   and 2 backward per layer, plus 1 with full recompute (all-gather + reduce-scatter pairs
   under SP move the same bytes in the same steps), plus 1 backward under SP without float8:
   the QKV and MLP-up linears keep their input's sequence shard and all-gather it again for dW.
@@ -132,8 +133,13 @@ def _micro_batch(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluste
 
 
 def _tp_all_reduce(nbytes: float, t: int, cluster: Cluster) -> float:
-    """Seconds of a ring all-reduce of `nbytes` over the t ranks of a TP group."""
-    return 2 * (t - 1) / t * nbytes / cluster.ring_bandwidth(t, 1) + cluster.latency(2 * (t - 1), 0)
+    """Seconds of a ring all-reduce of `nbytes` over the t ranks of a TP group: bytes, α per
+    step and the wait for the group's last rank (`Cluster.wait`; a group of more than a node,
+    as on an emulated cluster of one process a host, waits as one across nodes)."""
+    if t == 1:
+        return 0.0
+    wait = cluster.wait(t > cluster.gpus_per_node, pair=t == 2)
+    return 2 * (t - 1) / t * nbytes / cluster.ring_bandwidth(t, 1) + cluster.latency(2 * (t - 1), 0) + wait
 
 
 def _tp_ends(model: GPTConfig, layout: Layout) -> tuple[float, float]:
@@ -203,7 +209,7 @@ def expert_all_to_all(model: GPTConfig, layout: Layout, seq_len: int, cluster: C
     per_peer = expert_all_to_all_bytes(model, layout, seq_len) / (ep - 1)
     near = ranks_per_node(ep, layout.tp, cluster.gpus_per_node)
     intra, inter = cluster.seconds(per_peer * (near - 1), per_peer * (ep - near))
-    return max(intra, inter) + cluster.latency(int(near > 1), int(ep > near))
+    return max(intra, inter) + cluster.latency(int(near > 1), int(ep > near)) + cluster.wait(ep > near, ep == 2)
 
 
 def exposed_p2p(pp: int, micro_batches: int, p2p: float, t_forward: float, t_backward: float) -> float:
