@@ -1389,7 +1389,9 @@ def test_a_collective_waits_once_per_call_for_its_groups_last_rank(tmp_path: Pat
 
     h100 = (SYSTEMS_DIR / "h100.yaml").read_text()
     waits = "inter_node: {wait_us: 300, pair_wait_us: 500, latency_us: 10, gbs: 50"
-    text = h100.replace("inter_node: {gbs: 50", waits).replace("intra_node: {gbs: 450", "intra_node: {wait_us: 100, gbs: 450")
+    text = h100.replace("inter_node: {gbs: 50", waits).replace(
+        "intra_node: {gbs: 450", "intra_node: {wait_us: 100, gbs: 450"
+    )
     assert text.count("wait_us") == 3, "h100.yaml's links changed: update the replacements above"
     (tmp_path / "waits.yaml").write_text(text)
     cluster, plain = load_system(tmp_path / "waits.yaml").cluster(16), SYSTEMS["h100"].cluster(16)

@@ -3,6 +3,7 @@ network namespaces, links shaped by tc; root needed).
 
     python -m experiments.bench.planner_vs_cluster                    # the table in docs/planner.md
     python -m experiments.bench.planner_vs_cluster --quick            # 2 layouts, 1 topology, 1 link
+    python -m experiments.bench.planner_vs_cluster --keep DIR         # keep hardware files and runs
 
 For each topology (hosts × processes per host) and link rate, `experiments.calibrate` first
 measures the hardware file of that cluster (matmul rate, the model's share of it, copy and

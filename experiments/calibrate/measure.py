@@ -38,8 +38,8 @@ import torch.distributed as dist
 import yaml
 
 from experiments.bench.common import median
-from optim.grads import QGZ_BLOCK
 from optim.collectives import all_gather_shards
+from optim.grads import QGZ_BLOCK
 from optim.quantize import QuantizedGather, exchange_quantized
 from parallel import comm
 from research import data
@@ -180,7 +180,7 @@ def pair_fit(pair: dist.ProcessGroup | None) -> tuple[float, float]:
     for nbytes in (SMALL, LARGE):
         shard = torch.zeros(nbytes // 8)
         whole = torch.empty(2 * shard.numel())
-        times.append(_seconds(lambda: comm.all_gather_into_tensor(whole, shard, group=pair), 5, pair))
+        times.append(_seconds(lambda w=whole, s=shard: comm.all_gather_into_tensor(w, s, group=pair), 5, pair))
     small = torch.zeros(SMALL // 4)
     idle = _seconds(lambda: comm.all_reduce(small, group=pair), 20, pair, fastest=True)
     return LARGE / 2 / max(times[1] - times[0], 1e-9), loaded_wait(pair, small, idle)
@@ -237,7 +237,11 @@ def measure(config: str, name: str) -> dict:
         bw, alpha, wait = ring_fit(group) if group is not None else (float("inf"), 0.0, 0.0)
         bw, alpha, wait = _worst(bw, "min"), _worst(alpha, "max"), _worst(wait, "max")
         if bw != float("inf"):
-            links[key] = {"gbs": round(bw / 1e9, 6), "latency_us": round(alpha * 1e6, 3), "wait_us": round(wait * 1e6, 3)}
+            links[key] = {
+                "gbs": round(bw / 1e9, 6),
+                "latency_us": round(alpha * 1e6, 3),
+                "wait_us": round(wait * 1e6, 3),
+            }
     if "inter_node" in links:
         bw, wait = pair_fit(host_pairs(hosts, per_host))
         links["inter_node"]["pair_gbs"] = round(_worst(bw, "min") / 1e9, 6)

@@ -180,7 +180,9 @@ def _qgz_reduce(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
     nodes = -(-layout.shard // k)
     kernels = 2 * (G + q) * (psi * (k > 1) + psi / k * (nodes > 1))
     pair = nodes == 2
-    return Traffic(q * psi * (k - 1) / k, q * psi / k * (nodes - 1) / nodes, True, (k - 1, nodes - 1), kernels, pair, pair)
+    return Traffic(
+        q * psi * (k - 1) / k, q * psi / k * (nodes - 1) / nodes, True, (k - 1, nodes - 1), kernels, pair, pair
+    )
 
 
 def dp_traffic(layout: Layout, cluster: Cluster, psi: float) -> dict[str, Traffic]:
