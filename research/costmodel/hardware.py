@@ -97,6 +97,22 @@ class System:
         return Cluster(self.gpu, gpus, **{**fields, **overrides})
 
 
+def _link_times(intra: dict, inter: dict) -> tuple[list[float], tuple[float, float, float | None]]:
+    """Seconds of (α per ring step inside a node, across nodes; NCCL's where not given) and of
+    the waits per call (`Cluster.wait`: inside, across, a pair of nodes) of a file's links."""
+    latency = [
+        part["latency_us"] * 1e-6 if "latency_us" in part else default
+        for part, default in ((intra, NVLINK_STEP_LATENCY), (inter, NETWORK_STEP_LATENCY))
+    ]
+    pair_wait = inter.get("pair_wait_us")
+    waits = (
+        float(intra.get("wait_us", 0.0)) * 1e-6,
+        float(inter.get("wait_us", 0.0)) * 1e-6,
+        None if pair_wait is None else float(pair_wait) * 1e-6,
+    )
+    return latency, waits
+
+
 def load_system(path: str | Path) -> System:
     """The system described by the YAML file at `path` (module docstring); a ValueError
     naming the file and the key when it is not one."""
@@ -126,20 +142,11 @@ def load_system(path: str | Path) -> System:
             float(inter["gbs"]) * 1e9, fp8 or None, None if eta is None else float(eta),
             None if quantize is None else float(quantize) * 1e9, None if pair is None else float(pair) * 1e9,
         )  # fmt: skip
-        latency = [
-            part["latency_us"] * 1e-6 if "latency_us" in part else default
-            for part, default in ((intra, NVLINK_STEP_LATENCY), (inter, NETWORK_STEP_LATENCY))
-        ]
         backend = str(raw.get("backend", "nccl"))
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         units = raw.get("compute_units")
-        pair_wait = inter.get("pair_wait_us")
-        waits = (
-            float(intra.get("wait_us", 0.0)) * 1e-6,
-            float(inter.get("wait_us", 0.0)) * 1e-6,
-            None if pair_wait is None else float(pair_wait) * 1e-6,
-        )
+        latency, waits = _link_times(intra, inter)
         system = System(
             gpu, int(raw["devices_per_node"]), *latency, backend, None if units is None else float(units), waits
         )
