@@ -140,12 +140,20 @@ def ring_fit(group: dist.ProcessGroup) -> tuple[float, float, float]:
     stalls of 12 ms a step over a 100 Mbit/s link now and then), bandwidth from the large
     one's time beyond it, and the wait of a call between blocks of compute (`loaded_wait`)."""
     n = dist.get_world_size(group)
-    steps = 2 * (n - 1)
-    small, large = torch.zeros(SMALL // 4), torch.zeros(LARGE // 4)
-    alpha = _seconds(lambda: comm.all_reduce(small, group=group), 20, group, fastest=True) / steps
+    alpha, wait = latency_and_wait(group)
+    large = torch.zeros(LARGE // 4)
     t_large = _seconds(lambda: comm.all_reduce(large, group=group), 5, group)
     wire = 2 * (n - 1) / n * LARGE
-    return wire / max(t_large - alpha * steps, 1e-9), alpha, loaded_wait(group, small, alpha * steps)
+    return wire / max(t_large - alpha * 2 * (n - 1), 1e-9), alpha, wait
+
+
+def latency_and_wait(group: dist.ProcessGroup) -> tuple[float, float]:
+    """(seconds per ring step, seconds of wait per call) of a small all-reduce over `group`:
+    the fastest of 20 between idle processes over its 2(n-1) steps, and `loaded_wait`."""
+    steps = 2 * (dist.get_world_size(group) - 1)
+    small = torch.zeros(SMALL // 4)
+    alpha = _seconds(lambda: comm.all_reduce(small, group=group), 20, group, fastest=True) / steps
+    return alpha, loaded_wait(group, small, alpha * steps)
 
 
 def loaded_wait(group: dist.ProcessGroup, small: torch.Tensor, idle: float, calls: int = 30) -> float:
@@ -181,9 +189,7 @@ def pair_fit(pair: dist.ProcessGroup | None) -> tuple[float, float]:
         shard = torch.zeros(nbytes // 8)
         whole = torch.empty(2 * shard.numel())
         times.append(_seconds(lambda w=whole, s=shard: comm.all_gather_into_tensor(w, s, group=pair), 5, pair))
-    small = torch.zeros(SMALL // 4)
-    idle = _seconds(lambda: comm.all_reduce(small, group=pair), 20, pair, fastest=True)
-    return LARGE / 2 / max(times[1] - times[0], 1e-9), loaded_wait(pair, small, idle)
+    return LARGE / 2 / max(times[1] - times[0], 1e-9), latency_and_wait(pair)[1]
 
 
 def host_pairs(hosts: int, per_host: int) -> dist.ProcessGroup | None:

@@ -28,9 +28,10 @@ NCCL runs k rings through k NICs, so a rank sends 1/k of it over its network sha
 (`Cluster.inter_node_bandwidth`) and the rest over NVLink, both at once: the slower sets the
 time. qgZ's two hops run one after the other. A group of two ranks on two nodes exchanges
 one message each way (a 2-rank all-gather, qgZ's hop across 2 nodes): its network bytes move
-at `Cluster.pair_bandwidth`, the network's unless the hardware file measured it. On gloo (`Cluster.backend`: CPU runs, the
-emulated cluster) the all-gather is a ring too, and the reduce-scatter an all-reduce
-(2GΨ(N-1)/N over 2(N-1) steps), as a shaped link counts their bytes.
+at `Cluster.pair_bandwidth`, the network's unless the hardware file measured it. On gloo
+(`Cluster.backend`: CPU runs, the emulated cluster) the all-gather is a ring too, and the
+reduce-scatter an all-reduce (2GΨ(N-1)/N over 2(N-1) steps), as a shaped link counts their
+bytes.
 
 Seconds of one collective (`Traffic.seconds`), alpha-beta plus quantization kernels:
 
@@ -166,10 +167,8 @@ def _gather(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
     N, P = layout.shard, DTYPE_BYTES[layout.precision]
     per = P if layout.qwz_block is None else 1 + 4 / layout.qwz_block
     gathered = ring(cluster, N, layout.tp, per * psi * (N - 1) / N)
-    gathered = dataclasses.replace(gathered, exchange=gathered.pair)
-    if layout.qwz_block is None:
-        return gathered
-    return dataclasses.replace(gathered, kernel_bytes=(P + per) * (psi / N + psi))
+    kernels = 0.0 if layout.qwz_block is None else (P + per) * (psi / N + psi)
+    return dataclasses.replace(gathered, exchange=gathered.pair, kernel_bytes=kernels)
 
 
 def _qgz_reduce(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
