@@ -1405,6 +1405,9 @@ def test_a_collective_waits_once_per_call_for_its_groups_last_rank(tmp_path: Pat
     assert _tp_all_reduce(0.0, 8, plain) == pytest.approx(14 * plain.intra_node_latency)
     assert _tp_all_reduce(1e6, 1, cluster) == 0.0  # no TP group: nothing to wait for
     assert plain.wait(True) == plain.wait(False) == plain.wait(True, pair=True) == 0.0
+    (tmp_path / "bad.yaml").write_text(text.replace("wait_us: 100", "wait_us: -100"))
+    with pytest.raises(ValueError, match=r"bad\.yaml: wait_us and pair_wait_us must be zero or more"):
+        load_system(tmp_path / "bad.yaml")
 
 
 def _tp_all_reduces(tie: bool) -> tuple[float, float]:

@@ -155,6 +155,8 @@ def load_system(path: str | Path) -> System:
     bandwidths = (gpu.intra_node_bandwidth, gpu.inter_node_bandwidth, gpu.pair_bandwidth)
     if system.gpus_per_node < 1 or min(b for b in bandwidths if b is not None) <= 0:
         raise ValueError(f"{where}: devices_per_node and every bandwidth must be positive")
+    if min(w for w in system.waits if w is not None) < 0:
+        raise ValueError(f"{where}: wait_us and pair_wait_us must be zero or more (µs a call waits for its group)")
     if system.compute_units is not None and system.compute_units <= 0:
         raise ValueError(f"{where}: compute_units must be positive (or absent: every device computes on its own)")
     return system
