@@ -3,8 +3,9 @@ fixed compute and communication times and measure makespan, idle time and memory
 
 Cost model (per rank, per virtual stage): F takes t_f/v, B takes t_b/v (a chunk holds 1/v of
 the layers). For split-backward schedules (zb-h1) B is the input gradient, t_b - t_w, and W
-the weight gradient, t_w (default t_w = t_b/2). A SEND is non-blocking; its message arrives
-at the producer's compute end + t_comm. A compute action starts when its rank is free and
+the weight gradient, t_w (default t_w = t_b/2). A SEND is non-blocking; its message leaves
+at the producer's compute end, once the link (sender, receiver, direction) has delivered the
+one before it, and arrives t_comm later. A compute action starts when its rank is free and
 its RECVs have arrived. Busy time per rank is m·(t_f+t_b) for every schedule, so
 
     makespan = m·(t_f+t_b) + bubble,   idle_fraction[r] = 1 - busy[r] / makespan.
@@ -93,6 +94,7 @@ class _Ranks:
         self.pp = pp = len(plans)
         self.channels: dict = defaultdict(deque)  # (sender, receiver, F|B) -> deque of (mb, recv_chunk, arrival)
         self.clock, self.busy, self.pc = [0.0] * pp, [0.0] * pp, [0] * pp
+        self.link_free: dict = defaultdict(float)  # (sender, receiver, F|B) -> its last message's arrival
         self.ready = [0.0] * pp  # latest arrival among RECVs since the last compute
         self.last_end = [0.0] * pp  # end of the last compute (what a SEND ships)
         self.events: list[tuple[int, str, int, int, float, float]] = []
@@ -115,8 +117,9 @@ class _Ranks:
                     break
             elif a.kind.startswith("SEND"):
                 s = stage_of(r, a.chunk, self.pp) + (1 if a.kind == "SEND_F" else -1)
-                arrival = self.last_end[r] + self.t_comm
-                self.channels[r, a.peer, a.kind[-1]].append((a.microbatch, rank_chunk_of(s, self.pp)[1], arrival))
+                link = (r, a.peer, a.kind[-1])
+                arrival = self.link_free[link] = max(self.last_end[r], self.link_free[link]) + self.t_comm
+                self.channels[link].append((a.microbatch, rank_chunk_of(s, self.pp)[1], arrival))
             else:
                 start = max(self.clock[r], self.ready[r])
                 end = start + self.cost[a.kind]

@@ -19,8 +19,8 @@ Step time, per micro-batch on the slowest pipeline rank (the last: L/p layers + 
   under SP move the same bytes in the same steps), plus 1 backward under SP without float8:
   the QKV and MLP-up linears keep their input's sequence shard and all-gather it again for dW.
 - X: pipeline p2p, one activation (sbh·A, /t under SP) sent per chunk in F and in B, one
-  step of α each (α_intra inside a node, else α_inter); sent asynchronously, so only the
-  fill and drain wait for them (`exposed_p2p`), not t_f and t_b.
+  step of α each (α_intra inside a node, else α_inter); sent asynchronously, so a step
+  waits only for the sends on the schedule's critical path (`exposed_p2p`), not in t_f, t_b.
 - E: expert parallelism (ep > 1): per MoE layer two all-to-alls of the rows in F (dispatch,
   combine), two in B (four with full recompute), each A·h·R·(ep − 1)/ep bytes per rank
   (`expert_all_to_all_bytes`; R = s·b·k rows, balanced routing assumed).
@@ -33,9 +33,11 @@ Step = m(t_f + t_b) + bubble + exposed p2p + exposed DP communication + optimize
 
 Shared compute (`Cluster.compute_share` σ > 1: the processes of an emulated cluster on fewer
 CPU cores): compute runs at 1/σ while every rank computes, and a rank idle in the bubble
-gives its share to the others, so the pipeline takes max(m(t_f + t_b) + bubble at the rate
-of one alone, m(σ·compute + communication)); in the second case every compute term (and the
-overlap windows, the optimizer step, quantization kernels) is σ times one alone's.
+or waiting for a send gives its share to the others, so the pipeline takes
+max(m(t_f + t_b) + bubble + exposed sends at the rate of one alone, m(σ·compute +
+communication)): its critical path, or the cores' work, under which the sends hide. In the
+second case every compute term (and the overlap windows, the optimizer step, quantization
+kernels) is σ times one alone's.
 
 Data-parallel communication (`research.costmodel.dpcomm`: bytes, alpha-beta latency,
 quantization kernels, overlap per stage-3 unit or bucket) adds what compute does not hide,
@@ -212,16 +214,35 @@ def expert_all_to_all(model: GPTConfig, layout: Layout, seq_len: int, cluster: C
     return max(intra, inter) + cluster.latency(int(near > 1), int(ep > near)) + cluster.wait(ep > near, ep == 2)
 
 
-def exposed_p2p(pp: int, micro_batches: int, p2p: float, t_forward: float, t_backward: float) -> float:
-    """Seconds of pipeline sends a step waits for: the executor sends asynchronously and
-    receives right before the compute that needs it, so a send hides under the compute that
-    follows it, except while the pipeline fills and drains (the first forward and the last
-    backward cross p - 1 hops each: 2(p - 1) sends), and where a send takes longer than that
-    compute (m times the excess, each direction). `p2p`: a micro-batch's sends in one direction."""
-    if pp == 1:
+def exposed_p2p(
+    schedule_name: str,
+    pp: int,
+    micro_batches: int,
+    virtual_stages: int,
+    p2p: float,
+    t_forward: float,
+    t_backward: float,
+) -> float:
+    """Seconds of pipeline sends on a step's critical path: the makespan of
+    `parallel.pipeline.simulate` with sends of c = `p2p` seconds (a micro-batch's sends in one
+    direction; one at a time on a link) less the makespan without. The executor sends
+    asynchronously and receives right before the compute that needs it, so a send waits only
+    where the schedule has nothing else to run. 1F1B (exact, held to the simulator by a test):
+
+        2c(m + p − 3 − ⌊(m − 2)/p⌋)   (+ max(0, c − t_f − t_b) at p = 2, m even)
+
+    every p micro-batches in flight wait out a round trip of 2(p − 1) hops, beyond the fill
+    and drain; so the sends cost c per micro-batch at p = 2, not only 2(p − 1)c. Other
+    schedules: the fill and drain's 2(p − 1) sends, and m times a send's excess over the
+    compute it hides under, each direction."""
+    p, m, c = pp, micro_batches, p2p
+    if p == 1:
         return 0.0
-    steady = max(0.0, p2p - t_forward) + max(0.0, p2p - t_backward)
-    return 2 * (pp - 1) * p2p + micro_batches * steady
+    if schedule_name == "1f1b":
+        tail = max(0.0, c - t_forward - t_backward) if p == 2 and m % 2 == 0 else 0.0
+        return 2 * c * (m + p - 3 - (m - 2) // p) + tail
+    steady = max(0.0, c - t_forward) + max(0.0, c - t_backward)
+    return 2 * (p - 1) * c + m * steady
 
 
 def _p2p(layout: Layout, msg: float, cluster: Cluster) -> float:
@@ -244,10 +265,10 @@ def predict_step_times(model: GPTConfig, layouts: list[Layout], seq_len: int, cl
     comm_f, comm_b, share = tp_f + ep_f, tp_b + ep_b, cluster.compute_share
     t_f, t_b = compute_f + comm_f, compute_b + comm_b
     bubble = pipeline_bubble(layout.schedule, p, v, t_f, t_b)
-    if m * (share * (compute_f + compute_b) + comm_f + comm_b) > m * (t_f + t_b) + bubble:
-        compute_f, compute_b = share * compute_f, share * compute_b  # every rank computes all the time
-        t_f, t_b, bubble = compute_f + comm_f, compute_b + comm_b, 0.0
-    sends = exposed_p2p(p, m, p2p, t_f, t_b)
+    sends = exposed_p2p(layout.schedule, p, m, v, p2p, t_f, t_b)
+    if m * (share * (compute_f + compute_b) + comm_f + comm_b) > m * (t_f + t_b) + bubble + sends:
+        compute_f, compute_b = share * compute_f, share * compute_b  # the shared cores bound the step
+        t_f, t_b, bubble, sends = compute_f + comm_f, compute_b + comm_b, 0.0, 0.0
     pipeline = m * (t_f + t_b) + bubble + sends
     ranks = (rank_params(model, t, p, v, r, layout.unit_numel, layout.ep) for r in {0, p - 1})
     rank = max(ranks, key=lambda r: r.numel)
