@@ -308,7 +308,8 @@ def test_calibrate_writes_a_hardware_file_of_the_emulated_cluster(planned, capsy
     """2 hosts × 2 processes over 1 Gbit/s links: the file loads, names gloo and the compute
     the processes share, and its network across hosts is the link's 125 MB/s shared by the
     host's 2 processes (planner: per device and direction), within 30%, and a 2-rank exchange
-    across the hosts at most about that; the planner predicts a layout on it."""
+    across the hosts at most about that, with a rate for each of ZeRO++'s quantizers; the
+    planner predicts a layout on it."""
     from experiments import plan
     from research.costmodel.hardware import load_system
 
@@ -319,6 +320,7 @@ def test_calibrate_writes_a_hardware_file_of_the_emulated_cluster(planned, capsy
     assert system.gpu.inter_node_bandwidth == pytest.approx(1e9 / 8 / 2, rel=0.3)
     assert 0.2 * system.gpu.inter_node_bandwidth < system.gpu.pair_bandwidth < 1.3 * system.gpu.inter_node_bandwidth
     assert system.gpu.intra_node_bandwidth > 5 * system.gpu.inter_node_bandwidth  # loopback, unshaped
+    assert {q for q, rate in system.gpu.quantize_bandwidths if rate > 0} == {"qwz", "qgz"}
     plan.main(["--config", "experiments/configs/tiny.yaml", "--gpus", "4", "--hardware", str(hardware), "--json",
                "--layout", "tp=1,pp=1,dp=4,zero=3,mbs=1,recompute=none,sp=0"])  # fmt: skip
     assert json.loads(capsys.readouterr().out)["step_s"] > 0

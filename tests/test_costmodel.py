@@ -1364,21 +1364,31 @@ def test_shared_compute_stretches_compute_and_fills_the_pipeline_bubble() -> Non
 
 
 def test_a_hardware_file_names_its_backend_and_shared_compute(tmp_path: Path) -> None:
-    """`backend`, `compute_units` and `quantize_gbs` load; quantization kernels take the
-    measured rate, slowed by the shared compute; an unknown backend is refused by name."""
+    """`backend`, `compute_units` and `quantize_gbs` load; each quantizer's kernels take its
+    measured rate (qwZ's gather, qgZ's reduction), slowed by the shared compute, and HBM's
+    where it is absent; a scalar rate, an unknown quantizer and an unknown backend are refused
+    by name."""
     from research.costmodel.hardware import SYSTEMS_DIR, load_system
 
     h100 = (SYSTEMS_DIR / "h100.yaml").read_text()
-    (tmp_path / "cpu.yaml").write_text(h100 + "backend: gloo\ncompute_units: 2.5\nquantize_gbs: 0.4\n")
+    rates = "quantize_gbs: {qwz: 0.4, qgz: 0.25}\n"
+    (tmp_path / "cpu.yaml").write_text(h100 + "backend: gloo\ncompute_units: 2.5\n" + rates)
     cluster = load_system(tmp_path / "cpu.yaml").cluster(5)
     assert (cluster.backend, cluster.compute_units, cluster.compute_share) == ("gloo", 2.5, 2.0)
-    assert cluster.gpu.kernel_bandwidth == 0.4e9 and GPUS["h100"].kernel_bandwidth == GPUS["h100"].hbm_bandwidth
-    zpp = Layout(dp=5, zero=3, qwz_block=2048)
-    kernels = dp_traffic(zpp, cluster, 1.0)["gather_fwd"].kernel_seconds(cluster)
-    assert kernels == pytest.approx(2.0 * dp_traffic(zpp, cluster, 1.0)["gather_fwd"].kernel_bytes / 0.4e9)
-    (tmp_path / "bad.yaml").write_text(h100 + "backend: mpi\n")
-    with pytest.raises(ValueError, match=r"bad\.yaml: backend 'mpi' is not one of nccl, gloo"):
-        load_system(tmp_path / "bad.yaml")
+    assert cluster.gpu.kernel_bandwidth("qwz") == 0.4e9 and cluster.gpu.kernel_bandwidth("qgz") == 0.25e9
+    assert GPUS["h100"].kernel_bandwidth("qgz") == GPUS["h100"].hbm_bandwidth
+    zpp = dp_traffic(Layout(dp=5, zero=3, qwz_block=2048, qgz_bits=4), cluster, 1.0)
+    for family, rate in (("gather_fwd", 0.4e9), ("reduce", 0.25e9)):
+        assert zpp[family].kernel_seconds(cluster) == pytest.approx(2.0 * zpp[family].kernel_bytes / rate)
+    for bad, message in (
+        ("quantize_gbs: 0.4\n", r"bad\.yaml: quantize_gbs is a mapping of qwz and qgz to GB/s, got 0\.4"),
+        ("quantize_gbs: {qwz: 1, qgZ: 1}\n", r"quantize_gbs is a mapping of qwz and qgz"),
+        ("quantize_gbs: {qgz: 0}\n", r"quantize_gbs must be positive"),
+        ("backend: mpi\n", r"bad\.yaml: backend 'mpi' is not one of nccl, gloo"),
+    ):
+        (tmp_path / "bad.yaml").write_text(h100 + bad)
+        with pytest.raises(ValueError, match=message):
+            load_system(tmp_path / "bad.yaml")
 
 
 def test_a_two_rank_exchange_across_nodes_takes_the_measured_pair_rate(tmp_path: Path) -> None:

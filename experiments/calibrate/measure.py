@@ -8,8 +8,8 @@ file (research/costmodel/hardware.py):
   hosts run on, as far as they scale);
 - η, the share of the matmul rate the model reaches: training FLOPs of the config's model
   (`GPTConfig.flops_per_token`) over one forward + backward of a micro-batch, alone;
-- memory bandwidth: a copy, bytes read + written over the time, alone; and the rate of
-  ZeRO++'s quantization as the runtime runs it (qwZ's gather and a qgZ hop with their
+- memory bandwidth: a copy, bytes read + written over the time, alone; and the rates of
+  ZeRO++'s quantization as the runtime runs it (qwZ's gather, and a qgZ hop with its
   padding, packing and summing, on a group of one), in the planner's bytes (`quantize_gbs`),
   alone;
 - collectives inside a host (the ranks of one host) and across hosts (one rank per host,
@@ -44,6 +44,7 @@ from optim.quantize import QuantizedGather, exchange_quantized
 from parallel import comm
 from research import data
 from research.config import parse_args as parse_run_args
+from research.costmodel.hardware import QUANTIZERS
 from research.model import GPT
 
 SMALL, LARGE = 2**12, 2**24  # bytes of the latency and the bandwidth all-reduces
@@ -88,12 +89,13 @@ def copy_bandwidth(nbytes: int = 64 * 2**20) -> float:
     return 2 * nbytes / _seconds(lambda: dst.copy_(src), 10, together=False)
 
 
-def quantize_bandwidth(own: dist.ProcessGroup, numel: int = 2**22) -> float:
-    """Bytes/s of ZeRO++'s quantization as the runtime runs it, in the planner's bytes
-    (`research.costmodel.dpcomm`: P + q per element quantized or dequantized): qwZ's int8
-    gather of a shard (quantize, pack, unpack, dequantize, copy into place) and one int4 hop of
-    qgZ (pad, quantize, pack, unpack, dequantize, sum), fp32 values, on `own`, a group of this
-    rank alone, so the all-gather and the all-to-all are a local copy."""
+def quantize_bandwidth(own: dist.ProcessGroup, quantizer: str, numel: int = 2**22) -> float:
+    """Bytes/s of ZeRO++'s `quantizer` as the runtime runs it, in the planner's bytes
+    (`research.costmodel.dpcomm`: P + q per element quantized or dequantized): "qwz", the
+    int8 gather of a shard (quantize, pack, unpack, dequantize, copy into place); "qgz", one
+    int4 hop of the reduction (pad, quantize, pack, unpack, dequantize, sum); fp32 values, on
+    `own`, a group of this rank alone, so the all-gather and the all-to-all are a local copy.
+    On a CPU the hop moves its bytes at about half the gather's rate."""
     x, out = torch.randn(numel), torch.empty(numel)
     qwz = QuantizedGather(QWZ_BLOCK)
 
@@ -105,9 +107,9 @@ def quantize_bandwidth(own: dist.ProcessGroup, numel: int = 2**22) -> float:
             for w in works:
                 w.wait()
 
-    seconds = _seconds(gather, 15, together=False) + _seconds(hop, 15, together=False)
-    moved = 2 * (4 + 1 + 4 / QWZ_BLOCK) * numel + 2 * (4 + 0.5 + 4 / QGZ_BLOCK) * numel
-    return moved / seconds
+    if quantizer == "qwz":
+        return 2 * (4 + 1 + 4 / QWZ_BLOCK) * numel / _seconds(gather, 15, together=False)
+    return 2 * (4 + 0.5 + 4 / QGZ_BLOCK) * numel / _seconds(hop, 15, together=False)
 
 
 def alone(measure: Callable[[], float]) -> float:
@@ -236,7 +238,7 @@ def measure(config: str, name: str) -> dict:
     own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
     eta = alone(lambda: model_efficiency(config, matmul, own))
     hbm = alone(copy_bandwidth)
-    quantizers = alone(lambda: quantize_bandwidth(own))
+    quantizers = {q: alone(lambda q=q: quantize_bandwidth(own, q)) for q in QUANTIZERS}
     intra, inter = groups(hosts, per_host)
     links = {}
     for key, group in (("intra_node", intra), ("inter_node", inter)):
@@ -263,7 +265,7 @@ def measure(config: str, name: str) -> dict:
         "peak_tflops": {"bf16": round(matmul / 1e12, 6)},
         "hbm_gbs": round(hbm / 1e9, 3),
         "matmul_efficiency": round(eta, 4),
-        "quantize_gbs": round(quantizers / 1e9, 4),
+        "quantize_gbs": {q: round(rate / 1e9, 4) for q, rate in quantizers.items()},
         "backend": "gloo",
         "compute_units": round(units, 3),
         "_measured": f"{hosts} hosts × {per_host} processes, fp32 on the CPU; η of one micro-batch of {config}",

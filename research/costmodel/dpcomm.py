@@ -38,7 +38,7 @@ Seconds of one collective (`Traffic.seconds`), alpha-beta plus quantization kern
     c = max(intra / NVLink, inter / network)   (qgZ: the sum)
       + α_intra·s_intra + α_inter·s_inter      (`Cluster.latency`, per call)
       + ω                                      (`Cluster.wait`, per call; qgZ: per hop)
-      + K / HBM                                (`GPU.kernel_bandwidth`: measured, else HBM's)
+      + K / HBM                                (`GPU.kernel_bandwidth`: measured per quantizer, else HBM's)
 
 ω is the wait for the group's last rank to arrive: 0 on devices of their own, measured
 where the processes of an emulated cluster share a CPU's cores (inside a node, across
@@ -95,7 +95,8 @@ class Traffic:
     once (a ring) or one hop after the other (`phased`: qgZ); its (in-node, cross-node) steps
     per call, α each; the HBM bytes its quantization kernels move (`kernel_bytes`); `pair`:
     its group (qgZ: its cross-node hop's) is two ranks on two nodes (`Cluster.wait`);
-    `exchange`: its network part is one message each way (`Cluster.pair_bandwidth`)."""
+    `exchange`: its network part is one message each way (`Cluster.pair_bandwidth`);
+    `quantizer`: whose kernels ("qwz", "qgz"; `GPU.kernel_bandwidth`)."""
 
     intra: float
     inter: float
@@ -105,6 +106,7 @@ class Traffic:
     pair: bool = False
     exchange: bool = False
     calls: int = 1
+    quantizer: str = ""
 
     def transfer_seconds(self, cluster: Cluster) -> float:
         intra, inter = cluster.seconds(self.intra, self.inter, self.exchange)
@@ -121,7 +123,9 @@ class Traffic:
         return cluster.latency(*self.steps) + self.calls * waits
 
     def kernel_seconds(self, cluster: Cluster) -> float:
-        return self.kernel_bytes / cluster.gpu.kernel_bandwidth * cluster.compute_share
+        if not self.kernel_bytes:
+            return 0.0
+        return self.kernel_bytes / cluster.gpu.kernel_bandwidth(self.quantizer) * cluster.compute_share
 
     def seconds(self, cluster: Cluster) -> float:
         """c = transfer + α·steps + kernels (module docstring)."""
@@ -168,7 +172,7 @@ def _gather(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
     per = P if layout.qwz_block is None else 1 + 4 / layout.qwz_block
     gathered = ring(cluster, N, layout.tp, per * psi * (N - 1) / N)
     kernels = 0.0 if layout.qwz_block is None else (P + per) * (psi / N + psi)
-    return dataclasses.replace(gathered, exchange=gathered.pair, kernel_bytes=kernels)
+    return dataclasses.replace(gathered, exchange=gathered.pair, kernel_bytes=kernels, quantizer="qwz")
 
 
 def _qgz_reduce(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
@@ -180,8 +184,9 @@ def _qgz_reduce(layout: Layout, cluster: Cluster, psi: float) -> Traffic:
     kernels = 2 * (G + q) * (psi * (k > 1) + psi / k * (nodes > 1))
     pair = nodes == 2
     return Traffic(
-        q * psi * (k - 1) / k, q * psi / k * (nodes - 1) / nodes, True, (k - 1, nodes - 1), kernels, pair, pair
-    )
+        q * psi * (k - 1) / k, q * psi / k * (nodes - 1) / nodes, True, (k - 1, nodes - 1), kernels, pair, pair,
+        quantizer="qgz",
+    )  # fmt: skip
 
 
 def dp_traffic(layout: Layout, cluster: Cluster, psi: float) -> dict[str, Traffic]:

@@ -15,7 +15,8 @@ on the machine at hand. Keys (bandwidths in GB/s per device and direction):
                             # exchanging one message each way (a 2-rank all-gather across nodes)
     # optional, instead of the device row or measured: peak_tflops: {bf16: .., fp8: ..},
     # hbm_gbs: .., matmul_efficiency: .. (the share of the peak a layer's GEMMs reach),
-    # quantize_gbs: .. (the rate ZeRO++'s quantization kernels move their bytes; HBM's when absent)
+    # quantize_gbs: {qwz: .., qgz: ..} (the rates at which ZeRO++'s quantized gather and
+    # reduction move their kernels' bytes; HBM's for one absent)
     # optional: backend: nccl | gloo (whose collective algorithms; nccl when absent),
     # compute_units: .. (the devices of the whole cluster share this much compute, as the
     # processes of an emulated cluster share a machine's CPU cores; absent: each its own)
@@ -48,14 +49,13 @@ class GPU:
     inter_node_bandwidth: float
     fp8_flops: float | None = None  # dense float8 tensor-core FLOP/s (None: no float8 matmuls)
     matmul_efficiency: float | None = None  # η measured on this device (None: the planner's fit)
-    quantize_bandwidth: float | None = None  # bytes/s of the quantization kernels (None: HBM's)
+    quantize_bandwidths: tuple[tuple[str, float], ...] = ()  # (quantizer, bytes/s) measured
     pair_bandwidth: float | None = None  # bytes/s of a 2-rank exchange across nodes (None: the network's)
 
-    @property
-    def kernel_bandwidth(self) -> float:
-        """Bytes/s at which ZeRO++'s quantize / dequantize kernels move their bytes: measured,
-        else HBM's (the fused GPU kernels are memory-bound)."""
-        return self.quantize_bandwidth or self.hbm_bandwidth
+    def kernel_bandwidth(self, quantizer: str) -> float:
+        """Bytes/s at which the kernels of ZeRO++'s `quantizer` ("qwz": the gather, "qgz": the
+        reduction) move their bytes: measured, else HBM's (the fused GPU kernels are memory-bound)."""
+        return dict(self.quantize_bandwidths).get(quantizer) or self.hbm_bandwidth
 
 
 # Latency per step of a ring collective (the α of alpha-beta), from NCCL's own cost model:
@@ -66,6 +66,7 @@ class GPU:
 NVLINK_STEP_LATENCY = 3.4e-6
 NETWORK_STEP_LATENCY = 14e-6
 
+QUANTIZERS = ("qwz", "qgz")  # ZeRO++'s quantized gather and quantized gradient reduction
 SYSTEM_KEYS = {"name", "device", "memory_mib", "devices_per_node", "intra_node", "inter_node"}
 OPTIONAL_KEYS = {"peak_tflops", "hbm_gbs", "matmul_efficiency", "quantize_gbs", "backend", "compute_units"}
 BACKENDS = ("nccl", "gloo")
@@ -95,6 +96,16 @@ class System:
             "waits": self.waits,
         }
         return Cluster(self.gpu, gpus, **{**fields, **overrides})
+
+
+def _quantizers(rates: Any) -> tuple[tuple[str, float], ...]:
+    """`quantize_gbs`'s {qwz: GB/s, qgz: GB/s} as (quantizer, bytes/s) pairs, each positive."""
+    if not isinstance(rates, dict) or set(rates) - set(QUANTIZERS):
+        raise ValueError(f"quantize_gbs is a mapping of {' and '.join(QUANTIZERS)} to GB/s, got {rates!r}")
+    out = tuple((k, float(v) * 1e9) for k, v in rates.items())
+    if any(v <= 0 for _, v in out):
+        raise ValueError(f"quantize_gbs must be positive, got {rates!r}")
+    return out
 
 
 def _link_times(intra: dict, inter: dict) -> tuple[list[float], tuple[float, float, float | None]]:
@@ -135,12 +146,11 @@ def load_system(path: str | Path) -> System:
         if not bf16 or not hbm:
             raise ValueError(f"device {row!r} is not in research.metrics' GPU table: give peak_tflops.bf16 and hbm_gbs")
         intra, inter = raw["intra_node"], raw["inter_node"]
-        eta, quantize = raw.get("matmul_efficiency"), raw.get("quantize_gbs")
-        pair = inter.get("pair_gbs")
+        eta, pair = raw.get("matmul_efficiency"), inter.get("pair_gbs")
         gpu = GPU(
             str(raw["name"]), int(raw["memory_mib"]) * MiB, bf16, hbm, float(intra["gbs"]) * 1e9,
             float(inter["gbs"]) * 1e9, fp8 or None, None if eta is None else float(eta),
-            None if quantize is None else float(quantize) * 1e9, None if pair is None else float(pair) * 1e9,
+            _quantizers(raw.get("quantize_gbs") or {}), None if pair is None else float(pair) * 1e9,
         )  # fmt: skip
         backend = str(raw.get("backend", "nccl"))
         if backend not in BACKENDS:
