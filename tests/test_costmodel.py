@@ -438,9 +438,9 @@ def test_1f1b_sends_are_the_simulators() -> None:
                         simulate("1f1b", p, m, 1, t_f, t_b, t_comm=c).makespan
                         - simulate("1f1b", p, m, 1, t_f, t_b).makespan
                     )
-                    assert exposed_p2p("1f1b", p, m, 1, c, t_f, t_b) == pytest.approx(sends), (p, m, t_f, t_b, c)
+                    assert exposed_p2p("1f1b", p, m, c, t_f, t_b) == pytest.approx(sends), (p, m, t_f, t_b, c)
     # at p = 2 a send costs c per micro-batch, not only the fill and drain's 2c
-    assert exposed_p2p("1f1b", 2, 8, 1, 0.1, 1.0, 2.0) == pytest.approx(8 * 0.1)
+    assert exposed_p2p("1f1b", 2, 8, 0.1, 1.0, 2.0) == pytest.approx(8 * 0.1)
 
 
 def test_a_link_carries_one_send_at_a_time() -> None:

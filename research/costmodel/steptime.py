@@ -218,7 +218,6 @@ def exposed_p2p(
     schedule_name: str,
     pp: int,
     micro_batches: int,
-    virtual_stages: int,
     p2p: float,
     t_forward: float,
     t_backward: float,
@@ -265,7 +264,7 @@ def predict_step_times(model: GPTConfig, layouts: list[Layout], seq_len: int, cl
     comm_f, comm_b, share = tp_f + ep_f, tp_b + ep_b, cluster.compute_share
     t_f, t_b = compute_f + comm_f, compute_b + comm_b
     bubble = pipeline_bubble(layout.schedule, p, v, t_f, t_b)
-    sends = exposed_p2p(layout.schedule, p, m, v, p2p, t_f, t_b)
+    sends = exposed_p2p(layout.schedule, p, m, p2p, t_f, t_b)
     if m * (share * (compute_f + compute_b) + comm_f + comm_b) > m * (t_f + t_b) + bubble + sends:
         compute_f, compute_b = share * compute_f, share * compute_b  # the shared cores bound the step
         t_f, t_b, bubble, sends = compute_f + comm_f, compute_b + comm_b, 0.0, 0.0
