@@ -140,11 +140,14 @@ def ring_fit(group: dist.ProcessGroup) -> tuple[float, float, float]:
     """(bytes/s, seconds per step, seconds of wait per call) of all-reduces over `group`:
     latency α from the fastest of the small ones between idle processes (a median caught
     stalls of 12 ms a step over a 100 Mbit/s link now and then), bandwidth from the large
-    one's time beyond it, and the wait of a call between blocks of compute (`loaded_wait`)."""
+    one's time beyond it, and the wait of a call between blocks of compute (`loaded_wait`).
+    Every rank measures a group of the same kind (every rank has one), and the large ones
+    start together on every rank of the job, so groups that share a link measure their share
+    of it, not the link alone."""
     n = dist.get_world_size(group)
     alpha, wait = latency_and_wait(group)
     large = torch.zeros(LARGE // 4)
-    t_large = _seconds(lambda: comm.all_reduce(large, group=group), 5, group)
+    t_large = _seconds(lambda: comm.all_reduce(large, group=group), 5)
     wire = 2 * (n - 1) / n * LARGE
     return wire / max(t_large - alpha * 2 * (n - 1), 1e-9), alpha, wait
 
@@ -181,16 +184,22 @@ def loaded_wait(group: dist.ProcessGroup, small: torch.Tensor, idle: float, call
 def pair_fit(pair: dist.ProcessGroup | None) -> tuple[float, float]:
     """(bytes/s, seconds of wait per call) of two hosts exchanging one message each way: a
     2-rank all-gather of LARGE/2 bytes per rank beyond a small one's time, every pair of hosts
-    at once, and a small all-reduce's wait between blocks of compute (`loaded_wait`); (inf, 0)
-    where this rank has no pair. On gloo over TCP such an exchange of megabytes runs below
-    the rate a ring reaches (`Cluster.pair_bandwidth`)."""
-    if pair is None:
-        return float("inf"), 0.0
+    at once (each call starts together on every rank of the job, so the pairs that share a
+    host's link measure their share of it), and a small all-reduce's wait between blocks of
+    compute (`loaded_wait`); (inf, 0) where this rank has no pair. On gloo over TCP such an
+    exchange of megabytes runs below the rate a ring reaches (`Cluster.pair_bandwidth`)."""
     times = []
     for nbytes in (SMALL, LARGE):
         shard = torch.zeros(nbytes // 8)
         whole = torch.empty(2 * shard.numel())
-        times.append(_seconds(lambda w=whole, s=shard: comm.all_gather_into_tensor(w, s, group=pair), 5, pair))
+        exchange = (
+            (lambda w=whole, s=shard: comm.all_gather_into_tensor(w, s, group=pair))
+            if pair is not None
+            else (lambda: None)
+        )
+        times.append(_seconds(exchange, 5))
+    if pair is None:
+        return float("inf"), 0.0
     return LARGE / 2 / max(times[1] - times[0], 1e-9), latency_and_wait(pair)[1]
 
 
