@@ -164,10 +164,13 @@ def latency_and_wait(group: dist.ProcessGroup) -> tuple[float, float]:
 def loaded_wait(group: dist.ProcessGroup, small: torch.Tensor, idle: float, calls: int = 30) -> float:
     """Seconds a call of an all-reduce of `small` waits beyond its time between idle processes
     (`idle`), issued between blocks of compute, every process computing as in training:
-    (`calls` blocks each followed by the all-reduce − the blocks alone) / calls − idle. Where
-    processes share cores this is the wait for the group's last rank to be scheduled and
-    finish its block, once per call however many ring steps the call makes (on 2 cores, 4
-    processes: 2-6 ms a call against 0.2-0.5 ms idle)."""
+    (`calls` blocks each followed by the all-reduce − the group's slowest rank's blocks
+    alone) / calls − idle. The planner computes at the slowest process's rate
+    (`compute_units`), so this is what the calls add beyond it: where processes share cores,
+    the wait for the group's last rank to be scheduled and finish its block, once per call
+    however many ring steps the call makes (on 2 cores, 4 processes: 1-3 ms a call against
+    0.2-0.5 ms idle). The fastest rank's own difference would add the spread of the ranks'
+    speeds to every call (2-7 ms)."""
     a, b = torch.randn(256, 256), torch.randn(256, 256)
 
     def blocks(sync: bool) -> None:
@@ -178,7 +181,8 @@ def loaded_wait(group: dist.ProcessGroup, small: torch.Tensor, idle: float, call
                 comm.all_reduce(small, group=group)
 
     alone, synced = _seconds(lambda: blocks(False), 7, group), _seconds(lambda: blocks(True), 7, group)
-    return max((synced - alone) / calls - idle, 0.0)
+    slowest = _worst(alone, "max", group)
+    return max((_worst(synced, "max", group) - slowest) / calls - idle, 0.0)
 
 
 def pair_fit(pair: dist.ProcessGroup | None) -> tuple[float, float]:
@@ -232,10 +236,11 @@ def groups(hosts: int, per_host: int) -> tuple[dist.ProcessGroup | None, dist.Pr
     return intra, inter
 
 
-def _worst(value: float, worst: str) -> float:
-    """`value` over ranks: the slowest (min rate) or the largest (max latency)."""
+def _worst(value: float, worst: str, group: dist.ProcessGroup | None = None) -> float:
+    """`value` over the ranks of `group` (the job's): the slowest (min rate) or the largest
+    (max latency)."""
     t = torch.tensor([value], dtype=torch.float64)
-    comm.all_reduce(t, op=dist.ReduceOp.MIN if worst == "min" else dist.ReduceOp.MAX)
+    comm.all_reduce(t, op=dist.ReduceOp.MIN if worst == "min" else dist.ReduceOp.MAX, group=group)
     return float(t)
 
 
