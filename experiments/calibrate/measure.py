@@ -168,9 +168,9 @@ def loaded_wait(group: dist.ProcessGroup, small: torch.Tensor, idle: float, call
     alone) / calls − idle. The planner computes at the slowest process's rate
     (`compute_units`), so this is what the calls add beyond it: where processes share cores,
     the wait for the group's last rank to be scheduled and finish its block, once per call
-    however many ring steps the call makes (on 2 cores, 4 processes: 1-3 ms a call against
-    0.2-0.5 ms idle). The fastest rank's own difference would add the spread of the ranks'
-    speeds to every call (2-7 ms)."""
+    however many ring steps the call makes (on 2 cores, 4 processes: 2-6 ms a call against
+    0.2-0.5 ms idle). Measured from the fastest rank's blocks instead, it would also hold the
+    spread of the ranks' speeds."""
     a, b = torch.randn(256, 256), torch.randn(256, 256)
 
     def blocks(sync: bool) -> None:
