@@ -123,8 +123,6 @@ class Traffic:
         return cluster.latency(*self.steps) + self.calls * waits
 
     def kernel_seconds(self, cluster: Cluster) -> float:
-        if not self.kernel_bytes:
-            return 0.0
         return self.kernel_bytes / cluster.gpu.kernel_bandwidth(self.quantizer) * cluster.compute_share
 
     def seconds(self, cluster: Cluster) -> float:

@@ -150,7 +150,7 @@ def load_system(path: str | Path) -> System:
         gpu = GPU(
             str(raw["name"]), int(raw["memory_mib"]) * MiB, bf16, hbm, float(intra["gbs"]) * 1e9,
             float(inter["gbs"]) * 1e9, fp8 or None, None if eta is None else float(eta),
-            _quantizers(raw.get("quantize_gbs") or {}), None if pair is None else float(pair) * 1e9,
+            _quantizers(raw.get("quantize_gbs", {})), None if pair is None else float(pair) * 1e9,
         )  # fmt: skip
         backend = str(raw.get("backend", "nccl"))
         if backend not in BACKENDS:

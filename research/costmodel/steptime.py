@@ -215,12 +215,7 @@ def expert_all_to_all(model: GPTConfig, layout: Layout, seq_len: int, cluster: C
 
 
 def exposed_p2p(
-    schedule_name: str,
-    pp: int,
-    micro_batches: int,
-    p2p: float,
-    t_forward: float,
-    t_backward: float,
+    schedule_name: str, pp: int, micro_batches: int, p2p: float, t_forward: float, t_backward: float
 ) -> float:
     """Seconds of pipeline sends on a step's critical path: the makespan of
     `parallel.pipeline.simulate` with sends of c = `p2p` seconds (a micro-batch's sends in one
