@@ -302,6 +302,16 @@ def planned(tmp_path_factory):
     return planner_vs_cluster.compare(2, 2, "1gbit", ["zero3", "pp2"], 5, 2, work), work / "2x2-1gbit.yaml"
 
 
+def test_a_calls_wait_is_fitted_as_a_line_in_the_block_before_it() -> None:
+    """`fit_wait`: least squares through the (block, wait) points, neither part below 0."""
+    from experiments.calibrate.measure import fit_wait
+
+    assert fit_wait([(1e-3, 1.2e-3), (3e-3, 1.6e-3), (9e-3, 2.8e-3)]) == pytest.approx((1e-3, 0.2, 9e-3))
+    assert fit_wait([(1e-3, 3e-3), (9e-3, 1e-3)]) == pytest.approx((2e-3, 0.0, 9e-3))  # shrinking: flat at the mean
+    assert fit_wait([(1e-3, -1e-3), (2e-3, 1e-3)]) == pytest.approx((0.0, 0.2, 2e-3))  # through the origin
+    assert fit_wait([(5e-3, 2e-3), (5e-3, 4e-3)]) == pytest.approx((3e-3, 0.0, 5e-3))  # one block length
+
+
 @needs_namespaces
 @pytest.mark.timeout(400)
 def test_calibrate_writes_a_hardware_file_of_the_emulated_cluster(planned, capsys) -> None:
@@ -321,6 +331,8 @@ def test_calibrate_writes_a_hardware_file_of_the_emulated_cluster(planned, capsy
     assert 0.2 * system.gpu.inter_node_bandwidth < system.gpu.pair_bandwidth < 1.3 * system.gpu.inter_node_bandwidth
     assert system.gpu.intra_node_bandwidth > 5 * system.gpu.inter_node_bandwidth  # loopback, unshaped
     assert {q for q, rate in system.gpu.quantize_bandwidths if rate > 0} == {"qwz", "qgz"}
+    for wait in system.waits:  # inside a host, across, a pair: measured over blocks up to ~20 ms
+        assert wait.base >= 0 and wait.growth >= 0 and 1e-3 < wait.reach < 0.2, system.waits
     plan.main(["--config", "experiments/configs/tiny.yaml", "--gpus", "4", "--hardware", str(hardware), "--json",
                "--layout", "tp=1,pp=1,dp=4,zero=3,mbs=1,recompute=none,sp=0"])  # fmt: skip
     assert json.loads(capsys.readouterr().out)["step_s"] > 0

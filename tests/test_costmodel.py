@@ -1445,8 +1445,42 @@ def test_a_collective_waits_once_per_call_for_its_groups_last_rank(tmp_path: Pat
     assert _tp_all_reduce(1e6, 1, cluster) == 0.0  # no TP group: nothing to wait for
     assert plain.wait(True) == plain.wait(False) == plain.wait(True, pair=True) == 0.0
     (tmp_path / "bad.yaml").write_text(text.replace("wait_us: 100", "wait_us: -100"))
-    with pytest.raises(ValueError, match=r"bad\.yaml: wait_us and pair_wait_us must be zero or more"):
+    with pytest.raises(ValueError, match=r"bad\.yaml: wait_us, wait_growth and wait_reach_ms must be zero or more"):
         load_system(tmp_path / "bad.yaml")
+    (tmp_path / "bad.yaml").write_text(text.replace("pair_wait_us: 500", "pair_wait_us: 500, pair_wait_growth: 0.1"))
+    with pytest.raises(ValueError, match=r"bad\.yaml: pair_wait_growth and pair_wait_reach_ms go together"):
+        load_system(tmp_path / "bad.yaml")
+
+
+def test_a_calls_wait_grows_with_the_compute_since_its_group_last_met(tmp_path: Path) -> None:
+    """`wait_growth` κ and `wait_reach_ms`: calls in a row after w seconds of compute wait
+    ω₀ each and κ·min(w, reach) once. A TP pass's calls share its compute (σ-shared), so they
+    add κ·σ·compute in all; a stage-3 gather or reduction adds κ·min(w_s, reach) per slot."""
+    from research.costmodel.hardware import SYSTEMS_DIR, load_system
+    from research.costmodel.steptime import _micro_batch
+
+    h100 = (SYSTEMS_DIR / "h100.yaml").read_text()
+    model = GPTConfig(n_layers=4, n_heads=4, d_model=256, max_seq_len=128, vocab_size=256)
+    grown = "intra_node: {wait_us: 100, wait_growth: 0.2, wait_reach_ms: 1000, gbs: 450"
+    flat = grown.replace("wait_growth: 0.2", "wait_growth: 0")
+    for name, link in (("grown", grown), ("flat", flat)):
+        text = h100.replace("intra_node: {gbs: 450", link) + "backend: gloo\ncompute_units: 4\n"
+        (tmp_path / f"{name}.yaml").write_text(text)
+    cluster, base = (load_system(tmp_path / f"{n}.yaml").cluster(8) for n in ("grown", "flat"))
+    assert cluster.compute_share == 2.0
+    assert cluster.wait(False, calls=3, before=0.5) == pytest.approx(3 * 100e-6 + 0.2 * 0.5)
+    assert cluster.wait(False, calls=3, before=5.0) == pytest.approx(3 * 100e-6 + 0.2 * 1.0)  # held past reach
+    assert cluster.wait(False, calls=0, before=0.5) == 0.0
+    layout = Layout(tp=8, dp=1, zero=0, micro_batch_size=1)
+    c_f, c_b, tp_f, tp_b, *_ = _micro_batch(model, layout, 128, cluster)
+    _, _, flat_f, flat_b, *_ = _micro_batch(model, layout, 128, base)
+    assert tp_f - flat_f == pytest.approx(0.2 * 2.0 * c_f) and tp_b - flat_b == pytest.approx(0.2 * 2.0 * c_b)
+    stage3 = Layout(tp=1, dp=8, zero=3, micro_batch_size=1, unit_numel=1)
+    step, flat_step = (costmodel.predict_step_time(model, stage3, 128, x) for x in (cluster, base))
+    grown_dp, flat_dp = ({c.name: c.latency for c in x.collectives} for x in (step, flat_step))
+    for name, compute in (("gather_fwd", step.forward), ("gather_bwd", step.backward), ("reduce", step.backward)):
+        # every layer is a gathered unit: the slots' compute sums to the pass's (σ-shared)
+        assert grown_dp[name] - flat_dp[name] == pytest.approx(0.2 * compute, rel=0.02), name
 
 
 def _tp_all_reduces(tie: bool) -> tuple[float, float]:

@@ -1,6 +1,8 @@
 """What the planner needs, measured on every rank of a job at once (run under torchrun, on
 the emulated cluster by `python -m experiments.calibrate`), written by rank 0 as a hardware
-file (research/costmodel/hardware.py):
+file (research/costmodel/hardware.py). Rates of compute are the fastest of their repeats:
+a moment of load on the machine only slows them, and a calibration that caught one (the
+model's rate 30 % low, ω 7 ms) predicted the runs after it 10-30 % slow.
 
 - matmul FLOP/s of one process computing alone (square matmuls of the run's dtype), and
   of each while every process multiplies at once: n times the second over the first is the
@@ -16,11 +18,12 @@ file (research/costmodel/hardware.py):
   the same local rank): all-reduces of a small and a large tensor; with a ring's 2(n-1)
   steps and 2(n-1)/n·S bytes per rank, the small one's time per step between idle processes
   the latency α, the large one's bytes over its time beyond it the bandwidth, and what a
-  small one waits beyond α·steps between blocks of compute (every process computing, as in
-  training) the wait per call for the group's last rank (`wait_us`);
+  small one waits beyond α·steps between blocks of compute of 0.5-20 ms (every process
+  computing, as in training) the wait per call for the group's last rank, a line in the
+  block's length (`wait_us`, `wait_growth`, `wait_reach_ms`);
 - the exchange of two hosts (hosts 0-1, 2-3, ... at once, every local rank): a 2-rank
   all-gather of S/2 bytes per rank beyond a small one's time (`pair_gbs`), which on gloo
-  over TCP runs at 0.5-0.85 of the ring's rate, and the pair's wait per call (`pair_wait_us`).
+  over TCP runs at 0.5-0.85 of the ring's rate, and the pair's waits (`pair_wait_us`, ...).
 
     python -m experiments.cluster --hosts 2 --procs-per-host 2 --link 200mbit -- \\
         -m experiments.calibrate.measure --config C --out FILE.yaml
@@ -32,6 +35,8 @@ import argparse
 import os
 import time
 from collections.abc import Callable
+from functools import partial
+from statistics import fmean
 
 import torch
 import torch.distributed as dist
@@ -56,10 +61,11 @@ def _seconds(
     repeats: int,
     group: dist.ProcessGroup | None = None,
     together: bool = True,
-    fastest: bool = False,
+    statistic: Callable[[list[float]], float] = median,
 ) -> float:
-    """Median (`fastest`: least) seconds of `fn` over `repeats` calls after one warm-up,
-    every rank of `group` starting each call together (`together`), or this rank alone."""
+    """`statistic` (the median, or `min`: the fastest, `fmean`) of the seconds of `fn` over
+    `repeats` calls after one warm-up, every rank of `group` starting each call together
+    (`together`), or this rank alone."""
     times = []
     for i in range(repeats + 1):
         if together:
@@ -68,7 +74,7 @@ def _seconds(
         fn()
         if i:
             times.append(time.perf_counter() - start)
-    return min(times) if fastest else median(times)
+    return statistic(times)
 
 
 def matmul_flops(dtype: torch.dtype, together: bool, n: int = 1024, burst: int = 8) -> float:
@@ -80,13 +86,13 @@ def matmul_flops(dtype: torch.dtype, together: bool, n: int = 1024, burst: int =
         for _ in range(burst):
             a @ b
 
-    return burst * 2 * n**3 / _seconds(matmuls, 9, together=together)
+    return burst * 2 * n**3 / _seconds(matmuls, 9, together=together, statistic=min)
 
 
 def copy_bandwidth(nbytes: int = 64 * 2**20) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
     dst = torch.empty_like(src)
-    return 2 * nbytes / _seconds(lambda: dst.copy_(src), 10, together=False)
+    return 2 * nbytes / _seconds(lambda: dst.copy_(src), 10, together=False, statistic=min)
 
 
 def quantize_bandwidth(own: dist.ProcessGroup, quantizer: str, numel: int = 2**22) -> float:
@@ -108,8 +114,8 @@ def quantize_bandwidth(own: dist.ProcessGroup, quantizer: str, numel: int = 2**2
                 w.wait()
 
     if quantizer == "qwz":
-        return 2 * (4 + 1 + 4 / QWZ_BLOCK) * numel / _seconds(gather, 15, together=False)
-    return 2 * (4 + 0.5 + 4 / QGZ_BLOCK) * numel / _seconds(hop, 15, together=False)
+        return 2 * (4 + 1 + 4 / QWZ_BLOCK) * numel / _seconds(gather, 15, together=False, statistic=min)
+    return 2 * (4 + 0.5 + 4 / QGZ_BLOCK) * numel / _seconds(hop, 15, together=False, statistic=min)
 
 
 def alone(measure: Callable[[], float]) -> float:
@@ -133,65 +139,92 @@ def model_efficiency(config: str, matmul: float, own: dist.ProcessGroup) -> floa
         model(ids[:, :-1], ids[:, 1:]).backward()
 
     flops = model_cfg.flops_per_token(s) * b * s
-    return flops / _seconds(step, 15, together=False) / matmul
+    return flops / _seconds(step, 15, together=False, statistic=min) / matmul
 
 
-def ring_fit(group: dist.ProcessGroup) -> tuple[float, float, float]:
-    """(bytes/s, seconds per step, seconds of wait per call) of all-reduces over `group`:
-    latency α from the fastest of the small ones between idle processes (a median caught
-    stalls of 12 ms a step over a 100 Mbit/s link now and then), bandwidth from the large
-    one's time beyond it, and the wait of a call between blocks of compute (`loaded_wait`).
-    Every rank measures a group of the same kind (every rank has one), and the large ones
-    start together on every rank of the job, so groups that share a link measure their share
-    of it, not the link alone."""
+def ring_fit(group: dist.ProcessGroup) -> tuple[float, float, list[tuple[float, float]]]:
+    """(bytes/s, seconds per step, `loaded_waits`) of all-reduces over `group`: latency α from
+    the fastest of the small ones between idle processes (a median caught stalls of 12 ms a
+    step over a 100 Mbit/s link now and then), bandwidth from the large one's time beyond it,
+    and the waits of calls between blocks of compute. Every rank measures a group of the same
+    kind (every rank has one), and the large ones start together on every rank of the job, so
+    groups that share a link measure their share of it, not the link alone."""
     n = dist.get_world_size(group)
-    alpha, wait = latency_and_wait(group)
+    alpha, waits = latency_and_waits(group)
     large = torch.zeros(LARGE // 4)
     t_large = _seconds(lambda: comm.all_reduce(large, group=group), 5)
     wire = 2 * (n - 1) / n * LARGE
-    return wire / max(t_large - alpha * 2 * (n - 1), 1e-9), alpha, wait
+    return wire / max(t_large - alpha * 2 * (n - 1), 1e-9), alpha, waits
 
 
-def latency_and_wait(group: dist.ProcessGroup) -> tuple[float, float]:
-    """(seconds per ring step, seconds of wait per call) of a small all-reduce over `group`:
-    the fastest of 20 between idle processes over its 2(n-1) steps, and `loaded_wait`."""
+def latency_and_waits(group: dist.ProcessGroup) -> tuple[float, list[tuple[float, float]]]:
+    """(seconds per ring step, `loaded_waits`) of a small all-reduce over `group`: the fastest
+    of 20 between idle processes over its 2(n-1) steps."""
     steps = 2 * (dist.get_world_size(group) - 1)
     small = torch.zeros(SMALL // 4)
-    alpha = _seconds(lambda: comm.all_reduce(small, group=group), 20, group, fastest=True) / steps
-    return alpha, loaded_wait(group, small, alpha * steps)
+    alpha = _seconds(lambda: comm.all_reduce(small, group=group), 20, group, statistic=min) / steps
+    return alpha, loaded_waits(group, small, alpha * steps)
 
 
-def loaded_wait(group: dist.ProcessGroup, small: torch.Tensor, idle: float, calls: int = 30) -> float:
-    """Seconds a call of an all-reduce of `small` waits beyond its time between idle processes
-    (`idle`), issued between blocks of compute, every process computing as in training:
-    (`calls` blocks each followed by the all-reduce − the group's slowest rank's blocks
-    alone) / calls − idle. The planner computes at the slowest process's rate
-    (`compute_units`), so this is what the calls add beyond it: where processes share cores,
-    the wait for the group's last rank to be scheduled and finish its block, once per call
-    however many ring steps the call makes (on 2 cores, 4 processes: 2-6 ms a call against
-    0.2-0.5 ms idle). Measured from the fastest rank's blocks instead, it would also hold the
-    spread of the ranks' speeds."""
+WAIT_BLOCKS = (1, 3, 9, 27)  # 256² matmuls between calls: blocks of about 0.5-20 ms on 2 cores, 4 processes
+
+
+def loaded_waits(
+    group: dist.ProcessGroup, small: torch.Tensor, idle: float, calls: int = 20
+) -> list[tuple[float, float]]:
+    """(seconds of a block, seconds a call waits) of an all-reduce of `small` issued between
+    blocks of compute, every process computing as in training, for each block of
+    `WAIT_BLOCKS`: the block is the group's slowest rank's time alone / calls, the wait
+    (`calls` blocks each followed by the all-reduce − those blocks alone) / calls − its
+    time between idle processes (`idle`). The planner computes at the slowest process's
+    rate (`compute_units`), so this is what the calls add beyond it: where processes share
+    cores, the wait for the group's last rank to be scheduled and finish its block, once per
+    call however many ring steps the call makes, growing with the block as the ranks drift
+    apart (on 2 cores, 4 processes: 1.4-2 ms after 0.6 ms blocks, 4-6.5 after 22 ms).
+    Measured from the fastest rank's blocks instead, it would also hold the spread of the
+    ranks' speeds."""
     a, b = torch.randn(256, 256), torch.randn(256, 256)
 
-    def blocks(sync: bool) -> None:
+    def blocks(size: int, sync: bool) -> None:
         for _ in range(calls):
-            for _ in range(8):
+            for _ in range(size):
                 a @ b
             if sync:
                 comm.all_reduce(small, group=group)
 
-    alone, synced = _seconds(lambda: blocks(False), 7, group), _seconds(lambda: blocks(True), 7, group)
-    slowest = _worst(alone, "max", group)
-    return max((_worst(synced, "max", group) - slowest) / calls - idle, 0.0)
+    points = []
+    for size in WAIT_BLOCKS:
+        alone = _seconds(partial(blocks, size, False), 7, group)
+        synced = _seconds(partial(blocks, size, True), 7, group)
+        slowest = _worst(alone, "max", group)
+        points.append((slowest / calls, (_worst(synced, "max", group) - slowest) / calls - idle))
+    return points
 
 
-def pair_fit(pair: dist.ProcessGroup | None) -> tuple[float, float]:
-    """(bytes/s, seconds of wait per call) of two hosts exchanging one message each way: a
-    2-rank all-gather of LARGE/2 bytes per rank beyond a small one's time, every pair of hosts
-    at once (each call starts together on every rank of the job, so the pairs that share a
-    host's link measure their share of it), and a small all-reduce's wait between blocks of
-    compute (`loaded_wait`); (inf, 0) where this rank has no pair. On gloo over TCP such an
-    exchange of megabytes runs below the rate a ring reaches (`Cluster.pair_bandwidth`)."""
+def fit_wait(points: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """(ω₀, κ, reach) of a call's wait w after a block of B seconds (`hardware.Wait`): the
+    least-squares line w = ω₀ + κB with both at least 0 (through the origin where ω₀ would
+    be negative), reach the longest block."""
+    blocks, waits = zip(*points)
+    mean_b, mean_w = sum(blocks) / len(blocks), sum(waits) / len(waits)
+    spread = sum((b - mean_b) ** 2 for b in blocks)
+    growth = max(0.0, sum((b - mean_b) * (w - mean_w) for b, w in points) / spread) if spread else 0.0
+    base = mean_w - growth * mean_b
+    if base < 0:
+        base, growth = 0.0, max(0.0, sum(b * w for b, w in points) / sum(b * b for b in blocks))
+    return base, growth, max(blocks)
+
+
+def pair_fit(pair: dist.ProcessGroup | None) -> tuple[float, list[tuple[float, float]]]:
+    """(bytes/s, `loaded_waits`) of two hosts exchanging one message each way: a 2-rank
+    all-gather of LARGE/2 bytes per rank beyond a small one's time, every pair of hosts at
+    once (each call starts together on every rank of the job, so the pairs that share a
+    host's link measure their share of it), and a small all-reduce's waits between blocks
+    of compute; (inf, []) where this rank has no pair. On gloo over TCP such an exchange of
+    megabytes runs below the rate a ring reaches (`Cluster.pair_bandwidth`): each call moves
+    both ways at once or, by chance, about as often one way after the other (here, at 100
+    Mbit/s and 1 Gbit/s alike), so the exchange is timed by the mean of 10 calls, what the
+    exchanges of a run average; a median of 5 fell on either side."""
     times = []
     for nbytes in (SMALL, LARGE):
         shard = torch.zeros(nbytes // 8)
@@ -201,10 +234,10 @@ def pair_fit(pair: dist.ProcessGroup | None) -> tuple[float, float]:
             if pair is not None
             else (lambda: None)
         )
-        times.append(_seconds(exchange, 5))
+        times.append(_seconds(exchange, 10, statistic=fmean))
     if pair is None:
-        return float("inf"), 0.0
-    return LARGE / 2 / max(times[1] - times[0], 1e-9), latency_and_wait(pair)[1]
+        return float("inf"), []
+    return LARGE / 2 / max(times[1] - times[0], 1e-9), latency_and_waits(pair)[1]
 
 
 def host_pairs(hosts: int, per_host: int) -> dist.ProcessGroup | None:
@@ -244,6 +277,16 @@ def _worst(value: float, worst: str, group: dist.ProcessGroup | None = None) -> 
     return float(t)
 
 
+def _wait_keys(points: list[tuple[float, float]], prefix: str = "") -> dict[str, float]:
+    """A link's `{prefix}wait_us`, `_growth`, `_reach_ms` (`fit_wait`) from each rank's
+    `loaded_waits` (none where it has no such group), each point the job's largest."""
+    mine = torch.tensor(points or [(0.0, 0.0)] * len(WAIT_BLOCKS), dtype=torch.float64)
+    comm.all_reduce(mine, op=dist.ReduceOp.MAX)
+    base, growth, reach = fit_wait([(float(b), float(w)) for b, w in mine])
+    return {f"{prefix}wait_us": round(base * 1e6, 3), f"{prefix}wait_growth": round(growth, 4),
+            f"{prefix}wait_reach_ms": round(reach * 1e3, 3)}  # fmt: skip
+
+
 def measure(config: str, name: str) -> dict:
     """The hardware file's contents, the same on every rank."""
     hosts, per_host = int(os.environ.get("GROUP_WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -256,18 +299,13 @@ def measure(config: str, name: str) -> dict:
     intra, inter = groups(hosts, per_host)
     links = {}
     for key, group in (("intra_node", intra), ("inter_node", inter)):
-        bw, alpha, wait = ring_fit(group) if group is not None else (float("inf"), 0.0, 0.0)
-        bw, alpha, wait = _worst(bw, "min"), _worst(alpha, "max"), _worst(wait, "max")
+        bw, alpha, waits = ring_fit(group) if group is not None else (float("inf"), 0.0, [])
+        bw, alpha, wait = _worst(bw, "min"), _worst(alpha, "max"), _wait_keys(waits)
         if bw != float("inf"):
-            links[key] = {
-                "gbs": round(bw / 1e9, 6),
-                "latency_us": round(alpha * 1e6, 3),
-                "wait_us": round(wait * 1e6, 3),
-            }
+            links[key] = {"gbs": round(bw / 1e9, 6), "latency_us": round(alpha * 1e6, 3), **wait}
     if "inter_node" in links:
-        bw, wait = pair_fit(host_pairs(hosts, per_host))
-        links["inter_node"]["pair_gbs"] = round(_worst(bw, "min") / 1e9, 6)
-        links["inter_node"]["pair_wait_us"] = round(_worst(wait, "max") * 1e6, 3)
+        bw, waits = pair_fit(host_pairs(hosts, per_host))
+        links["inter_node"] |= {"pair_gbs": round(_worst(bw, "min") / 1e9, 6), **_wait_keys(waits, "pair_")}
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_host
     fallback = links.get("inter_node") or links.get("intra_node") or {"gbs": 1.0, "latency_us": 0.0}
     return {

@@ -42,7 +42,9 @@ Seconds of one collective (`Traffic.seconds`), alpha-beta plus quantization kern
 
 ω is the wait for the group's last rank to arrive: 0 on devices of their own, measured
 where the processes of an emulated cluster share a CPU's cores (inside a node, across
-nodes, or two ranks on two nodes).
+nodes, or two ranks on two nodes). Ranks drift apart while they compute, so a slot's calls
+wait ω₀ each and the first also κ·min(w, reach) (`hardware.Wait`), w the slot's own
+compute (w_s below: its gradients' backward, or the forward that a gather runs beside).
 
 Steps s (`Cluster.ring_steps`): a ring all-gather / reduce-scatter over N ranks on n nodes
 takes N-1 steps, n-1 of them between nodes; an all-reduce twice that; an all-to-all N-1.
@@ -112,15 +114,19 @@ class Traffic:
         intra, inter = cluster.seconds(self.intra, self.inter, self.exchange)
         return intra + inter if self.phased else max(intra, inter)
 
-    def latency(self, cluster: Cluster) -> float:
-        """α·steps, and the wait for the group's last rank (`Cluster.wait`) once per call (qgZ:
-        per hop)."""
+    def waits(self, cluster: Cluster, calls: float, before: float = 0.0) -> float:
+        """What `calls` calls in a row, after `before` seconds of compute, wait for the group's
+        last rank (`Cluster.wait`; qgZ: each hop for its own group)."""
         inside, across = (s > 0 for s in self.steps)
         if self.phased:
-            waits = inside * cluster.wait(False) + across * cluster.wait(True, self.pair)
-        else:
-            waits = cluster.wait(across, self.pair) if inside or across else 0.0
-        return cluster.latency(*self.steps) + self.calls * waits
+            return inside * cluster.wait(False, False, calls, before) + across * cluster.wait(
+                True, self.pair, calls, before
+            )
+        return cluster.wait(across, self.pair, calls, before) if inside or across else 0.0
+
+    def latency(self, cluster: Cluster, before: float = 0.0) -> float:
+        """α·steps, and the waits of its calls (`waits`)."""
+        return cluster.latency(*self.steps) + self.waits(cluster, self.calls, before)
 
     def kernel_seconds(self, cluster: Cluster) -> float:
         return self.kernel_bytes / cluster.gpu.kernel_bandwidth(self.quantizer) * cluster.compute_share
@@ -225,7 +231,8 @@ class _Stream:
     whole: str
     per_param: float  # seconds per parameter: transfer and kernels
     per_expert: float  # likewise per expert parameter
-    per_call: float  # seconds per call: latency
+    alpha: float  # seconds per call: α·steps
+    cluster: Cluster
 
     @classmethod
     def of(cls, name: str, traffic: Traffic, expert: Traffic, whole: str, cluster: Cluster) -> _Stream:
@@ -233,7 +240,8 @@ class _Stream:
             return x.transfer_seconds(cluster) + x.kernel_seconds(cluster)
 
         gathers = name.startswith("gather")
-        return cls(name, traffic, expert, gathers, whole, per(traffic), per(expert), traffic.latency(cluster))
+        alpha = cluster.latency(*traffic.steps)
+        return cls(name, traffic, expert, gathers, whole, per(traffic), per(expert), alpha, cluster)
 
     def load(self, slot: Slot) -> tuple[int, int, int]:
         """(dense parameters, expert parameters, calls) of this stream's collective of `slot`."""
@@ -241,10 +249,20 @@ class _Stream:
             return slot.gathered - slot.expert_gathered, slot.expert_gathered, slot.gathers
         return slot.numel - slot.expert_numel, slot.expert_numel, slot.reductions
 
-    def seconds(self, slot: Slot) -> float:
+    def latency(self, slot: Slot, window: float) -> float:
+        """α·steps and waits of this stream's calls for `slot`, its group having computed the
+        slot's compute since it last met (`window` seconds per parameter)."""
+        calls = self.load(slot)[2]
+        return self.alpha * calls + self.traffic.waits(self.cluster, calls, window * slot.numel)
+
+    def transfer(self, slot: Slot) -> float:
+        """Seconds of this stream's transfers and kernels for `slot`."""
+        dense, experts, _ = self.load(slot)
+        return self.per_param * dense + self.per_expert * experts
+
+    def seconds(self, slot: Slot, window: float) -> float:
         """Busy seconds of this stream's collective of `slot`: c_s (module docstring)."""
-        dense, experts, calls = self.load(slot)
-        return self.per_param * dense + self.per_expert * experts + self.per_call * calls
+        return self.transfer(slot) + self.latency(slot, window)
 
 
 def _in_turn(window: float, busy: list[float]) -> list[float]:
@@ -265,11 +283,11 @@ def _exposed(p: Pass, window: float, streams: list[_Stream]) -> list[float]:
     exposed = [0.0] * len(streams)
     for (before, slot, after), count in p.windows:
         neighbours = [after if s.whole == "first" else before for s in streams]
-        busy = [0.0 if n is None else s.seconds(n) for s, n in zip(streams, neighbours)]
+        busy = [0.0 if n is None else s.seconds(n, window) for s, n in zip(streams, neighbours)]
         for j, e in enumerate(_in_turn(window * slot.numel, busy)):
             exposed[j] += count * e
     for j, s in enumerate(streams):
-        exposed[j] += s.seconds(p.first if s.whole == "first" else p.last)
+        exposed[j] += s.seconds(p.first if s.whole == "first" else p.last, window)
     return exposed
 
 
@@ -277,15 +295,16 @@ def _run_pass(p: Pass, window: float, streams: list[_Stream], times: int, cluste
     """Add `times` passes over `p` to `tally`: per family [NVLink bytes, network bytes,
     latency, kernels, busy, exposed]."""
     for s, exposed in zip(streams, _exposed(p, window, streams)):
-        dense, experts, calls = s.load(p.total)
+        dense, experts, _ = s.load(p.total)
         x, e, row = s.traffic, s.expert_traffic, tally.setdefault(s.name, [0.0] * 6)
+        latency = sum(count * s.latency(slot, window) for (_, slot, _), count in p.windows)
         spent = (
             dense * x.intra + experts * e.intra,
             dense * x.inter + experts * e.inter,
-            calls * s.per_call,
+            latency,
             dense * x.kernel_seconds(cluster) + experts * e.kernel_seconds(cluster),
         )
-        for i, value in enumerate((*spent, s.seconds(p.total), exposed)):
+        for i, value in enumerate((*spent, s.transfer(p.total) + latency, exposed)):
             row[i] += times * value
 
 

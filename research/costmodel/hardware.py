@@ -9,10 +9,12 @@ on the machine at hand. Keys (bandwidths in GB/s per device and direction):
     memory_mib: 81559       # per device
     devices_per_node: 8
     intra_node: {gbs: 450}  # optional latency_us: µs per step of a ring collective (NCCL's below);
-                            # wait_us: µs per call waiting for the group's other ranks (0 when
-                            # absent; measured where processes share cores, `Cluster.wait`)
-    inter_node: {gbs: 50}   # optional latency_us, wait_us; pair_gbs, pair_wait_us: two nodes
-                            # exchanging one message each way (a 2-rank all-gather across nodes)
+                            # wait_us, wait_growth, wait_reach_ms: a call's wait for the group's
+                            # other ranks (`Wait`; 0 when absent; measured where processes share
+                            # cores): µs, plus growth × the compute before it, up to reach ms
+    inter_node: {gbs: 50}   # optional latency_us, the wait's keys; pair_gbs and pair_wait_us,
+                            # pair_wait_growth, pair_wait_reach_ms: two nodes exchanging one
+                            # message each way (a 2-rank all-gather across nodes)
     # optional, instead of the device row or measured: peak_tflops: {bf16: .., fp8: ..},
     # hbm_gbs: .., matmul_efficiency: .. (the share of the peak a layer's GEMMs reach),
     # quantize_gbs: {qwz: .., qgz: ..} (the rates at which ZeRO++'s quantized gather and
@@ -66,6 +68,29 @@ class GPU:
 NVLINK_STEP_LATENCY = 3.4e-6
 NETWORK_STEP_LATENCY = 14e-6
 
+
+@dataclass(frozen=True)
+class Wait:
+    """Seconds a collective call waits for the last of its group's ranks to arrive, beyond its
+    steps' latency, where the processes of an emulated cluster share a CPU's cores: each rank
+    arrives when the scheduler lets it finish its compute, and ranks drift apart the longer
+    they compute, so a call after `before` seconds of compute since its group last met waits
+
+        base + growth · min(before, reach)
+
+    (`experiments.calibrate`: calls between blocks of compute up to `reach` seconds long; held
+    beyond). 0 on dedicated devices, whose ranks arrive together."""
+
+    base: float = 0.0
+    growth: float = 0.0
+    reach: float = 0.0
+
+    def seconds(self, calls: float = 1, before: float = 0.0) -> float:
+        """`calls` calls in a row after `before` seconds of compute: each waits `base`, the
+        first also the drift."""
+        return calls * self.base + self.growth * min(before, self.reach) if calls else 0.0
+
+
 QUANTIZERS = ("qwz", "qgz")  # ZeRO++'s quantized gather and quantized gradient reduction
 SYSTEM_KEYS = {"name", "device", "memory_mib", "devices_per_node", "intra_node", "inter_node"}
 OPTIONAL_KEYS = {"peak_tflops", "hbm_gbs", "matmul_efficiency", "quantize_gbs", "backend", "compute_units"}
@@ -84,7 +109,7 @@ class System:
     inter_node_latency: float
     backend: str = "nccl"
     compute_units: float | None = None
-    waits: tuple[float, float, float | None] = (0.0, 0.0, None)  # `Cluster.wait`: intra, inter, pair
+    waits: tuple[Wait, Wait, Wait | None] = (Wait(), Wait(), None)  # `Cluster.wait`: intra, inter, pair
 
     def cluster(self, gpus: int, **overrides: Any) -> Cluster:
         fields = {
@@ -108,20 +133,30 @@ def _quantizers(rates: Any) -> tuple[tuple[str, float], ...]:
     return out
 
 
-def _link_times(intra: dict, inter: dict) -> tuple[list[float], tuple[float, float, float | None]]:
-    """Seconds of (α per ring step inside a node, across nodes; NCCL's where not given) and of
+def _wait(part: dict, prefix: str = "") -> Wait | None:
+    """The `Wait` of a link's `{prefix}wait_us`, `{prefix}wait_growth` and
+    `{prefix}wait_reach_ms`; None where it gives no wait."""
+    base, growth, reach = (part.get(f"{prefix}wait_{key}") for key in ("us", "growth", "reach_ms"))
+    if (growth is None) != (reach is None):
+        raise ValueError(
+            f"{prefix}wait_growth and {prefix}wait_reach_ms go together (the blocks the growth was measured over)"
+        )
+    if base is None and growth is None:
+        return None
+    wait = Wait(float(base or 0.0) * 1e-6, float(growth or 0.0), float(reach or 0.0) * 1e-3)
+    if min(wait.base, wait.growth, wait.reach) < 0:
+        raise ValueError(f"{prefix}wait_us, {prefix}wait_growth and {prefix}wait_reach_ms must be zero or more")
+    return wait
+
+
+def _link_times(intra: dict, inter: dict) -> tuple[list[float], tuple[Wait, Wait, Wait | None]]:
+    """Seconds of (α per ring step inside a node, across nodes; NCCL's where not given) and
     the waits per call (`Cluster.wait`: inside, across, a pair of nodes) of a file's links."""
     latency = [
         part["latency_us"] * 1e-6 if "latency_us" in part else default
         for part, default in ((intra, NVLINK_STEP_LATENCY), (inter, NETWORK_STEP_LATENCY))
     ]
-    pair_wait = inter.get("pair_wait_us")
-    waits = (
-        float(intra.get("wait_us", 0.0)) * 1e-6,
-        float(inter.get("wait_us", 0.0)) * 1e-6,
-        None if pair_wait is None else float(pair_wait) * 1e-6,
-    )
-    return latency, waits
+    return latency, (_wait(intra) or Wait(), _wait(inter) or Wait(), _wait(inter, "pair_"))
 
 
 def load_system(path: str | Path) -> System:
@@ -165,8 +200,6 @@ def load_system(path: str | Path) -> System:
     bandwidths = (gpu.intra_node_bandwidth, gpu.inter_node_bandwidth, gpu.pair_bandwidth)
     if system.gpus_per_node < 1 or min(b for b in bandwidths if b is not None) <= 0:
         raise ValueError(f"{where}: devices_per_node and every bandwidth must be positive")
-    if min(w for w in system.waits if w is not None) < 0:
-        raise ValueError(f"{where}: wait_us and pair_wait_us must be zero or more (µs a call waits for its group)")
     if system.compute_units is not None and system.compute_units <= 0:
         raise ValueError(f"{where}: compute_units must be positive (or absent: every device computes on its own)")
     return system
@@ -191,7 +224,7 @@ class Cluster:
     `inter_node_latency`: seconds per step of a ring collective inside a node / across nodes.
     `backend`: whose collective algorithms move the bytes (`reduce_scatter_rounds`).
     `compute_units`: the compute all the devices share (`compute_share`); None: each its own.
-    `waits`: seconds per call a collective waits for its group's other ranks (`wait`)."""
+    `waits`: what a collective call waits for its group's other ranks (`wait`)."""
 
     gpu: GPU
     gpus: int
@@ -201,7 +234,7 @@ class Cluster:
     inter_node_latency: float = NETWORK_STEP_LATENCY
     backend: str = "nccl"
     compute_units: float | None = None
-    waits: tuple[float, float, float | None] = (0.0, 0.0, None)
+    waits: tuple[Wait, Wait, Wait | None] = (Wait(), Wait(), None)
 
     @property
     def inter_node_bandwidth(self) -> float:
@@ -215,7 +248,8 @@ class Cluster:
         """Bytes/s per GPU and direction of a 2-rank exchange across nodes (each sends the other
         one message, as a 2-rank all-gather does): the network's, times the measured
         `GPU.pair_bandwidth` / `GPU.inter_node_bandwidth` where the hardware file gives one (on
-        gloo over TCP such an exchange of megabytes ran at 0.5-0.85 of the rate a ring reaches)."""
+        gloo over TCP such an exchange of megabytes ran both ways at once or one way after the
+        other, by chance per call: `experiments.calibrate` takes the mean)."""
         pair = self.gpu.pair_bandwidth
         return self.inter_node_bandwidth * (1.0 if pair is None else pair / self.gpu.inter_node_bandwidth)
 
@@ -253,17 +287,15 @@ class Cluster:
         """Seconds of α·steps: `intra_steps` inside a node, `inter_steps` across nodes."""
         return intra_steps * self.intra_node_latency + inter_steps * self.inter_node_latency
 
-    def wait(self, across: bool, pair: bool = False) -> float:
-        """Seconds one collective call waits for the last of its group's ranks to arrive, beyond
-        its steps' latency: a group inside a node, across nodes, or of two ranks on two nodes
-        (`pair`; the cross-node wait where not measured). 0 on dedicated devices, whose ranks
-        arrive together; where the processes of an emulated cluster share a CPU's cores, each
-        arrives when the scheduler lets it finish its compute, once per call, not per ring step
-        (`experiments.calibrate`: the wait of a call between blocks of compute)."""
+    def wait(self, across: bool, pair: bool = False, calls: float = 1, before: float = 0.0) -> float:
+        """Seconds `calls` collective calls in a row, after `before` seconds of compute, wait for
+        the last of their group's ranks (`Wait`): a group inside a node, across nodes, or of two
+        ranks on two nodes (`pair`; the cross-node wait where not measured)."""
         intra, inter, pair_wait = self.waits
-        if not across:
-            return intra
-        return pair_wait if pair and pair_wait is not None else inter
+        wait = inter if across else intra
+        if across and pair and pair_wait is not None:
+            wait = pair_wait
+        return wait.seconds(calls, before)
 
     def seconds(self, intra: float, inter: float, exchange: bool = False) -> tuple[float, float]:
         """Seconds of `intra` bytes over NVLink and `inter` bytes over this GPU's network share

@@ -14,7 +14,8 @@ Step time, per micro-batch on the slowest pipeline rank (the last: L/p layers + 
   Without SP the replicated part (10sbh) is not divided by t: that is what SP saves.
 - C: TP collectives, each equivalent to an all-reduce of sbh·A bytes (ring: 2(t-1)/t of it
   over the intra-node bandwidth, 2(t-1) steps of α_intra, `Cluster.latency`, and one wait
-  for the group's last rank, `Cluster.wait`, 0 on devices of their own): 2 forward
+  for the group's last rank, `Cluster.wait`, 0 on devices of their own, grown by the drift
+  over the pass's compute shared evenly among its calls): 2 forward
   and 2 backward per layer, plus 1 with full recompute (all-gather + reduce-scatter pairs
   under SP move the same bytes in the same steps), plus 1 backward under SP without float8:
   the QKV and MLP-up linears keep their input's sequence shard and all-gather it again for dW.
@@ -49,7 +50,9 @@ share.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import stage_of
@@ -122,25 +125,34 @@ def _micro_batch(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluste
     compute_f = flops_f / rate + mem_f / gpu.hbm_bandwidth
     compute_b = flops_b / rate + mem_b / gpu.hbm_bandwidth
     msg = s * b * h * DTYPE_BYTES[layout.precision]
-    all_reduce = _tp_all_reduce(msg, t, cluster)
     regather = layout.sp and t > 1 and not layout.fp8  # the column linears' inputs, gathered again
     ends_f, ends_b = _tp_ends(model, layout)
     # vocabulary-parallel cross entropy: the max, the target logit and Σ exp over s·b tokens
     loss = 3 * _tp_all_reduce(4 * s * b, t, cluster) if t > 1 else 0.0
-    tp_f = (2 * layers + ends_f) * all_reduce + loss
-    tp_b = ((2 + full + regather) * layers + ends_b) * all_reduce
-    a2a = moe * expert_all_to_all(model, layout, s, cluster)
+    # the calls of a pass share its compute: each waits for the drift of its share (`Cluster.wait`)
+    share_f, share_b = cluster.compute_share * compute_f, cluster.compute_share * compute_b
+    all_reduce, a2a = partial(_tp_all_reduce, msg, t, cluster), partial(expert_all_to_all, model, layout, s, cluster)
+    tp_f = _calls(2 * layers + ends_f, share_f, all_reduce) + loss
+    tp_b = _calls((2 + full + regather) * layers + ends_b, share_b, all_reduce)
+    ep_f, ep_b = _calls(2 * moe, share_f, a2a), _calls((2 + 2 * full) * moe, share_b, a2a)
     p2p = _p2p(layout, msg / (t if layout.sp else 1), cluster)
-    return compute_f, compute_b, tp_f, tp_b, 2 * a2a, (2 + 2 * full) * a2a, p2p
+    return compute_f, compute_b, tp_f, tp_b, ep_f, ep_b, p2p
 
 
-def _tp_all_reduce(nbytes: float, t: int, cluster: Cluster) -> float:
-    """Seconds of a ring all-reduce of `nbytes` over the t ranks of a TP group: bytes, α per
-    step and the wait for the group's last rank (`Cluster.wait`; a group of more than a node,
-    as on an emulated cluster of one process a host, waits as one across nodes)."""
+def _calls(calls: float, compute: float, seconds: Callable[[float], float]) -> float:
+    """Seconds of `calls` collectives spread evenly over `compute` seconds of a pass, one call
+    costing `seconds(compute before it)`."""
+    return calls * seconds(compute / calls) if calls else 0.0
+
+
+def _tp_all_reduce(nbytes: float, t: int, cluster: Cluster, before: float = 0.0) -> float:
+    """Seconds of a ring all-reduce of `nbytes` over the t ranks of a TP group, after `before`
+    seconds of compute: bytes, α per step and the wait for the group's last rank
+    (`Cluster.wait`; a group of more than a node, as on an emulated cluster of one process a
+    host, waits as one across nodes)."""
     if t == 1:
         return 0.0
-    wait = cluster.wait(t > cluster.gpus_per_node, pair=t == 2)
+    wait = cluster.wait(t > cluster.gpus_per_node, t == 2, 1, before)
     return 2 * (t - 1) / t * nbytes / cluster.ring_bandwidth(t, 1) + cluster.latency(2 * (t - 1), 0) + wait
 
 
@@ -201,17 +213,19 @@ def expert_all_to_all_bytes(model: GPTConfig, layout: Layout, seq_len: int) -> f
     return DTYPE_BYTES[layout.precision] * model.d_model * rows * (ep - 1) / ep
 
 
-def expert_all_to_all(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster) -> float:
+def expert_all_to_all(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster, before: float = 0.0) -> float:
     """Seconds of one all-to-all of an MoE layer's rows (`expert_all_to_all_bytes`), sent to
     the ep − 1 peers at once: NVLink to those on the node, the network to the rest, one α
-    each (the ep ranks are tp apart)."""
+    each (the ep ranks are tp apart), after `before` seconds of compute (`Cluster.wait`)."""
     ep = layout.ep
     if ep == 1:
         return 0.0
     per_peer = expert_all_to_all_bytes(model, layout, seq_len) / (ep - 1)
     near = ranks_per_node(ep, layout.tp, cluster.gpus_per_node)
     intra, inter = cluster.seconds(per_peer * (near - 1), per_peer * (ep - near))
-    return max(intra, inter) + cluster.latency(int(near > 1), int(ep > near)) + cluster.wait(ep > near, ep == 2)
+    return (
+        max(intra, inter) + cluster.latency(int(near > 1), int(ep > near)) + cluster.wait(ep > near, ep == 2, 1, before)
+    )
 
 
 def exposed_p2p(
