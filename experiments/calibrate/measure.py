@@ -1,8 +1,9 @@
 """What the planner needs, measured on every rank of a job at once (run under torchrun, on
 the emulated cluster by `python -m experiments.calibrate`), written by rank 0 as a hardware
-file (research/costmodel/hardware.py). Rates of compute are the fastest of their repeats:
-a moment of load on the machine only slows them, and a calibration that caught one (the
-model's rate 30 % low, ω 7 ms) predicted the runs after it 10-30 % slow.
+file (research/costmodel/hardware.py). Rates of compute alone are the fastest of their
+repeats, and the matmul and model rates are measured first and again after the links, the
+faster kept: a spell of load on the machine only slows them, and a calibration that caught
+one (the model's rate 20-30 % low) predicted the runs after it 10-30 % slow.
 
 - matmul FLOP/s of one process computing alone (square matmuls of the run's dtype), and
   of each while every process multiplies at once: n times the second over the first is the
@@ -79,14 +80,16 @@ def _seconds(
 
 def matmul_flops(dtype: torch.dtype, together: bool, n: int = 1024, burst: int = 8) -> float:
     """FLOP/s of `burst` n × n matmuls back to back: long enough that processes sharing cores
-    are time-sliced fairly, as in training."""
+    are time-sliced fairly, as in training. Alone the fastest of 9; together (every rank
+    at once) their median, as the fastest is the burst whose peers lagged most (4 processes
+    on 2 cores then measured 2.1-2.3 cores' worth)."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
 
     def matmuls() -> None:
         for _ in range(burst):
             a @ b
 
-    return burst * 2 * n**3 / _seconds(matmuls, 9, together=together, statistic=min)
+    return burst * 2 * n**3 / _seconds(matmuls, 9, together=together, statistic=median if together else min)
 
 
 def copy_bandwidth(nbytes: int = 64 * 2**20) -> float:
@@ -125,10 +128,10 @@ def alone(measure: Callable[[], float]) -> float:
     return float(value)
 
 
-def model_efficiency(config: str, matmul: float, own: dist.ProcessGroup) -> float:
-    """η: the config's model's training FLOP/s over one micro-batch's forward + backward, as
-    a share of `matmul`; the whole model on this rank (`own`: a group of this rank alone, not
-    the default group, which would split it over every rank by tensor parallelism)."""
+def model_flops(config: str, own: dist.ProcessGroup) -> float:
+    """The config's model's training FLOP/s over one micro-batch's forward + backward; the
+    whole model on this rank (`own`: a group of this rank alone, not the default group,
+    which would split it over every rank by tensor parallelism)."""
     cfg = parse_run_args(["--config", config], 1)
     model_cfg = cfg.model.with_vocab_of(data.load_tokenizer(cfg.data.tokenizer).vocab_size)
     model = GPT(model_cfg, tp_group=own)
@@ -139,7 +142,15 @@ def model_efficiency(config: str, matmul: float, own: dist.ProcessGroup) -> floa
         model(ids[:, :-1], ids[:, 1:]).backward()
 
     flops = model_cfg.flops_per_token(s) * b * s
-    return flops / _seconds(step, 15, together=False, statistic=min) / matmul
+    return flops / _seconds(step, 15, together=False, statistic=min)
+
+
+def compute_rates(config: str, own: dist.ProcessGroup) -> tuple[float, float, float]:
+    """FLOP/s of (matmuls of one process alone, of the slowest process while all multiply,
+    the config's model alone: `model_flops`), the same on every rank."""
+    matmul = alone(lambda: matmul_flops(torch.float32, together=False))
+    together = _worst(matmul_flops(torch.float32, together=True), "min")
+    return matmul, together, alone(lambda: model_flops(config, own))
 
 
 def ring_fit(group: dist.ProcessGroup) -> tuple[float, float, list[tuple[float, float]]]:
@@ -290,10 +301,8 @@ def _wait_keys(points: list[tuple[float, float]], prefix: str = "") -> dict[str,
 def measure(config: str, name: str) -> dict:
     """The hardware file's contents, the same on every rank."""
     hosts, per_host = int(os.environ.get("GROUP_WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    matmul = alone(lambda: matmul_flops(torch.float32, together=False))
-    units = hosts * per_host * _worst(matmul_flops(torch.float32, together=True), "min") / matmul
     own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
-    eta = alone(lambda: model_efficiency(config, matmul, own))
+    first = compute_rates(config, own)
     hbm = alone(copy_bandwidth)
     quantizers = {q: alone(lambda q=q: quantize_bandwidth(own, q)) for q in QUANTIZERS}
     intra, inter = groups(hosts, per_host)
@@ -306,6 +315,10 @@ def measure(config: str, name: str) -> dict:
     if "inter_node" in links:
         bw, waits = pair_fit(host_pairs(hosts, per_host))
         links["inter_node"] |= {"pair_gbs": round(_worst(bw, "min") / 1e9, 6), **_wait_keys(waits, "pair_")}
+    # again after the links, a minute later: a slow spell of the machine (the model's rate
+    # 20-30 % low in 2 of 28 calibrations, the runs after it at their usual pace) rarely spans both
+    matmul, together, model = map(max, first, compute_rates(config, own))
+    units, eta = hosts * per_host * together / matmul, model / matmul
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_host
     fallback = links.get("inter_node") or links.get("intra_node") or {"gbs": 1.0, "latency_us": 0.0}
     return {
