@@ -83,6 +83,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 
 from optim.grads import QGZ_BLOCK
 from research.costmodel.hardware import Cluster, ranks_per_node
@@ -118,11 +119,10 @@ class Traffic:
         """What `calls` calls in a row, after `before` seconds of compute, wait for the group's
         last rank (`Cluster.wait`; qgZ: each hop for its own group)."""
         inside, across = (s > 0 for s in self.steps)
+        wait = partial(cluster.wait, calls=calls, before=before)
         if self.phased:
-            return inside * cluster.wait(False, False, calls, before) + across * cluster.wait(
-                True, self.pair, calls, before
-            )
-        return cluster.wait(across, self.pair, calls, before) if inside or across else 0.0
+            return inside * wait(False) + across * wait(True, self.pair)
+        return wait(across, self.pair) if inside or across else 0.0
 
     def latency(self, cluster: Cluster, before: float = 0.0) -> float:
         """α·steps, and the waits of its calls (`waits`)."""
