@@ -7,6 +7,7 @@ sending half the bytes)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -23,19 +24,43 @@ def test_scaled_mm_is_torchs_on_the_cpu() -> None:
     """The fp32 path (CPU) is `torch._scaled_mm`'s arithmetic: equal to fp32 rounding."""
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(32, 48, generator=g), torch.randn(16, 48, generator=g) * 5
-    a8, a_inv = fp8.to_float8(a, E4M3)
-    b8, b_inv = fp8.to_float8(b, fp8.E5M2)
+    (a8,), a_inv = fp8.to_float8(a, E4M3)
+    (b8,), b_inv = fp8.to_float8(b, fp8.E5M2)
     ours = fp8.scaled_mm(a8, b8.t(), a_inv, b_inv, torch.float32)
     torchs = torch._scaled_mm(a8, b8.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=torch.float32)
     torch.testing.assert_close(ours, torchs, rtol=1e-6, atol=1e-5)
 
 
-def test_to_float8_uses_the_range_and_saturates() -> None:
-    t = torch.tensor([0.5, -2.0, 1.0])
-    t8, inv = fp8.to_float8(t, E4M3)
-    assert t8.float().abs().max() == 448 and float(inv) == pytest.approx(2.0 / 448)
-    zero8, zero_inv = fp8.to_float8(torch.zeros(3), E4M3)
+def test_to_float8_scales_by_the_largest_power_of_two_in_range_and_saturates() -> None:
+    t = torch.tensor([[0.5, -2.0, 1.0]])
+    (t8,), inv = fp8.to_float8(t, E4M3)
+    assert torch.equal(t8.float(), torch.tensor([[64.0, -256.0, 128.0]])) and float(inv) == 2.0**-7
+    (zero8,), zero_inv = fp8.to_float8(torch.zeros(1, 3), E4M3)
     assert torch.isfinite(zero_inv) and not zero8.float().any()
+
+
+@pytest.mark.parametrize("top", [448.0, 57344.0], ids=["e4m3", "e5m2"])
+def test_power_of_two_scale_is_the_largest_that_keeps_amax_in_range(top: float) -> None:
+    """For amax across 60 binades and at the edges of each: s = 2^k with amax·s ≤ top <
+    amax·2s, and 1/s exact."""
+    g = torch.Generator().manual_seed(2)
+    amax = torch.cat([2.0 ** torch.arange(-30.0, 30.0), torch.rand(500, generator=g).double() * 1e6])
+    amax = torch.cat([amax, amax * (1 + 2**-23), amax * (1 - 2**-24), torch.tensor([top, 1.0])]).float()
+    for a in amax.tolist():
+        scale, inverse = fp8.power_of_two_scale(torch.tensor(a), top)
+        s = float(scale)
+        assert s == 2.0 ** round(math.log2(s)) and float(inverse) * s == 1.0
+        assert a * s <= top < a * 2 * s, (a, s)
+
+
+def test_a_cast_writes_the_layouts_the_matmuls_read() -> None:
+    """The "columns" layout is the transpose, contiguous, of "rows", from the same scale."""
+    x = torch.randn(24, 40, dtype=torch.bfloat16) * 3
+    (rows, columns), inv = fp8.to_float8(x, fp8.E5M2, "both")
+    (alone,), inv_alone = fp8.to_float8(x, fp8.E5M2, "columns")
+    assert columns.is_contiguous() and columns.shape == (40, 24) and torch.equal(inv, inv_alone)
+    assert torch.equal(columns.view(torch.uint8), rows.t().contiguous().view(torch.uint8))
+    assert torch.equal(alone.view(torch.uint8), columns.view(torch.uint8))
 
 
 def test_linear_forward_and_gradients_are_bf16s_within_float8_precision() -> None:
@@ -172,12 +197,13 @@ def test_fp8_is_refused_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif("not torch.cuda.is_available()", reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2], ids=["e4m3", "e5m2"])
 def test_compiled_cast_on_cuda_is_the_eager_one(dtype: torch.dtype) -> None:
-    """On CUDA the scale-and-cast runs compiled (one elementwise kernel): the same float8 bits
-    as the eager ops, for shapes that share one compiled graph."""
+    """On CUDA the cast runs compiled (a reduction and one elementwise kernel): the same
+    float8 bits, layouts and scale as the eager ops, for shapes that share one compiled graph."""
     for shape in [(4096, 2048), (2048, 8192), (333, 64)]:
         x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 7
-        top = torch.finfo(dtype).max
-        scale = top / x.abs().amax().float()
-        got, inv = fp8.to_float8(x, dtype)
-        want = fp8.scale_cast(x, scale, top, dtype)
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and inv == scale.reciprocal()
+        for layout in ("rows", "columns", "both"):
+            got, inv = fp8.to_float8(x, dtype, layout)
+            want, want_inv = fp8.cast_float8(x, dtype, layout)
+            assert torch.equal(inv, want_inv)
+            for a, b in zip(got, want, strict=True):
+                assert a.stride() == b.stride() and torch.equal(a.view(torch.uint8), b.view(torch.uint8))

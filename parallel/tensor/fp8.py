@@ -2,59 +2,85 @@
 "tensorwise" float8 training recipe; Transformer Engine's current scaling, Micikevicius et al.
 2022, "FP8 Formats for Deep Learning").
 
-Each matmul scales its operands by s = F_max / max|t| (the whole tensor, computed in the same
-pass: no amax history), casts them to float8 and multiplies with fp32 accumulation:
+Each matmul scales its operands by s = 2^k, the largest power of two with s · max|t| ≤ F_max
+(the whole tensor, computed in the same pass: no amax history; a power of two, so scaling
+and the matmul's unscaling are exact, and the scale is the same bits on every device),
+casts them to float8 and multiplies with fp32 accumulation:
 
     forward   Y  = (s_x X)₈ (s_w W)₈ᵀ / (s_x s_w)               e4m3 × e4m3 (F_max 448)
     backward  dX = (s_g G)₈ (s_w W)₈ / (s_g s_w)                 e5m2 × e4m3 (F_max 57344)
               dW = (s_g G)₈ᵀ (s_x X)₈ / (s_g s_x)                e5m2 × e4m3
 
-Backward reuses the forward's float8 X (saved for it: 1 byte per element, half of bf16's)
+`torch._scaled_mm` takes its first operand row-major and its second column-major, so each
+cast writes the layouts its matmuls read in the same pass (X and G both ways, W row-major
+forward and transposed backward) instead of copying float8 tensors to transpose them.
+Backward reuses the forward's float8 Xᵀ (saved for it: 1 byte per element, half of bf16's)
 and casts W again (the same scale: W has not changed), so no float8 copy of a weight is kept
-per micro-batch in flight. Under tensor parallelism each rank scales its own shard of W and its own X (a
-finer scaling than one amax over the group, with no extra collective). On CUDA the products
-are `torch._scaled_mm`; elsewhere the same arithmetic in fp32 (the float8 values times
-their scales, fp32 accumulation), since the CPU's `_scaled_mm` is orders of magnitude slower
-than its fp32 matmul: the two agree to fp32 rounding (tests/test_fp8.py).
+per micro-batch in flight. Under tensor parallelism each rank scales its own shard of W and
+its own X (a finer scaling than one amax over the group, with no extra collective). On CUDA
+each cast (amax, scale, cast, layouts) is one compiled graph and the products are
+`torch._scaled_mm`; elsewhere the same arithmetic eagerly, in fp32 for the products (the
+float8 values times their scales, fp32 accumulation), since the CPU's `_scaled_mm` is
+orders of magnitude slower than its fp32 matmul: the two agree to fp32 rounding
+(tests/test_fp8.py).
 """
 
 from __future__ import annotations
 
 import functools
+import struct
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = ("none", "tensorwise")
+Layout = Literal["rows", "columns", "both"]
 _AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale
+_MANTISSA_BITS = 23  # float32
 
 
-def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t · s as `dtype`, 1/s) with s = F_max / max|t|, saturating at ±F_max. max|t| is one
-    pass (`aminmax`); on CUDA the scale-and-cast is compiled into one elementwise kernel: run
-    as written it is four passes with fp32 temporaries and costs more than the float8
-    matmul it feeds. The scale is computed outside the compiled kernel, so both paths give
-    the same bits."""
-    t = t.detach()
-    low, high = torch.aminmax(t)
+def power_of_two_scale(amax: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2^k, 2^-k) for the largest k with amax · 2^k ≤ top, from the float32 exponent and
+    mantissa fields of amax and top (integer arithmetic: no rounding anywhere)."""
+    (top_bits,) = struct.unpack("<i", struct.pack("<f", top))
+    bits = amax.float().clamp(min=_AMAX_FLOOR).view(torch.int32)
+    exponent, mantissa = bits >> _MANTISSA_BITS, bits & ((1 << _MANTISSA_BITS) - 1)
+    k = (top_bits >> _MANTISSA_BITS) - exponent - (mantissa > (top_bits & ((1 << _MANTISSA_BITS) - 1))).int()
+    k = k.clamp(-126, 126)  # 2^k a normal float32 (only a non-finite amax reaches the ends)
+    return ((k + 127) << _MANTISSA_BITS).view(torch.float32), ((127 - k) << _MANTISSA_BITS).view(torch.float32)
+
+
+def cast_float8(t: torch.Tensor, dtype: torch.dtype, layout: Layout) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """((t · s as `dtype`, saturated at ±F_max) in `layout`, 1/s) for the 2-D t, s from
+    `power_of_two_scale`: "rows" the cast as t is laid out, "columns" its transpose made
+    contiguous ([K, M] row-major: as an operand, `.t()` of it is column-major), "both" the two."""
     top = torch.finfo(dtype).max
-    scale = top / torch.maximum(-low, high).float().clamp(min=_AMAX_FLOOR)
-    return (_compiled_scale_cast() if t.is_cuda else scale_cast)(t, scale, top, dtype), scale.reciprocal()
+    scale, inverse = power_of_two_scale(t.abs().amax(), top)
+    rows = (t.float() * scale).clamp(-top, top).to(dtype)
+    columns = rows.t().contiguous()
+    return {"rows": (rows,), "columns": (columns,), "both": (rows, columns)}[layout], inverse
 
 
-def scale_cast(t: torch.Tensor, scale: torch.Tensor, top: float, dtype: torch.dtype) -> torch.Tensor:
-    """t · scale in fp32, saturated at ±top, as `dtype`."""
-    return (t.float() * scale).clamp(-top, top).to(dtype)
+def to_float8(
+    t: torch.Tensor, dtype: torch.dtype, layout: Layout = "rows"
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """`cast_float8` of t (detached), compiled on CUDA: run as written it is several passes
+    with fp32 temporaries, more than the float8 matmul it feeds; compiled, one reduction
+    and one elementwise kernel writing every layout asked for. The scale's integer
+    arithmetic makes both paths give the same bits."""
+    t = t.detach()
+    return (_compiled_cast() if t.is_cuda else cast_float8)(t, dtype, layout)
 
 
 @functools.cache
-def _compiled_scale_cast() -> Callable[[torch.Tensor, torch.Tensor, float, torch.dtype], torch.Tensor]:
-    """`scale_cast` through torch.compile, shapes symbolic (a model's linears have many): a
-    graph per float8 format and input dtype, far below torch.compile's limit per function
-    (past it, the ops would run eagerly again)."""
-    return torch.compile(scale_cast, dynamic=True)
+def _compiled_cast() -> Callable[[torch.Tensor, torch.dtype, Layout], tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """`cast_float8` through torch.compile, shapes symbolic (a model's linears have many): a
+    graph per float8 format, layout and input dtype (four for a bf16 model), below
+    torch.compile's limit per function (past it, the ops would run eagerly again)."""
+    return torch.compile(cast_float8, dynamic=True)
 
 
 def scaled_mm(
@@ -70,20 +96,20 @@ def scaled_mm(
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        x8, x_inv = to_float8(x.reshape(-1, x.shape[-1]), E4M3)
-        w8, w_inv = to_float8(weight, E4M3)
-        ctx.save_for_backward(x8, x_inv, weight)
+        (x8, x8_t), x_inv = to_float8(x.reshape(-1, x.shape[-1]), E4M3, "both")
+        (w8,), w_inv = to_float8(weight, E4M3, "rows")
+        ctx.save_for_backward(x8_t, x_inv, weight)
         ctx.x_shape = x.shape
         y = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype)
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        x8, x_inv, weight = ctx.saved_tensors
-        w8, w_inv = to_float8(weight, E4M3)  # recast: no float8 copy of the weight kept per micro-batch
-        g8, g_inv = to_float8(g.reshape(-1, g.shape[-1]), E5M2)
-        dx = scaled_mm(g8, w8.t().contiguous().t(), g_inv, w_inv, g.dtype)
-        dw = scaled_mm(g8.t().contiguous(), x8.t().contiguous().t(), g_inv, x_inv, weight.dtype)
+        x8_t, x_inv, weight = ctx.saved_tensors
+        (w8_t,), w_inv = to_float8(weight, E4M3, "columns")  # recast: no float8 weight kept per micro-batch
+        (g8, g8_t), g_inv = to_float8(g.reshape(-1, g.shape[-1]), E5M2, "both")
+        dx = scaled_mm(g8, w8_t.t(), g_inv, w_inv, g.dtype)
+        dw = scaled_mm(g8_t, x8_t.t(), g_inv, x_inv, weight.dtype)
         return dx.view(ctx.x_shape), dw
 
 
