@@ -1342,8 +1342,8 @@ def test_a_reduce_scatter_on_gloo_is_an_all_reduce() -> None:
 def test_shared_compute_stretches_compute_and_fills_the_pipeline_bubble() -> None:
     """4 devices on 2 compute units (σ = 2): without a pipeline every compute term doubles;
     a pipeline's bubble is filled by the ranks whose turn it is not: pp 2 with 2 micro-batches
-    takes about max(3, 2·2) = 4 (t_f + t_b), not 2·3, and its sends hide under the other
-    ranks' compute when the cores bound the step. Units ≥ devices change nothing."""
+    and free sends takes 4 (t_f + t_b), not 2·3 (a stage alone, 2 processes on 2 units, runs
+    at one alone's rate). Units ≥ devices change nothing."""
     model = GPTConfig(vocab_size=512, n_layers=4, n_heads=16, d_model=2048, max_seq_len=2048)
     base = Cluster(GPUS["h100"], 4, gpus_per_node=2)
     shared = dataclasses.replace(base, compute_units=2)
@@ -1356,11 +1356,65 @@ def test_shared_compute_stretches_compute_and_fills_the_pipeline_bubble() -> Non
     alone, two = step(dp, base), step(dp, shared)
     assert two.forward == pytest.approx(2 * alone.forward) and two.optimizer == pytest.approx(2 * alone.optimizer)
     pp = Layout(pp=2, dp=2, zero=1, micro_batches=2, precision="fp32")
-    alone, two = step(pp, base), step(pp, shared)
-    assert alone.bubble == pytest.approx(alone.forward + alone.backward) and two.bubble == 0.0
-    compute = alone.pipeline - alone.bubble - alone.tp_comm - alone.pp_comm  # m(t_f + t_b) less the sends
-    assert two.pipeline == pytest.approx(2 * compute + alone.tp_comm, rel=1e-12) and two.pp_comm == 0.0
-    assert step(pp, dataclasses.replace(base, compute_units=4)) == alone
+    free_sends = dataclasses.replace(base, inter_node_gbps=1e12, intra_node_latency=0.0, inter_node_latency=0.0)
+    alone, two = step(pp, free_sends), step(pp, dataclasses.replace(free_sends, compute_units=2))
+    assert alone.bubble == pytest.approx(alone.forward + alone.backward) and two.bubble == pytest.approx(0.0, abs=1e-12)
+    compute = alone.pipeline - alone.bubble  # m(t_f + t_b)
+    assert two.pipeline == pytest.approx(2 * compute, rel=1e-9) and two.pp_comm == 0.0
+    assert step(pp, dataclasses.replace(base, compute_units=4)) == step(pp, base)
+
+
+@pytest.mark.parametrize(
+    ("name", "pp", "m", "v"), [("gpipe", 3, 5, 1), ("1f1b", 4, 8, 1), ("interleaved-1f1b", 2, 4, 2), ("zb-h1", 4, 8, 1)]
+)
+@pytest.mark.parametrize("t_comm", [0.0, 0.3])
+def test_a_pipeline_on_cores_of_its_own_is_the_schedule_simulators(
+    name: str, pp: int, m: int, v: int, t_comm: float
+) -> None:
+    """Processor sharing with every stage at one alone's rate is `parallel.pipeline.simulate`."""
+    from parallel.pipeline.simulate import simulate
+    from research.costmodel.sharing import shared_makespan
+
+    shared = shared_makespan(name, pp, m, v, (1.0, 2.0), (0.0, 0.0), t_comm, lambda n: 1.0, True)
+    assert shared == pytest.approx(simulate(name, pp, m, v, 1.0, 2.0, t_comm=t_comm).makespan, rel=1e-12)
+
+
+def test_stages_that_take_turns_on_the_cores_compute_faster_alone() -> None:
+    """1F1B, 2 stages, 2 micro-batches (t_f 1, t_b 2 alone), each stage 1.5 times slower
+    while both compute: F0 alone 1; F1 ‖ F0 1.5; B0 on the last stage alone 2; its F1 ‖ the
+    first's B0 1.5, then B1 ‖ the rest of B0 1.5; B1's rest alone 1; the first's B1 2:
+    10.5, above both the critical path alone (9) and the cores' work (2 · 1.5 · 3 = 9).
+    Calls that wait on the network leave the cores to the other stage: never slower."""
+    from research.costmodel.sharing import shared_makespan
+
+    def run(calls: tuple[float, float], on_cores: bool) -> float:
+        return shared_makespan("1f1b", 2, 2, 1, (1.0, 2.0), calls, 0.0, lambda n: 1.5 if n > 1 else 1.0, on_cores)
+
+    assert run((0.0, 0.0), True) == pytest.approx(10.5, rel=1e-12)
+    assert run((0.5, 0.5), False) < run((0.5, 0.5), True)
+
+
+@pytest.mark.parametrize("gbps", [1.0, 1000.0], ids=["slow-link", "fast-link"])
+def test_a_tp_group_across_hosts_leaves_the_cores_to_the_others_while_it_waits(gbps: float) -> None:
+    """4 devices on 2 compute units, tp 2 × dp 2. The two ranks of a TP group compute
+    together (2 on 2 units: at one alone's rate). Where the group spans hosts, its calls wait
+    on the network and the other group computes meanwhile: the step is the longer of the
+    cores' work (σ = 2 times the compute) and one group's own path (its compute and calls).
+    Inside a host the calls use the cores: their time adds to the cores' work."""
+    model = GPTConfig(vocab_size=512, n_layers=4, n_heads=16, d_model=2048, max_seq_len=2048)
+    layout = Layout(tp=2, dp=2, zero=1, micro_batches=2, precision="fp32")
+
+    def step(per_node: int, units: float | None) -> costmodel.StepTime:
+        cluster = Cluster(GPUS["h100"], 4, gpus_per_node=per_node, inter_node_gbps=gbps, compute_units=units)
+        return costmodel.predict_step_time(model, layout, 2048, cluster)
+
+    alone = step(1, None)
+    compute = alone.pipeline - alone.tp_comm  # m(t_f + t_b) at one alone's rate, less the calls
+    across = step(1, 2)
+    assert across.pipeline == pytest.approx(max(2 * compute, compute + across.tp_comm), rel=1e-12)
+    assert (across.pipeline > 2 * compute) == (gbps == 1.0)  # a slow link: the group's path binds
+    inside = step(2, 2)
+    assert inside.pipeline == pytest.approx(2 * compute + inside.tp_comm, rel=1e-12)
 
 
 def test_a_hardware_file_names_its_backend_and_shared_compute(tmp_path: Path) -> None:

@@ -272,7 +272,12 @@ class Cluster:
     def compute_share(self) -> float:
         """How much slower each device computes while all of them compute than one alone:
         max(1, gpus / compute_units); 1 where every device has its own compute."""
-        return 1.0 if self.compute_units is None else max(1.0, self.gpus / self.compute_units)
+        return self.group_share(self.gpus)
+
+    def group_share(self, devices: int) -> float:
+        """How much slower each of `devices` computes while they compute together, the rest
+        idle: max(1, devices / compute_units); 1 where every device has its own compute."""
+        return 1.0 if self.compute_units is None else max(1.0, min(devices, self.gpus) / self.compute_units)
 
     def ring_steps(self, size: int, stride: int, rounds: int = 1) -> tuple[int, int]:
         """(in-node, cross-node) steps of a ring over `size` ranks `stride` apart on n nodes:

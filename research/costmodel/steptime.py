@@ -33,12 +33,15 @@ Step = m(t_f + t_b) + bubble + exposed p2p + exposed DP communication + optimize
 (W fills the cool-down): the makespan of `parallel.pipeline.simulate` under these costs.
 
 Shared compute (`Cluster.compute_share` σ > 1: the processes of an emulated cluster on fewer
-CPU cores): compute runs at 1/σ while every rank computes, and a rank idle in the bubble
-or waiting for a send gives its share to the others, so the pipeline takes
-max(m(t_f + t_b) + bubble + exposed sends at the rate of one alone, m(σ·compute +
-communication)): its critical path, or the cores' work, under which the sends hide. In the
-second case every compute term (and the overlap windows, the optimizer step, quantization
-kernels) is σ times one alone's.
+CPU cores): compute runs at 1/σ while every rank computes. A pipeline's stages take turns on
+the cores: `research.costmodel.sharing` simulates the schedule with processor sharing (n
+stages computing at once, each `Cluster.group_share` of their processes times slower than
+alone), its sends included. Without a pipeline, the t·ep ranks that meet at every TP /
+expert call compute together at 1/σ_g (`group_share` of t·ep); where they span nodes a call
+waits on the network and leaves the cores to the other groups, so the step takes
+max(m(σ_g·compute + calls), m(σ·compute + the calls inside a host, which use the cores)).
+Where the cores bound the step, every compute term (and the overlap windows, the optimizer
+step, quantization kernels) is σ times one alone's.
 
 Data-parallel communication (`research.costmodel.dpcomm`: bytes, alpha-beta latency,
 quantization kernels, overlap per stage-3 unit or bucket) adds what compute does not hide,
@@ -61,6 +64,7 @@ from research.costmodel.hardware import GPU, Cluster, ranks_per_node
 from research.costmodel.layout import DTYPE_BYTES, Layout
 from research.costmodel.memory import layer_activation_bytes
 from research.costmodel.params import rank_params
+from research.costmodel.sharing import shared_makespan
 from research.model import GPTConfig
 
 # η: the share of the 16-bit peak that a layer's GEMMs reach; the model's one calibrated
@@ -263,6 +267,37 @@ def _p2p(layout: Layout, msg: float, cluster: Cluster) -> float:
     return layout.virtual_stages * (msg / cluster.inter_node_bandwidth + cluster.latency(0, 1))
 
 
+def _pipeline(
+    layout: Layout, cluster: Cluster, compute: tuple[float, float], calls: tuple[float, float], p2p: float
+) -> tuple[float, ...]:
+    """(compute_f, compute_b, t_f, t_b, bubble, exposed sends, pipeline seconds) of a step whose
+    micro-batch computes `compute` alone and calls `calls` (TP, experts): compute at the rate
+    the ranks get (the module docstring's "Shared compute")."""
+    p, v, m, share = layout.pp, layout.virtual_stages, layout.micro_batches, cluster.compute_share
+    (compute_f, compute_b), (calls_f, calls_b) = compute, calls
+    # The ranks that meet at every TP / expert call compute together; where they span nodes a
+    # call waits on the network, leaving the cores to the other groups, else it uses them.
+    group = layout.tp * layout.ep
+    lockstep, held = cluster.group_share(group), float(group <= cluster.gpus_per_node)
+    if share > 1 and p > 1:  # stages take turns on the cores: simulated
+        per_stage = cluster.gpus // p
+        pipeline = shared_makespan(
+            layout.schedule, p, m, v, compute, calls, p2p, lambda n: cluster.group_share(n * per_stage), held > 0
+        )
+        compute_f, compute_b = share * compute_f, share * compute_b
+        t_f, t_b = compute_f + held * calls_f, compute_b + held * calls_b
+        return compute_f, compute_b, t_f, t_b, max(0.0, pipeline - m * (t_f + t_b)), 0.0, pipeline
+    t_f, t_b = lockstep * compute_f + calls_f, lockstep * compute_b + calls_b
+    bubble = pipeline_bubble(layout.schedule, p, v, t_f, t_b)
+    sends = exposed_p2p(layout.schedule, p, m, p2p, t_f, t_b)
+    if m * (share * (compute_f + compute_b) + held * (calls_f + calls_b)) > m * (t_f + t_b) + bubble + sends:
+        compute_f, compute_b = share * compute_f, share * compute_b  # the shared cores bound the step
+        t_f, t_b, bubble, sends = compute_f + held * calls_f, compute_b + held * calls_b, 0.0, 0.0
+    else:
+        compute_f, compute_b = lockstep * compute_f, lockstep * compute_b
+    return compute_f, compute_b, t_f, t_b, bubble, sends, m * (t_f + t_b) + bubble + sends
+
+
 def predict_step_times(model: GPTConfig, layouts: list[Layout], seq_len: int, cluster: Cluster) -> list[StepTime]:
     """Step times on `cluster` (the model in the module docstring) of layouts that differ at
     most in how dp communicates (`search.comm_variants`): the micro-batch is costed once."""
@@ -270,14 +305,9 @@ def predict_step_times(model: GPTConfig, layouts: list[Layout], seq_len: int, cl
     t, p, v, m = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batches
     P, G = DTYPE_BYTES[layout.precision], DTYPE_BYTES[layout.reduce_dtype]
     compute_f, compute_b, tp_f, tp_b, ep_f, ep_b, p2p = _micro_batch(model, layout, seq_len, cluster)
-    comm_f, comm_b, share = tp_f + ep_f, tp_b + ep_b, cluster.compute_share
-    t_f, t_b = compute_f + comm_f, compute_b + comm_b
-    bubble = pipeline_bubble(layout.schedule, p, v, t_f, t_b)
-    sends = exposed_p2p(layout.schedule, p, m, p2p, t_f, t_b)
-    if m * (share * (compute_f + compute_b) + comm_f + comm_b) > m * (t_f + t_b) + bubble + sends:
-        compute_f, compute_b = share * compute_f, share * compute_b  # the shared cores bound the step
-        t_f, t_b, bubble, sends = compute_f + comm_f, compute_b + comm_b, 0.0, 0.0
-    pipeline = m * (t_f + t_b) + bubble + sends
+    compute_f, compute_b, t_f, t_b, bubble, sends, pipeline = _pipeline(
+        layout, cluster, (compute_f, compute_b), (tp_f + ep_f, tp_b + ep_b), p2p
+    )
     ranks = (rank_params(model, t, p, v, r, layout.unit_numel, layout.ep) for r in {0, p - 1})
     rank = max(ranks, key=lambda r: r.numel)
     times = []
