@@ -40,6 +40,7 @@ RECIPES = ("none", "tensorwise")
 Layout = Literal["rows", "columns", "both"]
 _AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale
 _MANTISSA_BITS = 23  # float32
+_MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
 
 
 def power_of_two_scale(amax: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,8 +48,8 @@ def power_of_two_scale(amax: torch.Tensor, top: float) -> tuple[torch.Tensor, to
     mantissa fields of amax and top (integer arithmetic: no rounding anywhere)."""
     (top_bits,) = struct.unpack("<i", struct.pack("<f", top))
     bits = amax.float().clamp(min=_AMAX_FLOOR).view(torch.int32)
-    exponent, mantissa = bits >> _MANTISSA_BITS, bits & ((1 << _MANTISSA_BITS) - 1)
-    k = (top_bits >> _MANTISSA_BITS) - exponent - (mantissa > (top_bits & ((1 << _MANTISSA_BITS) - 1))).int()
+    exponent, mantissa = bits >> _MANTISSA_BITS, bits & _MANTISSA_MASK
+    k = (top_bits >> _MANTISSA_BITS) - exponent - (mantissa > (top_bits & _MANTISSA_MASK)).int()
     k = k.clamp(-126, 126)  # 2^k a normal float32 (only a non-finite amax reaches the ends)
     return ((k + 127) << _MANTISSA_BITS).view(torch.float32), ((127 - k) << _MANTISSA_BITS).view(torch.float32)
 
@@ -60,8 +61,10 @@ def cast_float8(t: torch.Tensor, dtype: torch.dtype, layout: Layout) -> tuple[tu
     top = torch.finfo(dtype).max
     scale, inverse = power_of_two_scale(t.abs().amax(), top)
     rows = (t.float() * scale).clamp(-top, top).to(dtype)
-    columns = rows.t().contiguous()
-    return {"rows": (rows,), "columns": (columns,), "both": (rows, columns)}[layout], inverse
+    if layout == "rows":
+        return (rows,), inverse
+    columns = rows.t().contiguous()  # only where a matmul reads it: eagerly it is a copy
+    return ((columns,) if layout == "columns" else (rows, columns)), inverse
 
 
 def to_float8(

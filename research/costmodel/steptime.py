@@ -278,7 +278,7 @@ def _pipeline(
     # The ranks that meet at every TP / expert call compute together; where they span nodes a
     # call waits on the network, leaving the cores to the other groups, else it uses them.
     group = layout.tp * layout.ep
-    lockstep, held = cluster.group_share(group), float(group <= cluster.gpus_per_node)
+    held = float(group <= cluster.gpus_per_node)
     if share > 1 and p > 1:  # stages take turns on the cores: simulated
         per_stage = cluster.gpus // p
         pipeline = shared_makespan(
@@ -287,6 +287,7 @@ def _pipeline(
         compute_f, compute_b = share * compute_f, share * compute_b
         t_f, t_b = compute_f + held * calls_f, compute_b + held * calls_b
         return compute_f, compute_b, t_f, t_b, max(0.0, pipeline - m * (t_f + t_b)), 0.0, pipeline
+    lockstep = cluster.group_share(group)
     t_f, t_b = lockstep * compute_f + calls_f, lockstep * compute_b + calls_b
     bubble = pipeline_bubble(layout.schedule, p, v, t_f, t_b)
     sends = exposed_p2p(layout.schedule, p, m, p2p, t_f, t_b)
