@@ -15,6 +15,11 @@ the parameter's shape and no storage whose operations are answered by the optimi
 so `torch.nn.utils.clip_grad_norm_` clips exactly and `model.zero_grad()` (which sets `.grad`
 to None, or zeroes it) clears exactly what it clears in torch. Any other operation raises
 one sentence saying what to use instead.
+
+The tensors in the optimizer's `param_groups` (flat fp32 master shards, one per bucket) show
+a placeholder of the whole bucket (`i` None) in the same way, for trainers that clip the
+optimizer's parameters: its norm is the bucket's over all shards, its scaling and zeroing
+act on the bucket's reduced gradient, and autograd never adds to it.
 """
 
 from __future__ import annotations
@@ -34,26 +39,27 @@ UNSUPPORTED = (
 
 
 class GradOwner(Protocol):
-    """The optimizer side of a placeholder: parameter `i` of bucket `k`."""
+    """The optimizer side of a placeholder: parameter `i` of bucket `k` (i None: the whole bucket)."""
 
-    def _grad_norm_of(self, k: int, i: int, norm_type: float) -> torch.Tensor: ...
+    def _grad_norm_of(self, k: int, i: int | None, norm_type: float) -> torch.Tensor: ...
 
-    def _scale_grad_of(self, k: int, i: int, factor: torch.Tensor | float) -> None: ...
+    def _scale_grad_of(self, k: int, i: int | None, factor: torch.Tensor | float) -> None: ...
 
-    def _zero_grad_of(self, k: int, i: int) -> None: ...
+    def _zero_grad_of(self, k: int, i: int | None) -> None: ...
 
 
 class GradPlaceholder(torch.Tensor):
-    """`param.grad` of parameter `i` of bucket `k` of `owner` (see module docstring)."""
+    """`param.grad` of parameter `i` of bucket `k` of `owner`, or with `i` None the `.grad`
+    of the bucket's master shard (see module docstring)."""
 
     owner: GradOwner
     k: int
-    i: int
+    i: int | None
     pending: torch.Tensor | None
 
     @staticmethod
     def __new__(
-        cls, owner: GradOwner, k: int, i: int, shape: torch.Size, dtype: torch.dtype, device: torch.device
+        cls, owner: GradOwner, k: int, i: int | None, shape: torch.Size, dtype: torch.dtype, device: torch.device
     ) -> GradPlaceholder:
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
         self.owner, self.k, self.i, self.pending = owner, k, i, None
@@ -80,7 +86,7 @@ class GradPlaceholder(torch.Tensor):
 
 
 def _add_(self: GradPlaceholder, other: torch.Tensor, alpha: float = 1) -> GradPlaceholder:
-    if alpha != 1 or self.pending is not None:
+    if alpha != 1 or self.pending is not None or self.i is None:
         raise RuntimeError(UNSUPPORTED.format(op="add_"))
     self.pending = other
     return self

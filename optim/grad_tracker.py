@@ -10,6 +10,13 @@ that keeps torch.optim + DDP semantics under other people's habits.
 * What `param.grad` holds: the parameter's `GradPlaceholder` (optim.grad_placeholder), whose
   norm, scaling and zeroing are answered here; a `.grad` found None again (model.zero_grad())
   forgets that gradient; one assigned by hand is refused on every rank.
+* What the tensors of `optimizer.param_groups` (the fp32 master shards, one per bucket) hold
+  as `.grad`, for trainers that clip "the optimizer's parameters" (Lightning, Fabric): a
+  placeholder of the whole bucket, shown whenever the bucket has a gradient, whose norm is
+  the bucket's over all its shards, ‖ḡ_k‖_p = (Σ_ranks ‖owned part‖_p^p)^(1/p), so that
+  `clip_grad_norm_` over them totals the global norm below, and whose scaling scales the
+  bucket's reduced gradient. Under model parallelism no rank's buckets total the global
+  norm, so their norm raises, naming `optimizer.clip_grad_norm_`.
 * Whether the model is still the one the buffers were built for: a forward pre-hook refuses
   moved or cast parameters, a DDP wrapper and compilation at stage 3.
 * The global gradient norm, counting replicated parameters once:
@@ -58,6 +65,14 @@ COMPILED = (
     "torch.compile cannot trace ZeRO stage 3, whose hooks gather and free the parameters around every "
     "module; use stage 2 with torch.compile, or stage 3 without it"
 )
+MODEL_PARALLEL_CLIP = (
+    "clipping the tensors in a model-parallel ZeroOptimizer's param_groups cannot count the other tensor / "
+    "pipeline ranks' gradients; clip with optimizer.clip_grad_norm_(max_norm), which gives the global norm"
+)
+SHARD_GRAD_SET = (
+    ".grad of a tensor in ZeroOptimizer's param_groups (a flat fp32 master shard) was assigned by hand; ZeroOptimizer "
+    "takes gradients only from backward(), so compute them with loss.backward() and clear them with opt.zero_grad()"
+)
 UNUSED = (
     "parameter {name!r} got no gradient in this step, but Communication(find_unused_parameters=False) expects one "
     "for every trained parameter on every rank; pass Communication(find_unused_parameters=True) "
@@ -69,13 +84,13 @@ HAND_SET = (
 )
 WRAPPED = (
     "the model runs inside DistributedDataParallel, but ZeroOptimizer reduces gradients itself: train the bare model "
-    "(do not wrap it in DDP; for accelerate, Lightning and the HF Trainer use optim.integrations)"
+    "(do not wrap it in DDP; for accelerate, Lightning, Lightning Fabric and the HF Trainer use optim.integrations)"
 )
 
 
 class GradTracker:
-    """ZeroOptimizer's gradient bookkeeping (module docstring): the `.grad` placeholders (their
-    owner), which parameters have a gradient, the model checks, the once-per-step finishing of
+    """ZeroOptimizer's gradient bookkeeping (module docstring): the `.grad` placeholders of the
+    parameters and of the master shards (their owner), which parameters have a gradient, the model checks, the once-per-step finishing of
     the reduced gradients and their norms. `reducer` is the optimizer's GradReducer, set once
     it exists (the reducer calls `check_grads` and `backward_end`)."""
 
@@ -108,6 +123,9 @@ class GradTracker:
             [GradPlaceholder(self, k, i, shape, param_dtype, device) for i, shape in enumerate(b.shapes)]
             for k, b in enumerate(buckets)
         ]
+        self.shard_placeholders = [
+            GradPlaceholder(self, k, None, b.master.shape, b.master.dtype, device) for k, b in enumerate(buckets)
+        ]
         self._hand_set = 0  # 1 + index of a parameter whose .grad was assigned by hand (0: none)
         self.reset()
 
@@ -115,7 +133,16 @@ class GradTracker:
         """A new step: the gradients are to be finished again, their norms computed again."""
         self._norm: torch.Tensor | None = None
         self._param_norms: tuple[float, torch.Tensor] | None = None  # (norm type, per-parameter norms)
+        self._bucket_norms: tuple[float, torch.Tensor] | None = None  # (norm type, per-bucket norms)
         self._finished = False
+        self.show_shard_grads()
+
+    def show_shard_grads(self) -> None:
+        """Each master shard's `.grad`: its bucket's placeholder while the bucket has a
+        gradient, None otherwise (module docstring)."""
+        self._shown = [any(b.has_grad) for b in self.buckets]
+        for b, placeholder, shown in zip(self.buckets, self.shard_placeholders, self._shown):
+            b.master.grad = placeholder if shown else None
 
     @property
     def unscale(self) -> float:
@@ -157,9 +184,21 @@ class GradTracker:
     def check_grads(self, arriving: tuple[int, int] | None = None) -> None:
         """`.grad` set to None since the last backward (model.zero_grad()) clears that
         gradient; one assigned by hand is noted (1 + its index in `_hand_set`) and refused on
-        every rank at the next `share_has_grad`. Runs at the start of each backward (where
-        `arriving` has just got its new gradient) and before each step."""
+        every rank at the next `share_has_grad`. A master shard's `.grad` found None again
+        (a trainer's own zero_grad over param_groups) clears its bucket's gradients. Runs at
+        the start of each backward (where `arriving` has just got its new gradient) and before
+        each step."""
         for k, b in enumerate(self.buckets):
+            if b.master.grad is None and self._shown[k]:
+                self._shown[k] = False
+                for i, p in enumerate(b.params):
+                    if b.has_grad[i]:
+                        b.clear_grad(i)
+                        b.has_grad[i] = False
+                        if (k, i) != arriving:  # the arriving one's new gradient waits in its placeholder
+                            p.grad = None
+            elif b.master.grad is not None and b.master.grad is not self.shard_placeholders[k]:
+                raise RuntimeError(SHARD_GRAD_SET)
             for i, p in enumerate(b.params):
                 if p.grad is self.placeholders[k][i] or (k, i) == arriving:
                     continue
@@ -187,6 +226,7 @@ class GradTracker:
                     raise RuntimeError(UNUSED.format(name=self.names[p]))
                 if b.has_grad[i] and p.grad is None:
                     p.grad = self.placeholders[k][i]
+        self.show_shard_grads()
 
     def _agree_on_has_grad(self, tied: bool) -> int:
         """As DDP finds unused parameters: one max all-reduce of a flag per parameter over the
@@ -222,11 +262,13 @@ class GradTracker:
         """After every backward: stage 3 frees what it gathered; a backward that reduced every
         bucket also agrees on which parameters got a gradient, so `.grad` shows the same
         parameters on every rank (as under DDP) for third-party clipping."""
-        self._param_norms = None
+        self._param_norms = self._bucket_norms = None
         if self._gatherer is not None:
             self._gatherer.backward_end()
         if synced:
             self.share_has_grad(tied=False)
+        else:  # a clip now reaches finish(), which names the missing synced backward
+            self.show_shard_grads()
 
     def check_model(self, module: torch.nn.Module, args: tuple) -> None:
         """Forward pre-hook: refuse a DDP wrapper, compilation at stage 3 and parameters moved
@@ -251,11 +293,14 @@ class GradTracker:
                 if not bound:
                     raise RuntimeError(MOVED.format(name=self.names.get(p, "?")))
 
-    # ---- param.grad placeholders (optim.grad_placeholder) --------------------------------
-    def _grad_norm_of(self, k: int, i: int, norm_type: float) -> torch.Tensor:
-        """‖ḡ‖_p of parameter i of bucket k, unscaled, over all shards: ‖ḡ‖_p^p summed over the
-        owned parts (the largest part's norm for p = ∞) in one all-reduce that gives every
-        parameter's norm, reused until the gradients change."""
+    # ---- .grad placeholders (optim.grad_placeholder) ---------------------------------------
+    def _grad_norm_of(self, k: int, i: int | None, norm_type: float) -> torch.Tensor:
+        """‖ḡ‖_p of parameter i of bucket k (i None: of the whole bucket, `_bucket_norm`),
+        unscaled, over all shards: ‖ḡ‖_p^p summed over the owned parts (the largest part's norm
+        for p = ∞) in one all-reduce that gives every parameter's norm, reused until the
+        gradients change."""
+        if i is None:
+            return self._bucket_norm(k, norm_type)
         if self._param_norms is None or self._param_norms[0] != norm_type:
             self.finish()
             inf = norm_type == float("inf")
@@ -278,15 +323,38 @@ class GradTracker:
             self._param_norms = (norm_type, (norms * self.unscale).float())
         return self._param_norms[1][self._first_index[k] + i]
 
-    def _scale_grad_of(self, k: int, i: int, factor: torch.Tensor | float) -> None:
+    def _bucket_norm(self, k: int, norm_type: float) -> torch.Tensor:
+        """‖ḡ_k‖_p of bucket k over its shard group, each element counted once as in
+        `global_grad_norm` (so Σ_k ‖ḡ_k‖₂² is its square when no model-parallel group joins
+        it), unscaled; every bucket's in one all-reduce, reused until the gradients change."""
+        if len(self._norm_groups) > 1:
+            raise RuntimeError(MODEL_PARALLEL_CLIP)
+        if self._bucket_norms is None or self._bucket_norms[0] != norm_type:
+            self.finish()
+            inf = norm_type == float("inf")
+            local = torch.zeros(len(self.buckets), dtype=torch.float64, device=self.buckets[0].grad_shard.device)
+            for at, b in enumerate(self.buckets):
+                part = owned_grad(b)
+                if counts_in_norm(b) and part.numel():
+                    local[at] = torch.linalg.vector_norm(part, norm_type, dtype=torch.float32).double()
+            local = local if inf else local**norm_type
+            if dist.get_world_size(self.group) > 1:
+                comm.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.group)
+            norms = local if inf else local ** (1.0 / norm_type)
+            self._bucket_norms = (norm_type, (norms * self.unscale).float())
+        return self._bucket_norms[1][k]
+
+    def _scale_grad_of(self, k: int, i: int | None, factor: torch.Tensor | float) -> None:
         self.finish()
         b = self.buckets[k]
-        b.param_slice(b.grad_shard, i, b.opt_range)[1].mul_(factor)
-        self._param_norms = self._norm = None
+        (b.grad_shard if i is None else b.param_slice(b.grad_shard, i, b.opt_range)[1]).mul_(factor)
+        self._param_norms = self._bucket_norms = self._norm = None
 
-    def _zero_grad_of(self, k: int, i: int) -> None:
-        self.buckets[k].clear_grad(i)
-        self._param_norms = self._norm = None
+    def _zero_grad_of(self, k: int, i: int | None) -> None:
+        b = self.buckets[k]
+        for j in range(len(b.params)) if i is None else [i]:
+            b.clear_grad(j)
+        self._param_norms = self._bucket_norms = self._norm = None
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """name -> the full reduced (averaged, unscaled) gradient of each trained parameter

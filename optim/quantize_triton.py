@@ -17,10 +17,12 @@ from typing import Any
 
 import torch
 
-from optim.fused import TRITON_FLOATS, KernelVariant, kernel_signature, to_rne, triton
+from optim.fused import TRITON_FLOATS, KernelVariant, kernel_signature, triton
 
-if triton is not None:
+if triton is not None:  # the kernels exist only with triton; without it quantize.py runs torch's reference
     import triton.language as tl
+
+    from optim.fused import to_rne
 
 _WARPS = {8: 4, 4: 2}  # by bits: the fastest on an H200 (2^28 bf16 elements, 2-16 warps tried)
 

@@ -94,6 +94,7 @@ class ShardStep:
         parameters are stepped alike take one step together; the others one per run."""
         whole, partial = [], []
         for k, b in enumerate(self.buckets):
+            b.master.grad = None  # not the `.grad` placeholder shown between backward and step
             runs = self._runs(k)
             if len(runs) == 1 and runs[0][1] == [(0, b.master.numel())]:
                 whole.append((b, runs[0][0]))

@@ -14,6 +14,11 @@ reach for, made safe.
   [indices], ...}]}`) of the same model: parameters are numbered as a torch optimizer built
   with the same param groups numbers them, each tensor is checked against its parameter's
   shape and its owned part copied in.
+* torch's `ZeroRedundancyOptimizer` convention, which Lightning and Fabric follow for
+  sharded optimizers: `consolidate_state_dict(to)` (a collective) gathers that plain
+  `torch.optim` state dict, whole and on the CPU, onto rank `to` of the shard group, and the
+  next `state_dict()` there returns it (until then, or after a step, `state_dict()` is the
+  sharded one); every rank loads it with `load_state_dict`.
 """
 
 from __future__ import annotations
@@ -153,6 +158,7 @@ class StateDicts:
         self.state, self.param_groups = inner.state, inner.param_groups
         self._orig_dtypes, self._torch_order, self._shard_step = orig_dtypes, torch_order, shard_step
         self._param_steps = shard_step.param_steps
+        self.consolidated: dict[str, Any] | None = None  # for the next state_dict() (consolidate)
 
     def param_shapes(self) -> dict[torch.nn.Parameter, torch.Size]:
         """Each trained parameter's shape, also at stage 3, where it is empty between uses."""
@@ -173,12 +179,48 @@ class StateDicts:
             for k, v in self.model.state_dict(keep_vars=True).items()
         }
 
+    def consolidate(self, to: int) -> None:
+        """Gather the plain `torch.optim` state dict onto rank `to` of the shard group, where
+        the next `state_dict()` returns it (module docstring). A collective."""
+        if not 0 <= to < self.world:
+            raise ValueError(f"consolidate_state_dict(to={to}): the shard group has ranks 0-{self.world - 1}")
+        self._shard_step.wait()
+        self._materialize_state()
+        index_of = {p: n for n, p in enumerate(p for group in self._torch_order for p in group)}
+        state: dict[int, dict[str, Any]] = {}
+        for k, b in enumerate(self.buckets):
+            for key, value in self.state[b.master].items():
+                whole = value.numel() == b.master.numel()
+                flat = gather_flat(b, value, b.group) if whole else value
+                for i, p in enumerate(b.params):
+                    if self._param_steps[k][i] == 0:
+                        continue  # never stepped: no state, as in torch
+                    if key == "step":
+                        own = torch.tensor(float(self._param_steps[k][i]))
+                    else:
+                        own = b.param_view(flat, i) if whole else value
+                    state.setdefault(index_of[p], {})[key] = own.detach().to("cpu", copy=True)
+        if self.rank != to:
+            return
+        groups, start = [], 0
+        for group, params in zip(self.param_groups, self._torch_order):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**hyper, "params": list(range(start, start + len(params)))})
+            start += len(params)
+        self.consolidated = {"state": dict(sorted(state.items())), "param_groups": groups}
+        if self.scaler is not None:
+            self.consolidated["loss_scaler"] = self.scaler.state_dict()
+
     def state_dict(self) -> dict[str, Any]:
         """Sharded state for `torch.distributed.checkpoint`, canonical per parameter:
         {"params": {name: fp32 master}, "state": {name: {key: tensor}}, "param_groups":
         (hyperparameters per group), "loss_scaler"}, each sharded tensor in the parameter's true shape. It loads under
         any other data-parallel size and stage: `sd = opt.state_dict(); dcp.load(sd, ...);
-        opt.load_state_dict(sd)`. Entries are views of the optimizer's own storage."""
+        opt.load_state_dict(sd)`. Entries are views of the optimizer's own storage.
+        Right after `consolidate` on its target rank: the consolidated torch.optim state dict, once."""
+        if self.consolidated is not None:
+            consolidated, self.consolidated = self.consolidated, None
+            return consolidated
         self._shard_step.wait()
         self._materialize_state()
         params: dict[str, Any] = {}
@@ -242,16 +284,16 @@ class StateDicts:
             for b in self.buckets:
                 self._shard_step.init_adam_state(b.master)
             return
-        saved = [b.master.clone() for b in self.buckets]
+        saved = [(b.master.clone(), b.master.grad) for b in self.buckets]  # .grad: placeholders shown
         lrs = [g["lr"] for g in self.param_groups]
         for g in self.param_groups:
             g["lr"] = 0.0
         for b in self.buckets:
             b.master.grad = torch.zeros_like(b.master)
         self.inner.step()
-        for b, m, g, lr in zip(self.buckets, saved, self.param_groups, lrs):
+        for b, (m, grad), g, lr in zip(self.buckets, saved, self.param_groups, lrs):
             b.master.copy_(m)
-            b.master.grad = None
+            b.master.grad = grad
             g["lr"] = lr
             for value in self.state[b.master].values():
                 if isinstance(value, torch.Tensor):
@@ -262,6 +304,7 @@ class StateDicts:
         by `state_dict()` under the same layout, also through torch.save / torch.load on every
         rank, the same with every tensor whole, or a plain torch.optim state dict of the same
         model), then republish the parameters. A collective: a state dict that does not fit raises on every rank."""
+        self.consolidated = None
         self._materialize_state()
         if RANK_LOCAL in state_dict:
             check_rank_local(state_dict, self._layout(), self.group)
@@ -360,10 +403,11 @@ class StateDicts:
             for i, p in enumerate(b.params):
                 self._param_steps[k][i] = int(sd["state"].get(index_of[p], {}).get("step", 0))
             for i, s, e, at in b.ranges_of(*b.opt_range):
-                for key, value in sd["state"].get(index_of[b.params[i]], {}).items():
-                    target = state.get(key)
+                saved = sd["state"].get(index_of[b.params[i]], {})
+                for key, target in state.items():
                     if key != "step" and isinstance(target, torch.Tensor) and target.shape == b.master.shape:
-                        target[at : at + e - s] = value.reshape(-1)[s:e]
+                        value = saved.get(key)  # none: never stepped in the saved run, a fresh state
+                        target[at : at + e - s] = 0 if value is None else value.reshape(-1)[s:e]
         for group, saved in zip(self.param_groups, sd["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
 

@@ -438,6 +438,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.wait_params()
         self._grads.finish()
+        self._state_dicts.consolidated = None  # a consolidated state dict would be stale
         self.last_step_skipped = False
         if not any(any(b.has_grad) for b in self.buckets):
             self._end_step()
@@ -471,6 +472,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         other data-parallel size and stage: `sd = opt.state_dict(); dcp.load(sd, ...);
         opt.load_state_dict(sd)`. Entries are views of the optimizer's own storage."""
         return self._state_dicts.state_dict()
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """torch's `ZeroRedundancyOptimizer.consolidate_state_dict`: gather the whole optimizer
+        state, as the plain `torch.optim` state dict a torch optimizer with the same param groups
+        would have (CPU tensors in each parameter's shape), onto rank `to` of the shard group,
+        where the next `state_dict()` returns it (Lightning and Fabric then save it from
+        rank 0). A collective: every rank must call it. Any ZeroOptimizer of the same model
+        loads it with `load_state_dict` on every rank, under any stage and group size."""
+        self._state_dicts.consolidate(to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state dict filled by `torch.distributed.checkpoint.load` (or one returned by

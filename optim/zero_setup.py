@@ -24,9 +24,14 @@ OUT_OF_STEP_ADVICE = (
 _TRAINED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
+def claimed(model: torch.nn.Module) -> bool:
+    """Whether a ZeroOptimizer trains `model` or a module in it (holds their parameters)."""
+    return any(m in _TRAINED for m in model.modules())
+
+
 def claim(model: torch.nn.Module) -> None:
     """Marks `model` as trained by one ZeroOptimizer, refusing it if one already trains part of it."""
-    if any(m in _TRAINED for m in model.modules()):
+    if claimed(model):
         raise ValueError(
             "this model (or a module in it) is already trained by a ZeroOptimizer, which holds its parameters "
             "in its own buffers; keep using that optimizer (change its param_groups' lr, load_state_dict), "

@@ -33,6 +33,7 @@ def zero_train(
     save: tuple[int, str] | None = None,
     load: str | None = None,
     dims: dict[str, Any] | None = None,
+    clip_param_groups: bool = False,
     **opt_kwargs: Any,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train with ZeroOptimizer as `tests.models.reference_run` does in one process:
@@ -44,7 +45,8 @@ def zero_train(
     `dims`: a `ParallelDims(**dims)` layout (`dp_shard` for hybrid sharding, `ranks_per_node`)
     whose shard, replicate and node groups the optimizer uses. `param_dtype` is the compute
     dtype of the optimizer's `precision`, which `zero_kwargs` may give (for its loss scaler or
-    reduce dtype)."""
+    reduce dtype). `clip_param_groups`: clip as Lightning and Fabric do, with
+    `torch.nn.utils.clip_grad_norm_` over the tensors in the optimizer's param_groups."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make()
     zero_kwargs = dict(zero_kwargs or {})
@@ -90,7 +92,9 @@ def zero_train(
             total += loss.detach().float() / micro
         dist.all_reduce(total)
         losses.append(total.item() / world)
-        if clip is not None:
+        if clip is not None and clip_param_groups:
+            torch.nn.utils.clip_grad_norm_([t for g in opt.param_groups for t in g["params"]], clip)
+        elif clip is not None:
             opt.clip_grad_norm_(clip)
         opt.step()
         sched.step()

@@ -1,5 +1,5 @@
 """Adapters that put ZeroOptimizer into other trainers: `lightning.ZeroStrategy`,
-`hf.ZeroTrainer` and `accelerate.prepare`. Each imports its framework lazily, so `optim` never
+`fabric.ZeroStrategy`, `hf.ZeroTrainer` and `accelerate.prepare`. Each imports its framework lazily, so `optim` never
 requires it. `wrapped_by` and WRAPPED_BY name the adapter to a user whose framework wrapped the
 model in DDP (ZeroOptimizer's model check raises that sentence)."""
 
@@ -50,6 +50,10 @@ WRAPPED_BY = {
         "itself: prepare with optim.integrations.accelerate.prepare(accelerator, model, optimizer, ...) in place "
         "of accelerator.prepare(model, optimizer, ...)"
     ),
+    "fabric": (
+        "Fabric's DDP strategy wrapped the model in DistributedDataParallel, but ZeroOptimizer reduces gradients "
+        "itself: launch with Fabric(strategy=optim.integrations.fabric.ZeroStrategy())"
+    ),
     "lightning": (
         "Lightning's DDP strategy wrapped the LightningModule in DistributedDataParallel, but ZeroOptimizer reduces "
         "gradients itself: train with pl.Trainer(strategy=optim.integrations.lightning.ZeroStrategy(stage={stage}))"
@@ -65,12 +69,15 @@ WRAPPED_BY = {
 def wrapped_by(ddp: torch.nn.Module) -> str | None:
     """The framework that wrapped a model in the DistributedDataParallel `ddp` (a key of
     WRAPPED_BY), None for a wrap written by hand. Reads marks the frameworks leave (the
-    Trainer's frames on the stack, accelerate's prepared flag, a LightningModule inside),
+    Trainer's or Fabric's frames on the stack, accelerate's prepared flag, a LightningModule inside),
     importing none of them."""
     frame = sys._getframe()
     while frame is not None:
-        if frame.f_globals.get("__name__", "").startswith("transformers.trainer"):
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("transformers.trainer"):
             return "transformers"
+        if module.startswith(("lightning_fabric.wrappers", "lightning.fabric.wrappers")):  # a _FabricModule's forward
+            return "fabric"
         frame = frame.f_back
     if getattr(ddp, "_is_accelerate_prepared", False):
         return "accelerate"

@@ -47,7 +47,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.constants import default_pg_timeout
 
-from optim.integrations import ZERO_OPTIONS, check_zero_options
+from optim.integrations import ZERO_OPTIONS, check_zero_options, checkpoint_folder
+from optim.integrations.checkpoint_folder import META
 from optim.zero import ZeroOptimizer
 
 try:
@@ -62,7 +63,6 @@ except ImportError:
 
 __all__ = ["ZeroPrecision", "ZeroStrategy"]
 
-META = "meta.pt"
 CLIP_BY_VALUE = (
     "ZeroStrategy clips gradients only by their global norm (ZeroOptimizer.clip_grad_norm_); "
     "set gradient_clip_algorithm='norm'"
@@ -262,10 +262,12 @@ class ZeroStrategy(pl.strategies.DDPStrategy):
         """The module's state, trainable parameters as the optimizer's sharded fp32 masters
         (DCP ShardedTensors in the parameters' shapes), the rest as the module holds them;
         each tensor under its first name (a tied weight once)."""
-        module = self.lightning_module
-        if self.zero_optimizer is None:
-            return _module_entries(module, trainable=True)
-        return {**_module_entries(module, trainable=False), **self.zero_optimizer.state_dict()["params"]}
+        return checkpoint_folder.module_entries(self.lightning_module, self.zero_optimizer)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's sharded state dict on every rank (the folder's shards), where Lightning
+        would consolidate an optimizer that has `consolidate_state_dict` onto rank 0."""
+        return getattr(optimizer, "_optimizer", optimizer).state_dict()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """A folder: "model" and "optimizer" as a sharded torch.distributed.checkpoint (every
@@ -282,7 +284,9 @@ class ZeroStrategy(pl.strategies.DDPStrategy):
         path.mkdir(parents=True, exist_ok=True)
         state = {"model": checkpoint["state_dict"]}
         if checkpoint.get("optimizer_states"):
-            state["optimizer"] = {k: v for k, v in checkpoint["optimizer_states"][0].items() if k != "params"}
+            state["optimizer"] = checkpoint_folder.optimizer_entries(
+                checkpoint["optimizer_states"][0], with_masters=False
+            )
         dcp.save(state, checkpoint_id=path)
         if self.is_global_zero:
             torch.save(
@@ -293,21 +297,22 @@ class ZeroStrategy(pl.strategies.DDPStrategy):
         """Load the module (and, when fitting, the optimizer) from a folder `save_checkpoint`
         wrote, at any world size and stage; returns the rest of the checkpoint for Lightning."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        if not (path / META).is_file():
+        if not checkpoint_folder.is_folder(path):
             raise FileNotFoundError(
                 f"{path} is not a ZeroStrategy checkpoint (a folder with {META}); pass a folder ZeroStrategy saved"
             )
         module, zero = self.lightning_module, self.zero_optimizer
+        state: dict[str, Any] = {"model": checkpoint_folder.module_entries(module, zero)}
         if zero is None:
-            dcp.load({"model": _module_entries(module, trainable=True)}, checkpoint_id=path)
+            dcp.load(state, checkpoint_id=path)
         else:
             sd = zero.state_dict()
-            state: dict[str, Any] = {"model": {**_module_entries(module, trainable=False), **sd["params"]}}
             fitting = module.trainer.state.fn == pl.trainer.states.TrainerFn.FITTING
-            if fitting and _has_optimizer(path):
-                state["optimizer"] = {k: v for k, v in sd.items() if k != "params"}
+            # Lightning's weights-only checkpoints hold no optimizer; it then refuses to resume from them itself
+            if fitting and any(k.startswith("optimizer.") for k in checkpoint_folder.saved_keys(path)):
+                state["optimizer"] = checkpoint_folder.optimizer_entries(sd, with_masters=False)
             dcp.load(state, checkpoint_id=path)
-            zero.load_state_dict({**sd, **state.get("optimizer", {}), "params": sd["params"]})
+            checkpoint_folder.load_into(zero, sd, state.get("optimizer"))
         return torch.load(path / META, weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -370,23 +375,3 @@ def _point_scheduler_at(scheduler: Any, optimizer: ZeroOptimizer) -> None:
 
     marked_step._wrapped_by_lr_sched = True
     optimizer.step = marked_step
-
-
-def _module_entries(module: torch.nn.Module, trainable: bool) -> dict[str, torch.Tensor]:
-    """`module.state_dict()` entries, each tensor under its first name only (a tied weight
-    once), with or without the trainable parameters; views of the module's own tensors."""
-    entries: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in module.state_dict(keep_vars=True).items():
-        if id(t) in seen or (not trainable and isinstance(t, torch.nn.Parameter) and t.requires_grad):
-            continue
-        seen.add(id(t))
-        entries[name] = t.detach()
-    return entries
-
-
-def _has_optimizer(path: Path) -> bool:
-    """Whether the checkpoint folder holds optimizer state (Lightning's weights-only
-    checkpoints do not; Lightning then refuses to resume from them itself)."""
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return any(k.startswith("optimizer.") for k in keys)
