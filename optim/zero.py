@@ -479,7 +479,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         would have (CPU tensors in each parameter's shape), onto rank `to` of the shard group,
         where the next `state_dict()` returns it (Lightning and Fabric then save it from
         rank 0). A collective: every rank must call it. Any ZeroOptimizer of the same model
-        loads it with `load_state_dict` on every rank, under any stage and group size."""
+        loads it with `load_state_dict` on every rank, under any stage and group size. A model
+        split over tensor / pipeline / expert ranks is refused (before any communication): one
+        rank's file would hold only its part, and another rank would load it silently wrong."""
+        split = self.model_parallel_group is not None and dist.get_world_size(self.model_parallel_group) > 1
+        if split or any(
+            b.marks.expert is not None and dist.get_world_size(b.marks.expert.ep) > 1 for b in self.buckets
+        ):
+            raise ValueError(
+                "this ZeroOptimizer's model is split over tensor, pipeline or expert ranks, so no one rank can hold "
+                "its whole state and a consolidated save could not be loaded; save the sharded state with "
+                "torch.distributed.checkpoint instead (dcp.save(opt.state_dict(), checkpoint_id=...)), which "
+                "loads under any layout"
+            )
         self._state_dicts.consolidate(to)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]

@@ -108,3 +108,25 @@ def test_consolidated_state_is_zero_redundancy_optimizers_and_loads_both_ways(st
         for name, got in rank["weights"].items():
             for k, v in want.items():
                 torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, n=name, k=k: f"{n} {k}: {m}")
+
+
+def consolidate_model_parallel() -> str:
+    """2 data-parallel × 2 model-parallel ranks: consolidate_state_dict's error."""
+    rank = dist.get_rank()
+    dp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    mp = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    model = make_model()
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=1, process_group=dp, model_parallel_group=mp)
+    try:
+        opt.consolidate_state_dict()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_consolidated_save_of_a_split_model_is_refused_on_every_rank() -> None:
+    """Each tensor-parallel rank's consolidated state holds its own slices, in the same shapes:
+    saved from rank 0 alone it would load silently wrong on the others, so consolidating is
+    refused before any communication, naming the sharded save."""
+    for message in run_distributed(consolidate_model_parallel, 4):
+        assert "split over tensor, pipeline or expert ranks" in message and "dcp.save(opt.state_dict()" in message
