@@ -141,11 +141,12 @@ def train_everything(root: Path) -> dict[str, Any]:
     return out
 
 
-def resume_on_one_rank(root: Path, form: str, saved_stage: int, stage: int) -> dict[str, torch.Tensor]:
-    """The 2-rank run's step-SAVE_AT checkpoint loaded on 1 rank at another stage, trained to the end."""
+def resume_on_one_rank(root: Path, saved: str, form: str, stage: int) -> dict[str, torch.Tensor]:
+    """The 2-rank checkpoint `saved` ("form-stage") loaded by a `form` run on 1 rank at
+    `stage`, trained to the end."""
     fabric = launched(form)
     model, opt = set_up(fabric, form, *model_and_optimizer(form, stage, seed=7))
-    fabric.load(root / f"{form}-{saved_stage}", {"model": model, "optimizer": opt})
+    fabric.load(root / saved, {"model": model, "optimizer": opt})
     train(fabric, form, model, opt, range(SAVE_AT, STEPS))
     return opt.full_state_dict()
 
@@ -194,14 +195,19 @@ def test_zero_optimizer_under_fabrics_ddp_strategy_is_refused(trained: list[dict
         assert rank["refused"][stage] == message
 
 
-@pytest.mark.parametrize(("form", "saved", "stage"), [("sharded", 3, 1), ("full", 2, 3)])
+@pytest.mark.parametrize(
+    ("saved_form", "saved_stage", "form", "stage"),
+    [("sharded", 3, "sharded", 1), ("full", 2, "full", 3), ("kept out", 1, "sharded", 0)],
+)
 def test_a_checkpoint_loads_at_another_world_size_and_stage(
-    trained: list[dict[str, Any]], root: Path, form: str, saved: int, stage: int
+    trained: list[dict[str, Any]], root: Path, saved_form: str, saved_stage: int, form: str, stage: int
 ) -> None:
-    """The 2-rank checkpoint resumed on 1 rank (its two halves of each batch as micro-batches)
-    at another stage ends on the 2-rank run's weights."""
-    weights = run_distributed(resume_on_one_rank, 1, root, form, saved, stage, timeout=120)[0]
-    close(weights, trained[0][form][saved]["weights"])
+    """A 2-rank checkpoint resumed on 1 rank (its two halves of each batch as micro-batches) at
+    another stage ends on the 2-rank run's weights; ZeroStrategy also loads the file Fabric's
+    DDP strategy wrote of a ZeroOptimizer kept out of setup."""
+    saved = f"{saved_form}-{saved_stage}"
+    weights = run_distributed(resume_on_one_rank, 1, root, saved, form, stage, timeout=120)[0]
+    close(weights, trained[0][saved_form][saved_stage]["weights"])
 
 
 # ---- misuse, on one rank ----------------------------------------------------------------------
@@ -262,15 +268,32 @@ MISUSE = {
 }
 
 
-def misuse_errors(root: Path) -> dict[str, str]:
-    return {name: refusal(make, root) for name, (make, _) in MISUSE.items()}
+def one_rank_checks(root: Path) -> dict[str, Any]:
+    """Each MISUSE case's error ("Type: message"); two steps under precision="bf16-mixed"."""
+    misuse = {name: refusal(make, root) for name, (make, _) in MISUSE.items()}
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=ZeroStrategy(), precision="bf16-mixed")
+    fabric.launch()
+    model, opt = fabric.setup(*model_and_optimizer("zero", 2, seed=0))
+    before = opt.full_state_dict()
+    norms = train(fabric, "sharded", model, opt, range(2))["norms"]
+    after = opt.full_state_dict()
+    bf16 = {
+        "finite": all(torch.isfinite(torch.tensor(norms))) and all(v.isfinite().all() for v in after.values()),
+        "changed": not torch.equal(after["emb.weight"], before["emb.weight"]),
+        "dtypes": {str(v.dtype) for v in after.values() if v.is_floating_point()},
+    }
+    return {"misuse": misuse, "bf16": bf16}
 
 
 @pytest.fixture(scope="module")
-def misuse(root: Path) -> dict[str, str]:
-    return run_distributed(misuse_errors, 1, root, timeout=120)[0]
+def one_rank(root: Path) -> dict[str, Any]:
+    return run_distributed(one_rank_checks, 1, root, timeout=120)[0]
 
 
 @pytest.mark.parametrize("case", list(MISUSE))
-def test_misuse_is_refused_in_one_sentence(misuse: dict[str, str], case: str) -> None:
-    assert re.match(MISUSE[case][1], misuse[case]), misuse[case]
+def test_misuse_is_refused_in_one_sentence(one_rank: dict[str, Any], case: str) -> None:
+    assert re.match(MISUSE[case][1], one_rank["misuse"][case]), one_rank["misuse"][case]
+
+
+def test_bf16_mixed_trains_with_fp32_weights(one_rank: dict[str, Any]) -> None:
+    assert one_rank["bf16"] == {"finite": True, "changed": True, "dtypes": {"torch.float32"}}
