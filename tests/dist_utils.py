@@ -71,3 +71,12 @@ def _on_nccl(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
     return fn(*args, **kwargs)
+
+
+def dp_by_mp_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """On 4 ranks, 2 data-parallel × 2 model-parallel: (this rank's data-parallel group
+    {0, 1} or {2, 3}, its model-parallel group {0, 2} or {1, 3}). Every rank must call it."""
+    rank = dist.get_rank()
+    dp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    mp = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    return dp, mp

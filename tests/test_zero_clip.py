@@ -18,15 +18,13 @@ import torch.distributed as dist
 from optim import ZeroOptimizer
 from optim.policies import Communication
 from parallel import comm
-from tests.dist_utils import run_distributed
+from tests.dist_utils import dp_by_mp_groups, run_distributed
 from tests.models import batches, make_model
 
 
 def norm_with_marks(stage: int) -> float:
     rank = dist.get_rank()
-    dp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    mp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    dp, mp = dp_groups[rank // 2], mp_groups[rank % 2]
+    dp, mp = dp_by_mp_groups()
     model = make_model()
     for name, p in model.named_parameters():
         if p.ndim == 1:
@@ -149,9 +147,7 @@ def test_clipping_param_groups_trains_like_torch(dims: dict | None) -> None:
 
 def clip_under_model_parallelism() -> str:
     """The 2 × 2 layout of `norm_with_marks`, clipped through param_groups: its error."""
-    rank = dist.get_rank()
-    dp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
-    mp = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    dp, mp = dp_by_mp_groups()
     model = make_model()
     opt = ZeroOptimizer(model, torch.optim.AdamW, stage=2, process_group=dp, model_parallel_group=mp)
     idx, tgt = batches(1, 8)[0]

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from optim import ZeroOptimizer
 from optim.policies import Communication
-from tests.dist_utils import run_distributed
+from tests.dist_utils import dp_by_mp_groups, run_distributed
 from tests.models import batches, make_model, no_decay_groups
 
 WORLD, LR = 2, 3e-3
@@ -112,9 +112,7 @@ def test_consolidated_state_is_zero_redundancy_optimizers_and_loads_both_ways(st
 
 def consolidate_model_parallel() -> str:
     """2 data-parallel × 2 model-parallel ranks: consolidate_state_dict's error."""
-    rank = dist.get_rank()
-    dp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
-    mp = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    dp, mp = dp_by_mp_groups()
     model = make_model()
     opt = ZeroOptimizer(model, torch.optim.AdamW, stage=1, process_group=dp, model_parallel_group=mp)
     try:
