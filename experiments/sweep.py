@@ -17,9 +17,10 @@ names, as the flags of `python -m experiments.train` with underscores):
     points: [{tp: 2}, {pp: 2, micro_batches: 4}]   # ... and/or a list (both: each point × the grid)
 
 A point may also set `name`, `nproc` and `timeout`. Each point runs as
-`torchrun --standalone --nproc_per_node=N -m experiments.train --config BASE --flag value ...
---out OUT/<point>` with its output in `OUT/<point>/train.log`, where `<point>` is built from its
-overrides ("zero-1_dp-4"). A point is done when its `summary.json` exists; a failed one (an
+`python -m experiments.train --nproc-per-node=N --config BASE --flag value ... --out OUT/<point>
+--overwrite` (the training command checks the point's configuration, then starts its N workers)
+with its output in `OUT/<point>/train.log`, where `<point>` is built from its overrides
+("zero-1_dp-4"); `--overwrite` because a point runs again only when it is missing or failed. A point is done when its `summary.json` exists; a failed one (an
 invalid flag, a crash, out of memory, a timeout) gets `failed.json` with the return code,
 the reason and the end of its log, and the sweep goes on. Running the sweep again runs only
 the points that are missing or failed (`--no-retry-failed`: only the missing ones).
@@ -39,6 +40,7 @@ import os
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -59,6 +61,7 @@ from experiments.sweep_results import (
     status_of,
 )
 from research.config import wandb_mode_from_env
+from research.metrics import LAST_STEPS, hms
 
 SWEEP_KEYS = ("name", "description", "base", "nproc", "timeout", "wandb", "common", "grid", "points")
 POINT_KEYS = ("name", "nproc", "timeout")  # point keys that are not config fields
@@ -258,21 +261,20 @@ def _requested(setting: dict[str, Any], nproc: int) -> dict[str, Any]:
 
 
 def train_command(settings: dict[str, Any], name: str, overrides: dict[str, Any], nproc: int) -> list[str]:
-    """`torchrun --standalone --nproc_per_node=N -m experiments.train --config BASE <overrides>`
-    with the point's output folder and wandb run (mode, group, name)."""
+    """`python -m experiments.train --nproc-per-node=N --config BASE <overrides>` with the point's
+    output folder (replaced: a point runs again only when missing or failed) and wandb run
+    (mode, group, name)."""
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
         "experiments.train",
+        f"--nproc-per-node={nproc}",
         "--config",
         settings["base"],
         *flags(overrides),
         "--out",
         str(Path(settings["out"], name)),
+        "--overwrite",
         "--wandb",
         settings["wandb"],
         "--wandb-group",
@@ -287,9 +289,39 @@ def train_command(settings: dict[str, Any], name: str, overrides: dict[str, Any]
 # ---------------------------------------------------------------------------
 
 
-def run_point(point: Point, folder: Path) -> dict[str, Any]:
-    """Launch one point and wait (at most its timeout); returns the failure record, or {}
-    when the run wrote its summary. A Ctrl-C stops the job and propagates."""
+PROGRESS_EVERY_S = 10.0  # how often a running point's progress is read
+
+
+def point_progress(folder: Path) -> tuple[int, int] | None:
+    """(the last step a running point logged, its --steps), from its metrics.jsonl and
+    config.yaml; None before its first step."""
+    metrics, config = folder / "metrics.jsonl", folder / "config.yaml"
+    if not (metrics.is_file() and config.is_file()):
+        return None
+    rows = [line for line in metrics.read_text().splitlines() if line.strip()]
+    if not rows:
+        return None
+    return json.loads(rows[-1])["step"], yaml.safe_load(config.read_text())["train"]["steps"]
+
+
+def _wait(proc: subprocess.Popen, timeout: float | None, tick: Callable[[], None]) -> bool:
+    """Wait for `proc`, calling `tick()` every PROGRESS_EVERY_S; True when it ran past `timeout`."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        wait = PROGRESS_EVERY_S if deadline is None else min(PROGRESS_EVERY_S, deadline - time.monotonic())
+        if wait <= 0:
+            return True
+        try:
+            proc.wait(timeout=wait)
+            return False
+        except subprocess.TimeoutExpired:
+            tick()
+
+
+def run_point(point: Point, folder: Path, tick: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Launch one point and wait (at most its timeout), calling `tick()` every
+    PROGRESS_EVERY_S while it runs; returns the failure record, or {} when the run wrote its
+    summary. A Ctrl-C stops the job and propagates."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "failed.json").unlink(missing_ok=True)
     meta_file = folder / "point.json"
@@ -316,13 +348,12 @@ def run_point(point: Point, folder: Path) -> dict[str, Any]:
             point.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )  # Ctrl-C reaches us only; we stop the job
         try:
-            proc.wait(timeout=point.timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            process_tree.stop(proc)
+            timed_out = _wait(proc, point.timeout, tick)
         except BaseException:
             process_tree.stop(proc)
             raise
+        if timed_out:
+            process_tree.stop(proc)
     elapsed = time.monotonic() - started
     if status_of(folder) == "ok":
         return {}
@@ -378,11 +409,11 @@ def failure_reason(returncode: int, log: str, timed_out: bool, timeout: float | 
 def check_point(point: Point) -> str | None:
     """The error the training command would stop this point with at start-up (invalid flags
     for its process count), or None; what `--dry-run` shows. Nothing is launched."""
-    from research.config import ConfigError, parse_args
+    from experiments.launcher import checked
+    from research.config import ConfigError
 
-    argv = point.command[point.command.index("experiments.train") + 1 :]
     try:
-        parse_args(argv, point.nproc)
+        checked(point.command[point.command.index("experiments.train") + 1 :])
     except ConfigError as e:
         return f"error: {e}"
     except SystemExit:
@@ -412,9 +443,12 @@ def run_sweep(
     for p in points:
         if p not in todo:
             _warn_if_changed(p, out / p.name, log)
-    launched = []
+    launched, took = [], []
     for i, p in enumerate(todo, 1):
-        _run_and_log(p, out / p.name, f"[{i}/{len(todo)}]", log)
+        t0 = time.monotonic()
+        after = (len(todo) - i) * statistics.fmean(took) if took else None  # the points after this one
+        _run_and_log(p, out / p.name, f"[{i}/{len(todo)}]", log, after)
+        took.append(time.monotonic() - t0)
         launched.append(p.name)
     rows = report(out, settings["wandb"], log=log)
     failed = [r["name"] for r in rows if r["status"] != "ok"]
@@ -440,11 +474,23 @@ def _show_commands(points: list[Point], todo: list[Point], out: Path, log: Calla
         log(f"[{state}] {shlex.join(p.command)}" + (f"\n    (will fail: {problem})" if problem else ""))
 
 
-def _run_and_log(point: Point, folder: Path, tag: str, log: Callable[[str], None]) -> None:
-    """Run one point and log its start and its end: the failure's reason, or its summary."""
+def _run_and_log(point: Point, folder: Path, tag: str, log: Callable[[str], None], after: float | None) -> None:
+    """Run one point and log its start, its progress (step, its ETA and, with `after` the
+    expected seconds of the points after it, the sweep's) and its end: the failure's reason,
+    or its summary."""
     log(f"{tag} {point.name} ({point.nproc} processes) ...")
     t0 = time.monotonic()
-    failure = run_point(point, folder)
+
+    def progress() -> None:
+        at = point_progress(folder)
+        if at is None:
+            return
+        step, steps = at
+        left = (time.monotonic() - t0) / step * (steps - step)
+        whole = f", sweep ETA {hms(left + after)}" if after is not None else ""
+        log(f"{tag} {point.name}: step {step}/{steps}, ETA {hms(left)}{whole}")
+
+    failure = run_point(point, folder, progress)
     took = f"{time.monotonic() - t0:.0f} s"
     if failure:
         log(f"{tag} {point.name} FAILED after {took}: {failure['reason']}")
@@ -460,7 +506,7 @@ def _summary_brief(folder: Path, name: str) -> str:
         for c, unit in (
             ("tokens_per_s", "tok/s"),
             ("mem_per_rank_bytes", "per rank"),
-            ("final_loss", "final loss"),
+            ("final_loss_mean", f"final loss (mean of the last {LAST_STEPS} steps)"),
         )
     )
 

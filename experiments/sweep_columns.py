@@ -38,6 +38,7 @@ RESULT_COLUMNS = (
     "comm_total_bytes",
     "model_states_predicted_error",
     "final_loss",
+    "final_loss_mean",
     "wall_time_s",
 )
 COLUMNS = ("name", "status", *CONFIG_COLUMNS, *RESULT_COLUMNS, "error")

@@ -135,7 +135,8 @@ def memory_breakdown(rows: list[dict[str, Any]], path: Path, swept: set[str]) ->
 
 def _memory_bars(ax: Any, bars: list[dict[str, Any]]) -> None:
     """One bar per row: the PARTS stacked (MiB), then, hatched on top, the gradient buckets
-    held only during backward (grads peak - grads), labelled with the stack's total."""
+    held only during backward (grads peak - grads), labelled with the whole bar's height,
+    the row's mem/rank."""
     bottom = [0.0] * len(bars)
     for key, label, color in PARTS:
         values = [r[f"mem_{key}_bytes"] / MiB for r in bars]
@@ -152,9 +153,14 @@ def _memory_bars(ax: Any, bars: list[dict[str, Any]]) -> None:
         width=0.7,
         label="full grad buckets during backward (peak)",
     )
-    for i, (total, extra) in enumerate(zip(bottom, transient)):
+    for i, (r, total, extra) in enumerate(zip(bars, bottom, transient)):
         ax.annotate(
-            f"{total:.2f}", (i, total + extra), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=7
+            f"{r['mem_per_rank_bytes'] / MiB:.2f}",
+            (i, total + extra),
+            xytext=(0, 2),
+            textcoords="offset points",
+            ha="center",
+            fontsize=7,
         )
 
 

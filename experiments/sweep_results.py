@@ -12,6 +12,7 @@ from typing import Any
 
 from experiments.sweep_columns import COLUMNS, COMM_GROUPS, CONFIG_COLUMNS
 from research import costmodel
+from research.metrics import LAST_STEPS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,10 +33,12 @@ def status_of(folder: Path) -> str:
 
 def point_row(summary: dict[str, Any], name: str, status: str) -> dict[str, Any]:
     """One results row from a run's summary.json. Memory: `mem_per_rank_bytes` is the largest
-    per-rank total of model states + activations, and the breakdown columns are that rank's
-    (so they add up to it); `mem_model_states_bytes` is the largest params + grads + master
-    and optimizer; `mem_grads_peak_bytes` the most gradient bytes that rank held (its shards
-    plus the full buckets of backward); `mem_peak_bytes` the measured peak (CUDA allocated / CPU RSS). Comm: bytes
+    per-rank `peak_bytes` of the summary (params + the gradient peak + master and optimizer +
+    activations, each at its own peak), and the breakdown columns are that rank's: params,
+    grads between steps, `mem_grads_peak_bytes` (its shards plus the full buckets of backward),
+    master and optimizer, activations, so that params + grads peak + master and optimizer +
+    activations = mem/rank; `mem_model_states_bytes` is the largest of the same without
+    activations; `mem_peak_bytes` the measured peak (CUDA allocated / CPU RSS). Comm: bytes
     per step per group of the rank that moves the most over tp + pp + dp."""
     cfg = summary["config"]
     ranks = summary["ranks"]
@@ -43,15 +46,12 @@ def point_row(summary: dict[str, Any], name: str, status: str) -> dict[str, Any]
     for section in ("parallel", "train", "model"):
         row.update({k: v for k, v in cfg[section].items() if k in CONFIG_COLUMNS})
 
-    def total(rank: dict[str, Any]) -> int:
-        return sum(rank["memory_bytes"][k] for k in MEMORY_PARTS)
-
     def comm(rank: dict[str, Any], group: str) -> int:
         return round(rank["comm_per_step"].get(group, {}).get("total", {}).get("bytes", 0))
 
-    worst = max(ranks, key=total)
-    row["mem_per_rank_bytes"] = total(worst)
-    row["mem_model_states_bytes"] = max(total(r) - r["memory_bytes"]["activations"] for r in ranks)
+    worst = max(ranks, key=lambda r: r["peak_bytes"])
+    row["mem_per_rank_bytes"] = worst["peak_bytes"]
+    row["mem_model_states_bytes"] = max(r["peak_bytes"] - r["memory_bytes"]["activations"] for r in ranks)
     row.update({f"mem_{k}_bytes": worst["memory_bytes"][k] for k in MEMORY_PARTS})
     row["mem_grads_peak_bytes"] = worst["grads_peak_bytes"]
     busiest = max(ranks, key=lambda r: sum(comm(r, g) for g in COMM_GROUPS))
@@ -64,6 +64,7 @@ def point_row(summary: dict[str, Any], name: str, status: str) -> dict[str, Any]
         tflops_per_device=summary.get("median_tflops_per_device"),
         mem_peak_bytes=summary.get("mem_peak_bytes"),
         final_loss=summary.get("final_loss"),
+        final_loss_mean=summary.get("final_loss_mean"),
         wall_time_s=summary.get("wall_time_s"),
     )
     return row
@@ -132,6 +133,7 @@ MD_HEADERS = {
     "comm_ep_bytes": "comm ep",
     "model_states_predicted_error": "planner err",
     "final_loss": "loss",
+    "final_loss_mean": f"loss (last {LAST_STEPS})",
 }
 
 

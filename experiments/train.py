@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from experiments import launcher
 from parallel import comm, desync
 from research.config import parse_args
 from research.errors import RunError, report
@@ -86,11 +88,13 @@ def _join(timeout_s: float) -> None:
     except (RuntimeError, dist.DistError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RunError(
-            JOINED.format(rank=rank, world=world, attempt=attempt, timeout=timeout_s, reason=reason)
+            JOINED.format(rank=rank, world=world, attempt=attempt, timeout=timeout_s, reason=reason), origin=rank
         ) from None
 
 
 def main() -> None:
+    if launcher.wants_launch(sys.argv[1:]):
+        raise SystemExit(launcher.launch(sys.argv[1:]))
     try:
         run()
     except RunError as e:

@@ -257,12 +257,6 @@ def latest(root: str) -> str | None:
         return None
 
 
-def say(message: str) -> None:
-    """One line on stdout, from rank 0 only."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
-
-
 def _warn(message: str) -> None:
     """One line on stderr, from rank 0 only."""
     if not dist.is_initialized() or dist.get_rank() == 0:

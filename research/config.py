@@ -118,6 +118,7 @@ class LogConfig:
     """Where the run writes and how it reports."""
 
     out: str = "runs/default"
+    overwrite: bool = False
     log_every: int = 1
     wandb: Literal["offline", "online", "disabled"] = field(default_factory=wandb_mode_from_env)
     wandb_project: str = "zero3d"
@@ -137,6 +138,7 @@ class CheckpointConfig:
     save_every: int = 0
     load: str | None = None
     resume: str | None = None
+    reschedule: bool = False
     export: str | None = None
 
     @property
@@ -250,6 +252,7 @@ HELP = {
     "num_proc": "processes for tokenization",
     "data_cache": "token cache folder (None: $ZERO3D_DATA_CACHE or ~/.cache/zero3d/tokens)",
     "out": "run folder: config.yaml, metrics.jsonl, summary.json, wandb/",
+    "overwrite": "start afresh in an --out that holds a run, replacing its files (without it such an --out is refused)",
     "log_every": "console line every N steps",
     "wandb": "wandb mode (default: $WANDB_MODE or offline)",
     "wandb_project": "wandb project",
@@ -259,6 +262,8 @@ HELP = {
     "save_every": "save every N steps (0: only at the end)",
     "load": "resume from a checkpoint folder or root (its latest); an error when it holds none",
     "resume": "a restartable job's one flag: load ROOT's latest checkpoint if it has one, else start fresh; save to ROOT",
+    "reschedule": "on --resume / --load, apply a changed LR schedule (--steps, --lr, --min-lr, --warmup-steps, "
+    "--lr-decay-steps, --lr-schedule) from the checkpoint's step, saying so; without it a change is refused",
     "export": "write the final weights as one .safetensors/.pt file (needs --save)",
 }
 _CLASSES = {
@@ -452,6 +457,28 @@ def load_yaml(path: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def add_launch_flags(p: argparse.ArgumentParser) -> None:
+    """The flags with which `python -m experiments.train` launches its own workers: torchrun's,
+    meaning what they mean there (one node without --rdzv-endpoint runs --standalone)."""
+    g = p.add_argument_group(
+        "launch", "python -m experiments.train starts its workers itself, once the flags are valid"
+    )
+    g.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int, metavar="N",
+                   help="worker processes on this node (one per GPU); without it this process is the one worker "
+                   "(or one of torchrun's)")  # fmt: skip
+    g.add_argument("--nnodes", default="1", help="nodes, N or MIN:MAX (elastic)")
+    g.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0, help="this node's rank")
+    g.add_argument(
+        "--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="", help="HOST:PORT of the rendezvous"
+    )
+    g.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="c10d", help="rendezvous backend")
+    g.add_argument(
+        "--rdzv-id", "--rdzv_id", dest="rdzv_id", default="zero3d", help="the job's id, the same on every node"
+    )
+    g.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
+                   help="times torch's elastic agent restarts the workers after a failure")  # fmt: skip
+
+
 def build_parser(
     file_values: dict[str, dict[str, Any]] | None = None, defaults: bool = True
 ) -> argparse.ArgumentParser:
@@ -466,6 +493,7 @@ def build_parser(
         argument_default=None if defaults else argparse.SUPPRESS,
     )
     p.add_argument("--config", help="YAML file with sections model/parallel/train/data/log/checkpoint")
+    add_launch_flags(p)
     groups = {s: p.add_argument_group(s, (_CLASSES[s].__doc__ or "").split("\n")[0]) for s in _CLASSES}
     for name, spec in field_specs().items():
         default = (
@@ -652,9 +680,13 @@ def validate(cfg: RunConfig, world_size: int) -> None:
         )
     try:
         real.validate_tp(par.tp)
+    except ValueError as e:
+        raise ConfigError(f"--tp={par.tp} does not split the model: {e}") from None
+    try:
         layer_ranges(m.n_layers, par.pp * par.virtual_stages)
     except ValueError as e:
-        raise ConfigError(f"--tp/--pp/--virtual-stages: {e}") from None
+        chunks = f" × --virtual-stages={par.virtual_stages}" if par.virtual_stages > 1 else ""
+        raise ConfigError(f"--pp={par.pp}{chunks} does not split the model: {e}") from None
     if data.seq_len > m.max_seq_len:
         raise ConfigError(f"--seq-len={data.seq_len} must be between 1 and --max-seq-len={m.max_seq_len}")
     if par.sequence_parallel and data.seq_len % par.tp:
@@ -664,6 +696,20 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if tr.lr_decay_steps is not None and tr.lr_decay_steps <= tr.warmup_steps:
         raise ConfigError(f"--lr-decay-steps={tr.lr_decay_steps} must exceed --warmup-steps={tr.warmup_steps}")
     _validate_checkpoint(cfg.checkpoint)
+    _validate_out(cfg.log, cfg.checkpoint)
+
+
+def _validate_out(log: LogConfig, ck: CheckpointConfig) -> None:
+    """A fresh run never silently replaces another: an --out that holds one (its metrics or
+    summary) is refused unless the run continues it (--resume, --load, or torchrun restarting
+    this job's workers) or --overwrite replaces it."""
+    held = [name for name in RUN_FILES if os.path.isfile(os.path.join(log.out, name))]
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if held and not (log.overwrite or ck.resume or ck.load or restarted):
+        raise ConfigError(
+            f"--out={log.out} holds a run ({held[0]}); continue it with --resume ROOT (the --save-every "
+            "checkpoints it saved), replace it with --overwrite, or choose another --out"
+        )
 
 
 def _validate_checkpoint(ck: CheckpointConfig) -> None:
@@ -683,6 +729,9 @@ def _validate_checkpoint(ck: CheckpointConfig) -> None:
         raise ConfigError(f"--export={ck.export} must end in .safetensors or .pt")
     if ck.load and not os.path.isdir(ck.load):
         raise ConfigError(f"--load={ck.load} is not a directory")
+
+
+RUN_FILES = ("summary.json", "metrics.jsonl")  # what makes a folder a run's
 
 
 def save_yaml(cfg: RunConfig, path: str) -> None:

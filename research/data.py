@@ -182,7 +182,7 @@ def require_hub(name: str) -> None:
 
 def describe(data: str | None) -> str:
     """How error messages name a --data value."""
-    return f"--data {data}" if data is not None else f"the embedded corpus {CORPUS}"
+    return f"--data {data}" if data is not None else f"the embedded corpus research/{CORPUS.parent.name}/{CORPUS.name}"
 
 
 def load_text_dataset(

@@ -4,9 +4,11 @@ A `RunError`'s message is one sentence: what was wrong, where, and what to do. T
 training command prints it once (from the rank that found it, or from rank 0 when every
 rank found it alike) and exits 2 on every rank, with no traceback.
 
-`report(e)` prints it on the reporting rank; the other ranks wait (a few seconds at most)
-until it has, so a launcher that ends the job at the first exit (torchrun) cannot end the
-reporter before the sentence is out.
+`report(e)` prints it on the reporting rank; once the process group exists, the other ranks
+wait (a few seconds at most) until it has, so a launcher that ends the job at the first exit
+(torchrun) cannot end the reporter before the sentence is out. Before it exists (an invalid
+configuration, found alike by every rank, or a rank that cannot join) the reporting rank is
+known from torchrun's RANK, and the others exit quietly.
 
 `raise_together(check)` is the rule for a check that may fail on some ranks only (rank 0
 reading a data file, one rank's checkpoint shard): every rank runs its part, then one
@@ -17,6 +19,7 @@ in a collective.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -41,7 +44,8 @@ class RunError(ValueError):
 
     def reported_here(self) -> bool:
         """Whether this process prints the message (the finder, or rank 0 for a shared one)."""
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        initialized = dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank() if initialized else int(os.environ.get("RANK", "0"))
         return rank == (self.origin if self.origin is not None else 0)
 
 
@@ -66,6 +70,8 @@ def report(e: RunError) -> None:
     has (through the rendezvous store), and print it themselves if it has not within
     REPORT_WAIT_S (a rank that failed alone must not fail silently)."""
     store = dist.distributed_c10d._get_default_store() if dist.is_available() and dist.is_initialized() else None
+    if store is None and not e.reported_here():
+        return
     if store is not None and not e.reported_here():
         try:
             store.wait([REPORTED_KEY], timedelta(seconds=REPORT_WAIT_S))

@@ -354,15 +354,22 @@ def _median(records: Sequence[Mapping[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+LAST_STEPS = 10  # the final loss is also given as the mean over this many last steps, one step being noisy
+
+
 def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One run from its per-step records (the metrics.jsonl objects): ``steps``,
-    ``final_loss`` (the last record's), medians of ``step_time_s``, ``tokens_per_s``,
-    ``tflops_per_device`` and ``mfu`` (robust to warm-up steps; None where absent), and the
-    largest ``mem_peak_bytes``."""
+    ``final_loss`` (the last record's) and ``final_loss_mean`` (the mean of the last
+    LAST_STEPS finite losses, over ``final_loss_mean_steps`` of them), medians of
+    ``step_time_s``, ``tokens_per_s``, ``tflops_per_device`` and ``mfu`` (robust to warm-up
+    steps; None where absent), and the largest ``mem_peak_bytes``."""
     mems = [r["mem_peak_bytes"] for r in records if r.get("mem_peak_bytes") is not None]
+    last = [r["loss"] for r in records[-LAST_STEPS:] if r.get("loss") is not None and math.isfinite(r["loss"])]
     return {
         "steps": len(records),
         "final_loss": records[-1].get("loss") if records else None,
+        "final_loss_mean": statistics.fmean(last) if last else None,
+        "final_loss_mean_steps": len(last),
         "median_step_time_s": _median(records, "step_time_s"),
         "median_tokens_per_s": _median(records, "tokens_per_s"),
         "median_tflops_per_device": _median(records, "tflops_per_device"),
@@ -382,12 +389,13 @@ def _sci(x: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-def _hms(seconds: float) -> str:
+def hms(seconds: float) -> str:
+    """Seconds as H:MM:SS."""
     return str(timedelta(seconds=round(seconds)))
 
 
 def _loss(v: float) -> str:
-    return f"{v:.4g}"
+    return f"{v:.3f}"
 
 
 def _tok(v: float) -> str:
@@ -395,7 +403,7 @@ def _tok(v: float) -> str:
 
 
 def _tflops(v: float) -> str:
-    return f"{v:.3g} TFLOP/s/dev"
+    return f"{v:#.3g} TFLOP/s/dev"
 
 
 def _pct(v: float) -> str:
@@ -418,11 +426,12 @@ _STEP_FIELDS = (
 )
 _SUMMARY_FIELDS = (
     ("final_loss", "final loss ", _loss),
+    ("final_loss_mean", f"mean of the last {LAST_STEPS} ", _loss),
     ("median_tokens_per_s", "median ", _tok),
     ("median_tflops_per_device", "median ", _tflops),
     ("median_mfu", "median MFU ", _pct),
     ("mem_peak_bytes", "peak mem ", _gib),
-    ("wall_time_s", "wall ", _hms),
+    ("wall_time_s", "wall ", hms),
 )
 
 
@@ -431,11 +440,20 @@ def _format(values: Mapping[str, Any], fields: tuple) -> list[str]:
     return [label + fmt(values[key]) for key, label, fmt in fields if values.get(key) is not None]
 
 
+def say(message: str) -> None:
+    """One line for the researcher on stdout, from rank 0 only (a start-up phase, a save, a
+    resume)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
 class Console:
     """Progress on one rank (pass ``enabled=rank == 0``).
 
     With ``stream`` (stderr) a terminal, a tqdm bar (steps, ETA) with the metrics as its
-    postfix; otherwise one plain line every ``log_every`` steps and at the last step:
+    postfix (a pseudo-terminal nobody sized, 0 × 0 as under `script` or an IDE's runner, gets
+    a fixed width: tqdm would print nothing there); otherwise one plain line every
+    ``log_every`` steps and at the last step:
     ``step 12/50 | loss 3.214 | 1.2e4 tok/s | 0.8 TFLOP/s/dev | MFU 41.2% | mem 1.3 GiB | ETA 0:01:10``.
     Reads loss, tokens_per_s, tflops_per_device, mfu, mem_peak_bytes; a missing or None
     one is left out. ETA = wall time since construction / steps done × steps left.
@@ -457,7 +475,19 @@ class Console:
         if enabled and self.stream.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, file=self.stream, unit="step", dynamic_ncols=True)
+            try:
+                size = os.get_terminal_size(self.stream.fileno())
+                sized = size.columns > 0 and size.lines > 0
+            except (OSError, ValueError):  # a stream that says it is a terminal but has no descriptor
+                sized = False
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                file=self.stream,
+                unit="step",
+                dynamic_ncols=sized,
+                **({} if sized else {"ncols": 120, "nrows": 24}),
+            )
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Report that step ``step`` (counting from 1) finished with ``metrics``."""
@@ -470,17 +500,21 @@ class Console:
         elif step % self.log_every == 0 or step >= self.total_steps:
             done = step - self.start_step
             eta = (time.perf_counter() - self._t0) / done * (self.total_steps - step) if done > 0 else 0.0
-            line = [f"step {step}/{self.total_steps}", *fields, f"ETA {_hms(eta)}"]
+            line = [f"step {step}/{self.total_steps}", *fields, f"ETA {hms(eta)}"]
             print(" | ".join(line), file=self.stream, flush=True)
 
     def warn(self, message: str) -> None:
+        """One line "warning: ..." outside the progress display."""
+        self.say(f"warning: {message}")
+
+    def say(self, message: str) -> None:
         """One line outside the progress display (under the bar when there is one)."""
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.write(f"warning: {message}", file=self.stream)
+            self._bar.write(message, file=self.stream)
         else:
-            print(f"warning: {message}", file=self.stream, flush=True)
+            print(message, file=self.stream, flush=True)
 
     def close(self, summary: Mapping[str, Any]) -> None:
         """Close the bar; print one line from a ``summarize`` dict plus ``wall_time_s``:

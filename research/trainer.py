@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,16 +34,17 @@ from parallel.dims import ParallelDims
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.random import seed_everything
 from research import checkpoint, costmodel, data, metrics, moe
-from research.config import RunConfig, save_yaml
+from research.config import RUN_FILES, RunConfig, TrainConfig, save_yaml
 from research.errors import NonFiniteLossError
 from research.model import GPTConfig, pipeline_chunks
 
+SCHEDULE = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "lr_schedule", "steps")  # what sets lr(t)
 
-def lr_multiplier(cfg: RunConfig) -> Callable[[int], float]:
+
+def lr_multiplier(tr: TrainConfig) -> Callable[[int], float]:
     """lr(t)/lr: (t+1)/W for t < W warm-up steps, then cosine from 1 at step W to
     min_lr/lr at the last decay step D-1 (D = lr_decay_steps or steps), flat after it
     (constant 1 with lr_schedule=constant)."""
-    tr = cfg.train
     floor = tr.min_lr / tr.lr
     decay_steps = tr.lr_decay_steps or tr.steps
 
@@ -131,14 +133,24 @@ class Trainer:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         par, tr = cfg.parallel, cfg.train
+        self._created = started = time.perf_counter()
         self.device = _device()
         self.dims = ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp, dp_shard=par.dp_shard, ep=par.ep).build(
             timeout_s=par.comm_timeout
         )
         self.rank = dist.get_rank()
         seed_everything(tr.seed, self.dims.tp_rank, self.dims.pp_rank)
+        d = self.dims
+        layout = f"tp {d.tp} × pp {d.pp} × dp {d.dp}" + (f" (ep {d.ep})" if d.ep > 1 else "")
+        metrics.say(f"start-up: process groups, {layout} ({time.perf_counter() - started:.1f} s)")
 
+        started = time.perf_counter()
         cfg.model, self.batches = load_data(cfg)
+        metrics.say(
+            f"start-up: data, {len(self.batches.tokens):,} tokens from {data.describe(cfg.data.data)} "
+            f"({time.perf_counter() - started:.1f} s)"
+        )
+        started = time.perf_counter()
 
         dims = self.dims
         chunks = pipeline_chunks(
@@ -156,7 +168,7 @@ class Trainer:
         self.opt = build_optimizer(
             cfg, self.model, dims.dp_shard_group, dims.mp_group, dims.dp_replicate_group, dims.dp_shard_node_groups
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_multiplier(cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_multiplier(cfg.train))
         self.executor = PipelineExecutor(
             chunks,
             par.schedule,
@@ -170,6 +182,11 @@ class Trainer:
         self.start_step = 0
         self.resumed_from: str | None = None  # the checkpoint folder loaded
         self._load_or_resume()
+        trained = sum(shape.numel() for shape in self.opt.param_shapes().values())
+        metrics.say(
+            f"start-up: model ({trained:,} trained parameters on rank 0) and ZeRO-{par.zero} optimizer "
+            f"({time.perf_counter() - started:.1f} s); the first step warms up"
+        )
 
     # ---- checkpoints ----------------------------------------------------------------------
     def _load_or_resume(self) -> None:
@@ -181,7 +198,7 @@ class Trainer:
             found = checkpoint.latest(where.resume)
             if found is not None:
                 self._resume(found)
-            checkpoint.say(
+            metrics.say(
                 f"--resume: resuming from {found} at step {self.start_step}"
                 if found is not None
                 else f"--resume: {where.resume} holds no checkpoint yet; starting at step 0"
@@ -201,12 +218,45 @@ class Trainer:
                 f"--global-batch-size={self.cfg.train.global_batch_size} differs from the checkpoint's {saved_batch}; "
                 "resume with the same global batch size (the data position counts its batches)"
             )
+        changed = self._schedule_change(meta)
         rng_restored = checkpoint.load(path, meta, self.model, self.opt, self.dims)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.start_step = meta["step"]
+        if changed:
+            self._reschedule(changed)
         if not rng_restored:
             seed_everything(self.cfg.train.seed + self.start_step, self.dims.tp_rank, self.dims.pp_rank)
         self.resumed_from = path
+
+    def _schedule_change(self, meta: dict[str, Any]) -> str:
+        """The LR schedule flags that differ from the checkpoint's where they change lr(t) for a
+        step still to run ("" when none). Such a change is refused unless --reschedule."""
+        tr, step = self.cfg.train, meta["step"]
+        recorded = meta.get("config", {}).get("train", {})
+        saved = dataclasses.replace(tr, **{k: recorded.get(k, getattr(tr, k)) for k in SCHEDULE})
+        old, new = lr_multiplier(saved), lr_multiplier(tr)
+        if all(math.isclose(saved.lr * old(t), tr.lr * new(t)) for t in range(step, tr.steps)):
+            return ""
+        flags = [f"--{k.replace('_', '-')}={getattr(tr, k)} (was {getattr(saved, k)})" for k in SCHEDULE]
+        changes = ", ".join(f for k, f in zip(SCHEDULE, flags) if getattr(tr, k) != getattr(saved, k))
+        what = f"{changes} changes the LR schedule at step {step + 1}: lr {saved.lr * old(step):.3e} -> {tr.lr * new(step):.3e}"
+        if not self.cfg.checkpoint.reschedule:
+            keep = f"--lr-decay-steps={saved.lr_decay_steps or saved.steps}"
+            raise checkpoint.CheckpointError(
+                f"{what}; keep the checkpoint's schedule (to train longer on it, pass {keep}: the lr stays at "
+                "--min-lr after it), or pass --reschedule to apply the new one from this step"
+            )
+        return what
+
+    def _reschedule(self, what: str) -> None:
+        """--reschedule: the new schedule from the resume step on (the checkpoint's scheduler
+        and optimizer hold the old one's base lr and this step's lr), said on the console."""
+        lr = self.cfg.train.lr
+        self.scheduler.base_lrs = [lr] * len(self.opt.param_groups)
+        for group in self.opt.param_groups:
+            group["initial_lr"] = lr
+            group["lr"] = lr * lr_multiplier(self.cfg.train)(self.start_step)
+        metrics.say(f"--reschedule: {what}")
 
     def _save(self, step: int) -> str:
         cfg = self.cfg
@@ -265,9 +315,16 @@ class Trainer:
 
     # ---- the run --------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
-        """Run steps start_step .. steps-1; write metrics.jsonl, summary.json, checkpoints."""
+        """Run steps start_step .. steps-1; write metrics.jsonl, summary.json, checkpoints.
+        A resumed run with no step left says so and returns {}, leaving its folder as it is."""
         cfg, tr = self.cfg, self.cfg.train
         out, lead = cfg.log.out, self.rank == 0
+        if self.start_step >= tr.steps:
+            metrics.say(
+                f"nothing to train: the checkpoint is at step {self.start_step} of --steps={tr.steps}; raise --steps "
+                f"to train on (with --lr-decay-steps={tr.lr_decay_steps or self.start_step} the LR schedule stays)"
+            )
+            return {}
         if lead:
             self._prepare_out()
         tokens_per_step = tr.global_batch_size * cfg.data.seq_len
@@ -288,7 +345,9 @@ class Trainer:
             rows: list[dict[str, Any]] = []
             activation_peak = 0
             nonfinite = 0  # consecutive steps with a NaN/Inf loss
+            comm.barrier()  # the ranks start the first step together: start-up is not a step's wait
             started = time.perf_counter()
+            startup_s = started - self._created
             for step in range(self.start_step, tr.steps):
                 row, log, measured = self._timed_step(
                     step, step == self.start_step, tokens_per_step, flops_per_token, world, peak
@@ -302,6 +361,7 @@ class Trainer:
                 console.update(step + 1, row)
                 nonfinite = self._check_loss_and_save(step, row["loss"], nonfinite, console)
             summary = self._summary(rows, comm_total, activation_peak, time.perf_counter() - started)
+            summary["startup_s"] = startup_s
             if lead:
                 self._write_summary(summary, run)
             console.close(summary)
@@ -310,9 +370,15 @@ class Trainer:
 
     def _prepare_out(self) -> None:
         """The run folder (first rank): its config.yaml, metrics.jsonl cut to the steps before
-        this start, and a "resumed" event saying why the run started again."""
+        this start, and a "resumed" event saying why the run started again; with --overwrite a
+        fresh run first removes the files of the run it replaces (its wandb run included)."""
         out = self.cfg.log.out
         os.makedirs(out, exist_ok=True)
+        if self.cfg.log.overwrite and self.start_step == 0:
+            for name in (*RUN_FILES, "events.jsonl", "wandb_id"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(out, name))
+            shutil.rmtree(os.path.join(out, "wandb"), ignore_errors=True)
         save_yaml(self.cfg, os.path.join(out, "config.yaml"))
         _keep_metrics_before(os.path.join(out, "metrics.jsonl"), self.start_step)
         if self.resumed_from is not None:
@@ -341,7 +407,9 @@ class Trainer:
             if nonfinite:
                 console.warn(f"step {step + 1}: the loss is {loss}: checkpoint not saved")
             else:
-                self._save(step + 1)
+                started = time.perf_counter()
+                path = self._save(step + 1)
+                console.say(f"saved step {step + 1} to {path} ({time.perf_counter() - started:.1f} s)")
         return nonfinite
 
     def _write_summary(self, summary: dict[str, Any], run: metrics.WandbRun) -> None:
@@ -364,7 +432,8 @@ class Trainer:
         loss_value = self._global_loss(loss)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        step_time = time.perf_counter() - t0
+        ranked = self._over_ranks(metrics.peak_memory_bytes(self.device), log.wait_s, time.perf_counter() - t0)
+        step_time = ranked["step_time_s"]
         row = {
             "step": step + 1,
             "loss": loss_value,
@@ -372,9 +441,8 @@ class Trainer:
             "lr": lr,
             "loss_scale": self.opt.scaler.scale if self.opt.scaler is not None else None,
             "skipped": self.opt.last_step_skipped,
-            "step_time_s": step_time,
+            **ranked,
             **metrics.throughput(tokens, step_time, flops_per_token, world, peak),
-            **self._over_ranks(metrics.peak_memory_bytes(self.device), log.wait_s),
         }
         if self.cfg.model.moe_experts:  # the loss: cross-entropy and every MoE layer's auxiliary losses
             merged = moe.merge_router_metrics(
@@ -384,18 +452,24 @@ class Trainer:
             row.update(merged)
         return row, log.as_dict(), meter.peak_bytes if measure_activations else None
 
-    def _over_ranks(self, peak_bytes: int, wait_s: float) -> dict[str, Any]:
-        """The step's peak memory, the largest over ranks, and each rank's seconds blocked in
-        collectives (`comm_wait_s`, rank order: the ranks that wait are those whose peers
-        are late or whose links are slow)."""
-        rows = metrics.over_ranks([float(peak_bytes), wait_s], self.device)
-        return {"mem_peak_bytes": int(max(r[0] for r in rows)), "comm_wait_s": [r[1] for r in rows]}
+    def _over_ranks(self, peak_bytes: int, wait_s: float, step_s: float) -> dict[str, Any]:
+        """The step's time and peak memory, the largest over ranks (each rank times its own
+        step; the slowest sets the pace), and each rank's seconds blocked in collectives within
+        its step (`comm_wait_s`, rank order: the ranks that wait are those whose peers are late
+        or whose links are slow; never more than `step_time_s`)."""
+        rows = metrics.over_ranks([float(peak_bytes), wait_s, step_s], self.device)
+        return {
+            "step_time_s": max(r[2] for r in rows),
+            "mem_peak_bytes": int(max(r[0] for r in rows)),
+            "comm_wait_s": [r[1] for r in rows],
+        }
 
     def _summary(
         self, rows: list[dict[str, Any]], comm_total: dict, activation_peak: int, wall: float
     ) -> dict[str, Any]:
         """The run's summary (identical on every rank; a collective)."""
         memory = self.opt.memory_breakdown()
+        states = memory["params"] + memory["master"] + memory["optimizer"]
         mine = {
             "rank": self.rank,
             "coords": dict(zip(("pp", "dp", "tp"), self.dims.coords_of(self.rank))),
@@ -407,6 +481,8 @@ class Trainer:
                 "activations": activation_peak,
             },
             "grads_peak_bytes": self.opt.grad_peak_bytes,
+            # each part at its own peak: an upper bound of what the rank held at once
+            "peak_bytes": states + self.opt.grad_peak_bytes + activation_peak,
             "comm_per_step": metrics.comm_per_step(comm_total, max(1, len(rows)), groups=("tp", "pp", "dp", "ep")),
         }
         ranks = metrics.all_ranks(mine)

@@ -80,7 +80,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def resume(saved: Path, tmp: Path, load: Path) -> subprocess.CompletedProcess:
-    return command(saved, "--steps", "6", "--load", str(load), "--out", str(tmp / "resumed"))
+    """Steps 5-6 after the saved 4, on the saved run's LR schedule (its decay ends at step 4)."""
+    return command(saved, "--steps", "6", "--lr-decay-steps", "4", "--load", str(load), "--out", str(tmp / "resumed"))
 
 
 def damaged_copy(saved: Path, tmp: Path) -> Path:

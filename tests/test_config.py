@@ -230,11 +230,11 @@ def test_unknown_yaml_keys_are_errors(tmp_path) -> None:
 def test_lr_warms_up_then_decays_to_min_lr_by_the_decay_step() -> None:
     cfg = RunConfig()
     cfg.train.steps, cfg.train.warmup_steps, cfg.train.lr, cfg.train.min_lr = 20, 4, 1.0, 0.1
-    f = lr_multiplier(cfg)
+    f = lr_multiplier(cfg.train)
     assert [f(t) for t in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert f(4) == 1.0 and math.isclose(f(19), 0.1) and f(4) > f(10) > f(19)
     cfg.train.lr_decay_steps = 40
-    g = lr_multiplier(cfg)
+    g = lr_multiplier(cfg.train)
     assert g(19) > 0.1 and math.isclose(g(39), 0.1) and math.isclose(g(100), 0.1)
 
 

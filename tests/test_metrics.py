@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -289,16 +290,33 @@ def test_console_plain_lines_every_log_every_and_last() -> None:
     lines = stream.getvalue().splitlines()
     assert len(lines) == 4
     assert re.fullmatch(
-        r"step 2/5 \| loss 3\.214 \| 1\.2e4 tok/s \| 0\.8 TFLOP/s/dev \| MFU 41\.2% \| "
+        r"step 2/5 \| loss 3\.214 \| 1\.2e4 tok/s \| 0\.800 TFLOP/s/dev \| MFU 41\.2% \| "
         r"mem 1\.3 GiB \| ETA \d+:\d\d:\d\d",
         lines[0],
     ), lines[0]
     assert lines[1].startswith("step 4/5 ")
-    assert lines[2].startswith("step 5/5 | loss 3.214 | 1.2e4 tok/s | 0.8 TFLOP/s/dev | mem 1.3 GiB | ETA ")
+    assert lines[2].startswith("step 5/5 | loss 3.214 | 1.2e4 tok/s | 0.800 TFLOP/s/dev | mem 1.3 GiB | ETA ")
     assert lines[3] == (
-        "done 2 steps | final loss 3 | median 1.6e4 tok/s | median 0.8 TFLOP/s/dev | "
-        "median MFU 41.2% | peak mem 1.3 GiB | wall 0:01:10"
+        "done 2 steps | final loss 3.000 | mean of the last 10 3.107 | median 1.6e4 tok/s | "
+        "median 0.800 TFLOP/s/dev | median MFU 41.2% | peak mem 1.3 GiB | wall 0:01:10"
     )
+
+
+def test_console_shows_its_bar_on_a_pseudo_terminal_nobody_sized() -> None:
+    """A pseudo-terminal of 0 × 0 (`script`, an IDE's runner) still gets the bar: tqdm alone
+    prints nothing there."""
+    import pty
+
+    leader, follower = pty.openpty()
+    with os.fdopen(follower, "w") as stream:
+        assert os.get_terminal_size(follower) == (0, 0)
+        console = Console(total_steps=3, stream=stream)
+        for step in (1, 2, 3):
+            console.update(step, _STEP)
+        console.close(summarize([_STEP]))
+    text = os.read(leader, 1 << 16).decode()
+    os.close(leader)
+    assert "3/3" in text and "loss 3.214" in text, text
 
 
 class _Terminal(io.StringIO):
@@ -382,6 +400,8 @@ def test_summarize_medians_final_loss_and_peak() -> None:
     assert summarize(records) == {
         "steps": 3,
         "final_loss": 2.0,
+        "final_loss_mean": 3.0,
+        "final_loss_mean_steps": 3,
         "median_step_time_s": 1.0,
         "median_tokens_per_s": 30.0,
         "median_tflops_per_device": 3.0,

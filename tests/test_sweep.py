@@ -88,8 +88,8 @@ def test_load_sweep_builds_one_torchrun_command_per_point(tmp_path: Path) -> Non
     assert [p.timeout for p in points] == [100, 100, 7]
     assert [p.requested["dp"] for p in points] == [1, 4, 2]
     cmd = points[1].command
-    assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m"]
-    assert cmd[cmd.index("--out") + 1] == str(tmp_path / "out" / "wide")
+    assert cmd[1:4] == ["-m", "experiments.train", "--nproc-per-node=4"]
+    assert cmd[cmd.index("--out") + 1 : cmd.index("--out") + 3] == [str(tmp_path / "out" / "wide"), "--overwrite"]
     assert cmd[cmd.index("--steps") : cmd.index("--steps") + 4] == ["--steps", "2", "--dp", "4"]
     assert cmd[-6:] == ["--wandb", "disabled", "--wandb-group", "s", "--wandb-name", "wide"]
     _, points = sw.load_sweep(path, timeout=3, wandb="offline")
@@ -161,6 +161,7 @@ def fake_summary(dp: int, zero: int, schedule: str = "1f1b", m: int = 1, tok: fl
         "activations": 300_000,
     }
     comm = {"dp": {"total": {"bytes": 8 * psi}}, "tp": {"total": {"bytes": 0}}, "pp": {"total": {"bytes": 0}}}
+    grads_peak = memory["grads"] + 4 * psi // 2
     return {
         "final_loss": 4.5,
         "median_tokens_per_s": tok,
@@ -175,7 +176,8 @@ def fake_summary(dp: int, zero: int, schedule: str = "1f1b", m: int = 1, tok: fl
         "ranks": [
             {
                 "memory_bytes": memory,
-                "grads_peak_bytes": memory["grads"] + 4 * psi // 2,
+                "grads_peak_bytes": grads_peak,
+                "peak_bytes": sum(memory.values()) - memory["grads"] + grads_peak,
                 "comm_per_step": comm,
                 "coords": {"pp": 0, "dp": d, "tp": 0},
             }
@@ -227,7 +229,11 @@ def test_report_writes_csv_markdown_and_all_plots(tmp_path: Path) -> None:
     assert [r["name"] for r in table] == list(summaries) and tuple(table[0]) == sweep_results.COLUMNS
     row = rows[3]  # dp 2, ZeRO 3: everything but activations sharded
     assert (row["zero"], row["mem_params_bytes"], row["mem_master_and_optimizer_bytes"]) == (3, 200_000, 400_000)
-    assert row["mem_per_rank_bytes"] == 200_000 * 2 + 400_000 + 300_000 and row["comm_dp_bytes"] == 800_000
+    # params + the gradient peak (shards + the full buckets of backward) + master and optimizer + activations
+    assert (
+        row["mem_per_rank_bytes"] == 200_000 + (200_000 + 200_000) + 400_000 + 300_000
+        and row["comm_dp_bytes"] == 800_000
+    )
     assert rows[-1]["status"] == "failed" and rows[-1]["error"] == "exit 2: error: no" and rows[-1]["zero"] == 9
     md = (tmp_path / "s" / "results.md").read_text()
     assert "| name | status | nproc | dp | zero | schedule | micro_batches |" in md
@@ -287,7 +293,7 @@ def test_sweep_records_failures_and_goes_on(real) -> None:
     assert invalid["exit_code"] == 2 and invalid["returncode"] != 0 and invalid["log_tail"]
     hang = json.loads((out / "hang" / "failed.json").read_text())
     assert hang["kind"] == "timeout" and hang["reason"] == "timeout: stopped after 4 s", hang
-    assert "--nproc_per_node=2" in (out / "hang" / "train.log").read_text().splitlines()[0]
+    assert "--nproc-per-node=2" in (out / "hang" / "train.log").read_text().splitlines()[0]
     assert not _running_under(out / "hang"), "the timed-out job left processes behind"
     assert any("tp-3 FAILED" in line for line in logs)
 
@@ -310,7 +316,11 @@ def test_sweep_writes_results_plots_and_wandb_runs(real) -> None:
         rows = {r["name"]: r for r in csv.DictReader(f)}
     ok = rows["zero-3"]
     assert (ok["status"], ok["nproc"], ok["dp"], ok["zero"]) == ("ok", "2", "2", "3")
-    assert float(ok["tokens_per_s"]) > 0 and float(ok["final_loss"]) > 0
+    assert float(ok["tokens_per_s"]) > 0 and float(ok["final_loss"]) > 0 and float(ok["final_loss_mean"]) > 0
+    summary = json.loads((out / "zero-3" / "summary.json").read_text())
+    assert int(ok["mem_per_rank_bytes"]) == max(r["peak_bytes"] for r in summary["ranks"])  # the true peak
+    parts = ("params", "grads_peak", "master_and_optimizer", "activations")
+    assert int(ok["mem_per_rank_bytes"]) == sum(int(ok[f"mem_{p}_bytes"]) for p in parts)  # its breakdown beside it
     for key in (
         "mem_params_bytes",
         "mem_grads_bytes",
@@ -351,5 +361,5 @@ def test_dry_run_prints_commands_and_states(real, capsys) -> None:
     assert sw.main([str(path), "--out", str(out), "--dry-run"]) == 0
     printed = capsys.readouterr().out
     assert "3 points, 1 done, 2 to run" in printed
-    assert "[ok] " in printed and printed.count("[run] ") == 2 and "torch.distributed.run" in printed
+    assert "[ok] " in printed and printed.count("[run] ") == 2 and "--nproc-per-node=2" in printed
     assert "(will fail: error: --tp=3 × --pp=1 = 3 does not divide the world size 2)" in printed

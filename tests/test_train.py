@@ -432,8 +432,17 @@ def test_run_folder_holds_config_metrics_and_summary(runs) -> None:
         assert rank["grads_peak_bytes"] > memory["grads"]  # ZeRO-3: full buckets during backward
         assert {"tp", "pp", "dp"} <= set(rank["comm_per_step"])
         assert rank["comm_per_step"]["pp"]["total"]["calls"] > 0
-    cfg = parse_args(["--config", os.path.join(out, "config.yaml")], 8)
+    assert summary["final_loss_mean"] == pytest.approx(sum(r["loss"] for r in rows[-10:]) / len(rows[-10:]))
+    assert summary["startup_s"] > 0
+    for row in rows:  # each rank's wait is inside its own step, and the step is the slowest rank's
+        assert max(row["comm_wait_s"]) <= row["step_time_s"]
+    for rank in summary["ranks"]:  # each part at its own peak
+        memory = rank["memory_bytes"]
+        assert rank["peak_bytes"] == sum(memory.values()) - memory["grads"] + rank["grads_peak_bytes"]
+    # the saved config repeats the run; into its own folder only with --overwrite
+    cfg = parse_args(["--config", os.path.join(out, "config.yaml"), "--overwrite"], 8)
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.zero) == (2, 2, 2, 3)
+    cfg.log.overwrite = False
     assert cfg.to_dict() == summary["config"]
 
 
