@@ -61,7 +61,7 @@ from experiments.sweep_results import (
     status_of,
 )
 from research.config import wandb_mode_from_env
-from research.metrics import LAST_STEPS, hms
+from research.metrics import hms
 
 SWEEP_KEYS = ("name", "description", "base", "nproc", "timeout", "wandb", "common", "grid", "points")
 POINT_KEYS = ("name", "nproc", "timeout")  # point keys that are not config fields
@@ -506,7 +506,7 @@ def _summary_brief(folder: Path, name: str) -> str:
         for c, unit in (
             ("tokens_per_s", "tok/s"),
             ("mem_per_rank_bytes", "per rank"),
-            ("final_loss_mean", f"final loss (mean of the last {LAST_STEPS} steps)"),
+            ("final_loss_mean", "mean final loss"),
         )
     )
 

@@ -21,6 +21,7 @@ CONFIG_COLUMNS = (
 )
 RESULT_COLUMNS = (
     "tokens_per_s",
+    "tokens_per_s_spread",
     "tflops_per_device",
     "mfu",
     "mem_per_rank_bytes",

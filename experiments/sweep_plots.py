@@ -1,8 +1,10 @@
 """The plots of a sweep (`experiments.sweep`), from its results rows, as PNGs (matplotlib, Agg):
 
-- `memory_vs_throughput.png`: memory per rank (model states + activations, the largest rank)
-  against tokens/s, every point labelled, the Pareto front (no other point has both less
-  memory and more throughput) in red;
+- `memory_vs_throughput.png`: memory per rank (the largest rank's peak) against tokens/s,
+  every point tagged with a number that a key beside the axes names (tags are moved apart so
+  none overlaps another), the Pareto front (no other point has both less memory and more
+  throughput) in red, where throughputs within their step-to-step spread count as equal: on a
+  noisy machine (a shared CPU) memory decides;
 - `memory_breakdown.png`: per point, stacked bars of params / grads / master + optimizer /
   activations of that rank, sorted by ZeRO stage, one panel per dp size when dp varies;
 - `throughput_vs_micro_batches.png`: tokens/s against micro-batches per step, one line per
@@ -38,15 +40,37 @@ def _pyplot():
     return plt
 
 
-def pareto_front(points: list[tuple[float, float]]) -> list[int]:
-    """Indices of the (memory, throughput) points that no other point beats on both (less or
-    equal memory and more or equal throughput, one of them strictly), by rising memory."""
-    front = []
-    for i, (mem, tok) in enumerate(points):
-        beaten = any(m <= mem and t >= tok and (m, t) != (mem, tok) for m, t in points)
-        if not beaten:
-            front.append(i)
+def pareto_front(points: list[tuple[float, float]], spreads: list[float] | None = None) -> list[int]:
+    """Indices of the (memory, throughput) points that no other point beats, by rising memory.
+    a beats b when it needs no more memory and has no less throughput, and is better in one;
+    two throughputs within s of each other (relative; s the larger `spreads` of the two, each
+    a point's step-to-step spread, 0 without them) are equal."""
+    spreads = spreads or [0.0] * len(points)
+
+    def beats(a: int, b: int) -> bool:
+        (ma, ta), (mb, tb), s = points[a], points[b], max(spreads[a], spreads[b])
+        no_less = ta >= tb * (1 - s)
+        return ma <= mb and no_less and (ma < mb or ta > tb * (1 + s))
+
+    front = [b for b in range(len(points)) if not any(beats(a, b) for a in range(len(points)) if a != b)]
     return sorted(front, key=lambda i: points[i])
+
+
+def _place_tags(ax: Any, fig: Any, anchors: list[tuple[float, float]], tags: list[str], fontsize: int) -> None:
+    """Write each tag just above-right of its data point, moved up (in steps of its own
+    height) past every tag already placed that it would overlap."""
+    fig.canvas.draw()  # the data-to-pixel transform of the final axes limits
+    placed: list[Any] = []
+    for (x, y), tag in zip(anchors, tags):
+        dy = 0
+        while True:
+            text = ax.annotate(tag, (x, y), xytext=(4, 4 + dy), textcoords="offset points", fontsize=fontsize)
+            box = text.get_window_extent(fig.canvas.get_renderer()).expanded(1.1, 1.2)
+            if not any(box.overlaps(other) for other in placed):
+                placed.append(box)
+                break
+            text.remove()
+            dy += fontsize
 
 
 def _varying(rows: list[dict[str, Any]], exclude: tuple[str, ...] = ()) -> list[str]:
@@ -66,8 +90,9 @@ def memory_vs_throughput(rows: list[dict[str, Any]], path: Path, swept: set[str]
         return f"needs 2 finished points, has {len(ok)}"
     plt = _pyplot()
     xy = [(r["mem_per_rank_bytes"] / MiB, r["tokens_per_s"]) for r in ok]
-    front = pareto_front(xy)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    spreads = [r.get("tokens_per_s_spread") or 0.0 for r in ok]
+    front = pareto_front(xy, spreads)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     ax.scatter([t for _, t in xy], [m for m, _ in xy], color="#4c72b0", zorder=3, label="point")
     ax.plot(
         [xy[i][1] for i in front],
@@ -77,21 +102,22 @@ def memory_vs_throughput(rows: list[dict[str, Any]], path: Path, swept: set[str]
         mfc="none",
         ms=12,
         zorder=2,
-        label="Pareto front (less memory, more tok/s)",
+        label=f"Pareto front (tok/s within ±{100 * max(spreads):.0f}% count as equal)",
     )
-    labels: dict[tuple[float, float], list[str]] = {}
-    for r, at in zip(ok, xy):
-        labels.setdefault(at, []).append(r["name"])  # points at the same place share one label
-    for (m, t), names in labels.items():
-        ax.annotate(", ".join(names), (t, m), xytext=(4, 4), textcoords="offset points", fontsize=7)
-    ax.margins(x=0.15, y=0.1)  # room for the labels
+    places: dict[tuple[float, float], list[int]] = {}
+    for n, at in enumerate(xy, 1):
+        places.setdefault(at, []).append(n)  # points at the same place share one tag
+    ax.margins(x=0.15, y=0.15)  # room for the tags
+    _place_tags(ax, fig, [(t, m) for m, t in places], [",".join(map(str, ns)) for ns in places.values()], 8)
+    key = "\n".join(f"{n}  {r['name']}" for n, r in enumerate(ok, 1))
+    ax.text(1.02, 1.0, key, transform=ax.transAxes, va="top", fontsize=8, family="monospace")
     _finish(
         plt,
         fig,
         ax,
         path,
         "throughput (tokens/s, median over steps)",
-        "memory per rank (MiB): model states + activations",
+        "memory per rank (MiB): the largest rank's peak",
         "memory vs throughput",
     )
     return None
@@ -122,7 +148,7 @@ def memory_breakdown(rows: list[dict[str, Any]], path: Path, swept: set[str]) ->
         _bar_ticks(ax, [_label(r, others, "\n") if others else r["name"] for r in bars])
         ax.set_title(f"dp = {dp}", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-        ax.margins(y=0.08)
+        ax.margins(y=0.12)
     axes[0][0].set_ylabel("bytes per rank (MiB), the largest rank")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.94), ncol=3, fontsize=8, frameon=False)

@@ -60,6 +60,7 @@ def point_row(summary: dict[str, Any], name: str, status: str) -> dict[str, Any]
     row["model_states_predicted_error"] = planner_error(summary)
     row.update(
         tokens_per_s=summary.get("median_tokens_per_s"),
+        tokens_per_s_spread=summary.get("tokens_per_s_spread"),
         mfu=summary.get("median_mfu"),
         tflops_per_device=summary.get("median_tflops_per_device"),
         mem_peak_bytes=summary.get("mem_peak_bytes"),
@@ -99,7 +100,8 @@ def planner_error(summary: dict[str, Any]) -> float:
 
 
 def format_value(column: str, value: Any) -> str:
-    """A results cell for people: bytes in KiB/MiB/GiB, MFU and errors in %."""
+    """A results cell for people: bytes in KiB/MiB/GiB, MFU, spreads and errors in %, losses
+    to 3 decimals, one format per column."""
     if value is None:
         return ""
     if column.endswith("_bytes"):
@@ -107,10 +109,12 @@ def format_value(column: str, value: Any) -> str:
             if abs(value) >= size:
                 return f"{value / size:.3g} {unit}"
         return f"{value:.0f} B"
-    if column == "mfu":
+    if column in ("mfu", "tokens_per_s_spread"):
         return f"{100 * value:.1f}%"
     if column == "model_states_predicted_error":
         return f"{100 * value:.3f}%"
+    if column in ("final_loss", "final_loss_mean"):
+        return f"{value:.3f}"
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
@@ -118,6 +122,7 @@ def format_value(column: str, value: Any) -> str:
 
 MD_HEADERS = {
     "tokens_per_s": "tok/s",
+    "tokens_per_s_spread": "tok/s ±",
     "tflops_per_device": "TFLOP/s/dev",
     "mfu": "MFU",
     "mem_per_rank_bytes": "mem/rank",
@@ -150,7 +155,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         lines += [meta["description"].strip(), ""]
     legend = (
         f"Base `{os.path.relpath(meta['base'], REPO)}`; every point: {', '.join(fixed)}. "
-        "mem/rank: model states + activations of the rank with the most (its breakdown follows); "
+        "mem/rank: the largest rank's peak, params + grads peak + master and optimizer + activations "
+        "(its breakdown follows); "
         "peak mem: measured (CUDA allocated, or process RSS on CPU); comm: bytes per step of the busiest "
         "rank; tok/s, TFLOP/s/dev, MFU: medians over the steps."
     )

@@ -362,8 +362,12 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     ``final_loss`` (the last record's) and ``final_loss_mean`` (the mean of the last
     LAST_STEPS finite losses, over ``final_loss_mean_steps`` of them), medians of
     ``step_time_s``, ``tokens_per_s``, ``tflops_per_device`` and ``mfu`` (robust to warm-up
-    steps; None where absent), and the largest ``mem_peak_bytes``."""
+    steps; None where absent), ``tokens_per_s_spread`` (half the interquartile range of the
+    steps' tokens/s over its median: how far a comparison of throughputs can trust the median;
+    None under 4 steps), and the largest ``mem_peak_bytes``."""
     mems = [r["mem_peak_bytes"] for r in records if r.get("mem_peak_bytes") is not None]
+    rates = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
+    quartiles = statistics.quantiles(rates, n=4) if len(rates) >= 4 else None
     last = [r["loss"] for r in records[-LAST_STEPS:] if r.get("loss") is not None and math.isfinite(r["loss"])]
     return {
         "steps": len(records),
@@ -372,6 +376,7 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "final_loss_mean_steps": len(last),
         "median_step_time_s": _median(records, "step_time_s"),
         "median_tokens_per_s": _median(records, "tokens_per_s"),
+        "tokens_per_s_spread": (quartiles[2] - quartiles[0]) / (2 * quartiles[1]) if quartiles else None,
         "median_tflops_per_device": _median(records, "tflops_per_device"),
         "median_mfu": _median(records, "mfu"),
         "mem_peak_bytes": max(mems) if mems else None,

@@ -118,3 +118,31 @@ def test_a_resume_that_moves_the_lr_schedule_is_refused_or_announced(tmp_path: P
                     "lr 3.000e-04 -> 9.750e-04"], lines(moved)  # fmt: skip
     lrs = {row["step"]: row["lr"] for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     assert lrs[5] == lrs[6] == pytest.approx(3e-4) and lrs[7] == pytest.approx(9.75e-4)
+
+
+@pytest.mark.slow
+def test_a_terminal_sees_start_up_progress_and_saves(tmp_path: Path) -> None:
+    """Under a pseudo-terminal (of no size, as `script` makes), the launch command's workers
+    show the start-up phases, a progress bar and each save."""
+    import pty
+
+    argv = [*TINY, "--steps", "4", "--out", str(tmp_path / "run"), "--save", str(tmp_path / "ckpt")]
+    argv += ["--save-every", "2", "--data-cache", str(tmp_path / "cache")]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the command, with the pseudo-terminal as its stdout and stderr
+        os.chdir(ROOT)
+        os.execv(sys.executable, [sys.executable, "-m", "experiments.train", "--nproc-per-node", "2", *argv])
+    output = b""
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    _, status = os.waitpid(pid, 0)
+    text = output.decode(errors="replace").replace("\r", "\n")
+    assert os.waitstatus_to_exitcode(status) == 0, text[-3000:]
+    for expected in ("start-up: process groups", "start-up: data", "start-up: model", "4/4", "saved step 2 to "):
+        assert expected in text, (expected, text[-3000:])

@@ -404,6 +404,7 @@ def test_summarize_medians_final_loss_and_peak() -> None:
         "final_loss_mean_steps": 3,
         "median_step_time_s": 1.0,
         "median_tokens_per_s": 30.0,
+        "tokens_per_s_spread": None,  # under 4 steps
         "median_tflops_per_device": 3.0,
         "median_mfu": None,
         "mem_peak_bytes": 7,

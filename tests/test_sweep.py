@@ -215,6 +215,11 @@ def fake_sweep(out: Path, summaries: dict[str, dict | None], swept: tuple[str, .
 def test_pareto_front() -> None:
     # (memory, throughput): (3, 5) is beaten by (2, 6); (2, 6) and (1, 1) and (4, 9) are not
     assert pareto_front([(3, 5), (2, 6), (1, 1), (4, 9), (4, 8)]) == [2, 1, 3]
+    # throughputs within their spread are equal: then the memory decides
+    noisy = [(1, 100), (2, 104), (3, 130)]
+    assert pareto_front(noisy) == [0, 1, 2]
+    assert pareto_front(noisy, [0.05, 0.05, 0.05]) == [0, 2]  # 104 is 100 within 5 %; 130 is not
+    assert pareto_front(noisy, [0.05, 0.05, 0.4]) == [0]  # 130 is within its own 40 %
 
 
 def test_report_writes_csv_markdown_and_all_plots(tmp_path: Path) -> None:
