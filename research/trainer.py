@@ -135,15 +135,13 @@ class Trainer:
         par, tr = cfg.parallel, cfg.train
         self._created = started = time.perf_counter()
         self.device = _device()
-        self.dims = ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp, dp_shard=par.dp_shard, ep=par.ep).build(
+        self.dims = d = ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp, dp_shard=par.dp_shard, ep=par.ep).build(
             timeout_s=par.comm_timeout
         )
         self.rank = dist.get_rank()
-        seed_everything(tr.seed, self.dims.tp_rank, self.dims.pp_rank)
-        d = self.dims
+        seed_everything(tr.seed, d.tp_rank, d.pp_rank)
         layout = f"tp {d.tp} × pp {d.pp} × dp {d.dp}" + (f" (ep {d.ep})" if d.ep > 1 else "")
         metrics.say(f"start-up: process groups, {layout} ({time.perf_counter() - started:.1f} s)")
-
         started = time.perf_counter()
         cfg.model, self.batches = load_data(cfg)
         metrics.say(
@@ -151,8 +149,20 @@ class Trainer:
             f"({time.perf_counter() - started:.1f} s)"
         )
         started = time.perf_counter()
+        self._build_model()
+        self.start_step = 0
+        self.resumed_from: str | None = None  # the checkpoint folder loaded
+        self._load_or_resume()
+        trained = sum(shape.numel() for shape in self.opt.param_shapes().values())
+        metrics.say(
+            f"start-up: model ({trained:,} trained parameters on rank 0) and ZeRO-{par.zero} optimizer "
+            f"({time.perf_counter() - started:.1f} s); the first step warms up"
+        )
 
-        dims = self.dims
+    def _build_model(self) -> None:
+        """This rank's pipeline chunks, the ZeroOptimizer, the LR schedule and the executor."""
+        cfg, dims = self.cfg, self.dims
+        par, tr = cfg.parallel, cfg.train
         chunks = pipeline_chunks(
             cfg.model,
             dims.pp_rank,
@@ -179,14 +189,6 @@ class Trainer:
         )
         seq = cfg.data.seq_len // (dims.tp if par.sequence_parallel and dims.tp > 1 else 1)
         self.activation_shape = (seq, tr.micro_batch_size, cfg.model.d_model)
-        self.start_step = 0
-        self.resumed_from: str | None = None  # the checkpoint folder loaded
-        self._load_or_resume()
-        trained = sum(shape.numel() for shape in self.opt.param_shapes().values())
-        metrics.say(
-            f"start-up: model ({trained:,} trained parameters on rank 0) and ZeRO-{par.zero} optimizer "
-            f"({time.perf_counter() - started:.1f} s); the first step warms up"
-        )
 
     # ---- checkpoints ----------------------------------------------------------------------
     def _load_or_resume(self) -> None:
@@ -319,11 +321,7 @@ class Trainer:
         A resumed run with no step left says so and returns {}, leaving its folder as it is."""
         cfg, tr = self.cfg, self.cfg.train
         out, lead = cfg.log.out, self.rank == 0
-        if self.start_step >= tr.steps:
-            metrics.say(
-                f"nothing to train: the checkpoint is at step {self.start_step} of --steps={tr.steps}; raise --steps "
-                f"to train on (with --lr-decay-steps={tr.lr_decay_steps or self.start_step} the LR schedule stays)"
-            )
+        if self._nothing_left():
             return {}
         if lead:
             self._prepare_out()
@@ -419,6 +417,17 @@ class Trainer:
             checkpoint.export(cfg.checkpoint.root, cfg.checkpoint.export)
         metrics.write_json(os.path.join(cfg.log.out, "summary.json"), summary)
         run.summary({k: v for k, v in summary.items() if not isinstance(v, (dict, list))})
+
+    def _nothing_left(self) -> bool:
+        """Whether a resumed run is already at --steps (said on the console)."""
+        tr = self.cfg.train
+        if self.start_step < tr.steps:
+            return False
+        metrics.say(
+            f"nothing to train: the checkpoint is at step {self.start_step} of --steps={tr.steps}; raise --steps "
+            f"to train on (with --lr-decay-steps={tr.lr_decay_steps or self.start_step} the LR schedule stays)"
+        )
+        return True
 
     def _timed_step(
         self, step: int, measure_activations: bool, tokens: int, flops_per_token: float, world: int, peak: float | None
