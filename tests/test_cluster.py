@@ -82,6 +82,7 @@ def runs(tmp_path_factory):
 
 @needs_namespaces
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # its module fixture runs jobs on the emulated cluster
 def test_two_hosts_train_exactly_as_one(runs) -> None:
     (two, _), (one, _) = runs["two"], runs["one"]
     assert len(two) == 3 and two == one
@@ -91,6 +92,7 @@ def test_two_hosts_train_exactly_as_one(runs) -> None:
 
 @needs_namespaces
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # its module fixture runs jobs on the emulated cluster
 def test_cross_host_bytes_are_the_planners(runs) -> None:
     """Shard groups inside a host (ranks 0-1 and 2-3): only the replicas' all-reduce of the
     gradient shards crosses hosts, at the bytes the planner predicts for it on a 2-per-node
@@ -147,6 +149,7 @@ def faulty(tmp_path_factory):
 
 @needs_namespaces
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # its module fixture runs jobs on the emulated cluster
 def test_a_cut_link_ends_every_rank_naming_the_lost_ones(faulty) -> None:
     """Every rank on both hosts exits within --comm-timeout + 60 s of the cut, non-zero; host
     0's report names ranks 2 and 3, each rank of host 1 names ranks 0 and 1."""
@@ -161,6 +164,7 @@ def test_a_cut_link_ends_every_rank_naming_the_lost_ones(faulty) -> None:
 
 @needs_namespaces
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # its module fixture runs jobs on the emulated cluster
 def test_a_slowed_link_shows_in_the_ranks_comm_wait(faulty) -> None:
     """After host 1's link is slowed 10× the run goes on, and every rank's comm_wait_s rises
     (each collective of dp 4 crosses that link: the ranks of both hosts wait for it). The base
@@ -314,6 +318,7 @@ def test_a_calls_wait_is_fitted_as_a_line_in_the_block_before_it() -> None:
 
 @needs_namespaces
 @pytest.mark.timeout(400)
+@pytest.mark.slow  # its module fixture runs jobs on the emulated cluster
 def test_calibrate_writes_a_hardware_file_of_the_emulated_cluster(planned, capsys) -> None:
     """2 hosts × 2 processes over 1 Gbit/s links: the file loads, names gloo and the compute
     the processes share, and its network across hosts is the link's 125 MB/s shared by the
@@ -340,6 +345,7 @@ def test_calibrate_writes_a_hardware_file_of_the_emulated_cluster(planned, capsy
 
 @needs_namespaces
 @pytest.mark.timeout(400)
+@pytest.mark.slow  # its module fixture runs jobs on the emulated cluster
 def test_the_calibrated_planner_predicts_the_measured_step_times(planned) -> None:
     """Every prediction of the small study is within 25% of the measured median step, and
     the planner's faster layout is the measured faster one."""

@@ -76,6 +76,7 @@ def _steps_on_meta(base: str, data: str) -> dict[str, str]:
     return failed
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_every_layout_makes_its_tensors_on_the_model_device(tmp_path) -> None:
     data = tmp_path / "text.txt"
