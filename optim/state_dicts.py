@@ -192,6 +192,8 @@ class StateDicts:
             for key, value in self.state[b.master].items():
                 whole = value.numel() == b.master.numel()
                 flat = gather_flat(b, value, b.group) if whole else value
+                if self.rank != to:  # it took part in the gathers; only rank `to` keeps a copy
+                    continue
                 for i, p in enumerate(b.params):
                     if self._param_steps[k][i] == 0:
                         continue  # never stepped: no state, as in torch
