@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from research import costmodel
@@ -265,7 +266,7 @@ def report(
     rejected layouts by reason with one example each."""
     lines = [_title(name, model, cluster, global_batch_size, seq_len)]
     rejected = sum(count for count, _ in plan.rejected.values())
-    lines.append(f"{len(plan.ranked) + rejected} layouts: {len(plan.ranked)} fit, {rejected} do not")
+    lines.append(f"{plan.fits + rejected} layouts: {plan.fits} fit, {rejected} do not")
     if plan.ranked:
         table = _ranked_table(plan, top, experts=bool(model.moe_experts))
         lines += ["", *table, "", *_best_breakdown(plan.ranked[0], cluster)]
@@ -300,24 +301,46 @@ def _network_bytes(e: Estimate) -> float:
     return sum(c.inter_bytes for c in e.time.collectives)
 
 
+# The layout columns of the table: header -> (width, cell).
+LAYOUT_COLUMNS: dict[str, tuple[int, Callable[[Layout], object]]] = {
+    "tp": (3, lambda lo: lo.tp),
+    "pp": (4, lambda lo: lo.pp),
+    "dp": (5, lambda lo: lo.dp),
+    "shard": (5, lambda lo: lo.shard),
+    "ep": (3, lambda lo: lo.ep),
+    "v": (2, lambda lo: lo.virtual_stages),
+    "zero": (4, lambda lo: lo.zero),
+    "mbs": (4, lambda lo: lo.micro_batch_size),
+    "recompute": (9, lambda lo: lo.recompute),
+    "sp": (2, lambda lo: int(lo.sp)),
+    "sync": (5, lambda lo: lo.grad_sync),
+    "zero++": (12, _zeropp),
+}
+
+
+def _differences(row: Layout, other: Layout) -> str:
+    """`other` as the columns in which it differs from `row`, e.g. zero=2."""
+    cells = ((name, cell(row), cell(other)) for name, (_, cell) in LAYOUT_COLUMNS.items())
+    return " ".join(f"{name}={theirs}" for name, ours, theirs in cells if ours != theirs)
+
+
 def _ranked_table(plan: Plan, top: int, experts: bool = False) -> list[str]:
-    """The header and one row per layout of the `top` fastest fitting ones (with `experts`,
-    an ep column: the ranks that split each MoE layer's experts)."""
-    ep = f" {'ep':>3}" if experts else ""
+    """The header and one row per distinct prediction of the `top` fastest (`Plan.alike`):
+    the first layout's, and in `same prediction` how the others differ from it (with
+    `experts`, an ep column: the ranks that split each MoE layer's experts)."""
+    columns = {k: c for k, c in LAYOUT_COLUMNS.items() if experts or k != "ep"}
     lines = [
-        f"{'#':>3} {'tp':>3} {'pp':>4} {'dp':>5} {'shard':>5}{ep} {'v':>2} {'zero':>4} {'mbs':>4} {'recompute':>9} "
-        f"{'sp':>2} {'sync':>5} {'zero++':>12} {'mem GiB':>8} {'net GB':>7} {'step s':>9} {'TFLOP/s/GPU':>11} {'MFU':>6}"
+        f"{'#':>3} "
+        + " ".join(f"{name:>{width}}" for name, (width, _) in columns.items())
+        + f" {'mem GiB':>8} {'net GB':>7} {'step s':>9} {'TFLOP/s/GPU':>11} {'MFU':>6}  same prediction"
     ]
-    for i, e in enumerate(plan.ranked[:top], 1):
-        lo = e.layout
-        ep = f" {lo.ep:>3}" if experts else ""
+    for i, (e, *twins) in enumerate(plan.alike()[:top], 1):
+        cells = " ".join(f"{cell(e.layout)!s:>{width}}" for width, cell in columns.values())
         lines.append(
-            f"{i:>3} {lo.tp:>3} {lo.pp:>4} {lo.dp:>5} {lo.shard:>5}{ep} {lo.virtual_stages:>2} {lo.zero:>4} "
-            f"{lo.micro_batch_size:>4} {lo.recompute:>9} {int(lo.sp):>2} {lo.grad_sync:>5} {_zeropp(lo):>12} "
-            f"{e.memory.total / GiB:>8.1f} {_sig(_network_bytes(e) / 1e9):>7} {e.time.total:>9.3g} "
-            f"{e.tflops_per_gpu:>11.1f} {e.mfu:>6.1%}"
+            f"{i:>3} {cells} {e.memory.total / GiB:>8.1f} {_sig(_network_bytes(e) / 1e9):>7} {e.time.total:>9.3g} "
+            f"{e.tflops_per_gpu:>11.1f} {e.mfu:>6.1%}  " + "; ".join(_differences(e.layout, t.layout) for t in twins)
         )
-    return lines
+    return [line.rstrip() for line in lines]
 
 
 def _best_breakdown(best: Estimate, cluster: Cluster) -> list[str]:
@@ -402,7 +425,7 @@ def scale_table() -> str:
             for gbps in SCALE_GBPS:
                 cluster = Cluster(costmodel.GPUS["h100"], gpus, 8, gbps)
                 best = [
-                    next(iter(costmodel.plan(model, cluster, SCALE_BATCH, SCALE_SEQ, comm, zero=3).ranked), None)
+                    next(iter(costmodel.plan(model, cluster, SCALE_BATCH, SCALE_SEQ, comm, top=1, zero=3).ranked), None)
                     for comm in SCALE_SCHEMES.values()
                 ]
                 gain = f"{best[0].time.total / best[2].time.total:.2f}×" if best[0] and best[2] else "-"
@@ -439,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
         if one["error"]:
             sys.exit(1)
         return
-    result = costmodel.plan(model, cluster, batch, seq_len, args.comm, fp8=model.fp8 != "none")
+    result = costmodel.plan(model, cluster, batch, seq_len, args.comm, top=args.top, fp8=model.fp8 != "none")
     print(report(result, name, model, cluster, batch, seq_len, args.top))
 
 

@@ -556,6 +556,36 @@ def test_groups_inside_a_node_use_nvlink() -> None:
     assert cluster.ring_bandwidth(16, 2) == 4 * GPUS["h100"].inter_node_bandwidth  # 4 per node, 4 rings
 
 
+@pytest.mark.parametrize("gbps", [1600, 100])  # DP communication hidden / exposed: a tight and a loose floor
+def test_plan_top_estimates_only_what_can_rank(gbps: int) -> None:
+    """`plan(top=k)` estimates layouts in order of their step-time floor and stops once the
+    floor passes the k-th distinct prediction: its first k groups of equal predictions, the
+    fitting count and the rejections equal those of estimating every layout, with far fewer
+    layouts estimated; every row of the report is a distinct prediction, and a row standing
+    for several layouts names how the others differ."""
+    from experiments.plan import PRESETS, report
+
+    model, cluster = PRESETS["gpt-1.7b"].model(), Cluster(GPUS["h100"], 32, 8, gbps)
+    full = costmodel.plan(model, cluster, 512, 2048, recompute="none")
+    top = costmodel.plan(model, cluster, 512, 2048, top=8, recompute="none")
+    assert [[e.layout for e in g] for g in top.alike()[:8]] == [[e.layout for e in g] for g in full.alike()[:8]]
+    assert top.fits == full.fits == len(full.ranked) and top.rejected == full.rejected
+    assert len(top.ranked) < len(full.ranked) / 4
+    rows = report(top, "gpt-1.7b", model, cluster, 512, 2048, 8).split("\n\n")[1].splitlines()[1:]
+    assert len(rows) == 8
+    predictions = [tuple(row.split()[12:15]) for row in rows]  # memory, network bytes, step time
+    assert len(set(predictions)) == len(predictions)
+    for row, (first, *twins) in zip(rows, top.alike()):
+        same = "; ".join(
+            " ".join(f"{k}={getattr(t.layout, f)}" for k, f in (("zero", "zero"), ("mbs", "micro_batch_size"))
+                     if getattr(t.layout, f) != getattr(first.layout, f))
+            for t in twins
+        )  # fmt: skip
+        assert row.endswith(f"%  {same}" if twins else "%"), row
+    if gbps == 1600:
+        assert any(twins for _, *twins in top.alike()[:8])  # ZeRO-1 and ZeRO-2 twins, in one row
+
+
 def test_plan_ranks_and_explains(capsys: pytest.CaptureFixture[str]) -> None:
     """The issue's command: top layouts and rejected ones by reason (under 10 s here, with
     the interpreter's start-up on top)."""
@@ -588,6 +618,8 @@ def test_plan_ranks_and_explains(capsys: pytest.CaptureFixture[str]) -> None:
         "s",
         "TFLOP/s/GPU",
         "MFU",
+        "same",
+        "prediction",
     ]
     assert len(table) == 6
     steps = [float(line.split()[14]) for line in table[1:]]

@@ -7,6 +7,7 @@ backward time of one micro-batch on one rank, ideal time m(t_f+t_b).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 
@@ -23,7 +24,8 @@ from parallel.pipeline import (
     timeline_png,
     validate,
 )
-from parallel.pipeline.schedules import register
+from parallel.pipeline.schedules import ScheduleError, register, splits_backward
+from parallel.pipeline.simulate import peak_in_flight
 
 GRID = [
     (name, p, k * p, v)
@@ -88,6 +90,23 @@ def test_peak_in_flight(p, m):
     assert max(zb) == p and all(x <= p for x in zb)  # ZB-H1: never above 1F1B's peak (rank 0)
 
 
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_in_flight_closed_form_equals_the_order(name):
+    """Each schedule's closed-form in-flight peak (what the planner's memory uses) equals the
+    peak read off its order, on every rank, for every valid (p, m, v) of a grid."""
+    checked = 0
+    for p, v, m in itertools.product(range(1, 9), range(1, 5), range(1, 40)):
+        try:
+            validate(name, p, m, v)
+        except ScheduleError:
+            continue
+        for r in range(p):
+            order = SCHEDULES[name](p, r, m, v)
+            assert SCHEDULES[name].in_flight(p, r, m, v) == peak_in_flight(order, splits_backward(name)), (p, r, m, v)
+            checked += 1
+    assert checked > 100
+
+
 @pytest.mark.parametrize("p, m", [(p, k * p) for p in (2, 4, 8) for k in (1, 2, 4, 8)])
 @pytest.mark.parametrize("t_weight", [0.5, 1.0])
 def test_zb_h1_bubble(p, m, t_weight):
@@ -114,7 +133,7 @@ def test_comm_time_lengthens_run():
 
 
 def test_deadlock_is_reported():
-    @register("bad-backward-first")
+    @register("bad-backward-first", in_flight=lambda pp, rank, m, v: m)
     def bad(pp, rank, m, v):  # rank 0 waits for a gradient, rank 1 for an activation
         if rank > 0:
             return SCHEDULES["gpipe"](pp, rank, m, v)

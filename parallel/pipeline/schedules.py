@@ -66,25 +66,41 @@ def rank_chunk_of(stage: int, pp: int) -> tuple[int, int]:
 SCHEDULES: dict[str, Callable[[int, int, int, int], list[Action]]] = {}
 
 
-def register(name: str, *, interleaved=False, needs_m_ge_pp=False, needs_m_div_pp=False, split_backward=False):
+def register(
+    name: str,
+    *,
+    in_flight: Callable[[int, int, int, int], int],
+    interleaved=False,
+    needs_m_ge_pp=False,
+    needs_m_div_pp=False,
+    split_backward=False,
+):
     """Add a compute-order builder ``fn(pp, rank, m, v) -> [Action]`` to SCHEDULES; the flags
-    drive ``validate`` and tell executors whether B is split into B + W."""
+    drive ``validate`` and tell executors whether B is split into B + W. ``in_flight(pp, rank,
+    m, v)``: the order's peak of (micro-batch, chunk) pairs whose F ran and whose last backward
+    piece did not, in closed form (`simulate.peak_in_flight` of the order, without building it)."""
 
     def deco(fn):
         fn.interleaved, fn.needs_m_ge_pp, fn.needs_m_div_pp = interleaved, needs_m_ge_pp, needs_m_div_pp
-        fn.split_backward = split_backward
+        fn.split_backward, fn.in_flight = split_backward, in_flight
         SCHEDULES[name] = fn
         return fn
 
     return deco
 
 
-@register("gpipe")
+def _interleaved_warmup(pp: int, rank: int, m: int, v: int) -> int:
+    total = m * v
+    return total if m == pp else min(2 * (pp - rank - 1) + (v - 1) * pp, total)
+
+
+@register("gpipe", in_flight=lambda pp, rank, m, v: m)  # every forward before any backward
 def _gpipe(pp: int, rank: int, m: int, v: int) -> list[Action]:
     return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
 
 
-@register("1f1b", needs_m_ge_pp=True)
+# warm-up forwards, then one more before each backward
+@register("1f1b", in_flight=lambda pp, rank, m, v: min(pp - rank, m), needs_m_ge_pp=True)
 def _one_f_one_b(pp: int, rank: int, m: int, v: int) -> list[Action]:
     warmup = min(pp - rank - 1, m)
     ops = [Action("F", i) for i in range(warmup)]
@@ -94,7 +110,15 @@ def _one_f_one_b(pp: int, rank: int, m: int, v: int) -> list[Action]:
     return ops
 
 
-@register("interleaved-1f1b", interleaved=True, needs_m_ge_pp=True, needs_m_div_pp=True)
+@register(
+    "interleaved-1f1b",
+    in_flight=lambda pp, rank, m, v: (
+        min(_interleaved_warmup(pp, rank, m, v) + 1, m * v) if v > 1 else min(pp - rank, m)
+    ),
+    interleaved=True,
+    needs_m_ge_pp=True,
+    needs_m_div_pp=True,
+)
 def _interleaved(pp: int, rank: int, m: int, v: int) -> list[Action]:
     """Megatron's order: the k-th forward runs chunk (k // p) % v on micro-batch
     (k // (p·v))·p + k % p; backwards walk the chunks in reverse. Warm-up has
@@ -108,7 +132,7 @@ def _interleaved(pp: int, rank: int, m: int, v: int) -> list[Action]:
         mb = (k // (pp * v)) * pp + k % pp
         return Action(kind, mb, chunk if kind == "F" else v - 1 - chunk)
 
-    warmup = total if m == pp else min(2 * (pp - rank - 1) + (v - 1) * pp, total)
+    warmup = _interleaved_warmup(pp, rank, m, v)
     ops = [action("F", k) for k in range(warmup)]
     for i in range(total - warmup):
         ops += [action("F", warmup + i), action("B", i)]
@@ -116,7 +140,8 @@ def _interleaved(pp: int, rank: int, m: int, v: int) -> list[Action]:
     return ops
 
 
-@register("zb-h1", needs_m_ge_pp=True, split_backward=True)
+# each rank defers its W's until r are pending: every rank holds min(p, m)
+@register("zb-h1", in_flight=lambda pp, rank, m, v: min(pp, m), needs_m_ge_pp=True, split_backward=True)
 def _zb_h1(pp: int, rank: int, m: int, v: int) -> list[Action]:
     """1F1B order of F and B (input grad); each B is followed by the W of the oldest pending
     micro-batch once rank r has r W's pending; the rest run at the end (the cool-down)."""

@@ -95,12 +95,10 @@ NCCL / cuBLAS workspaces, allocator slack). qwZ's and qgZ's quantized buffers ar
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
-from parallel.pipeline.schedules import SCHEDULES, splits_backward
+from parallel.pipeline.schedules import SCHEDULES
 from parallel.pipeline.schedules import validate as validate_schedule
-from parallel.pipeline.simulate import peak_in_flight
 from research.costmodel.hardware import GiB, ranks_per_node
 from research.costmodel.layout import DTYPE_BYTES, Layout, Recompute
 from research.costmodel.params import rank_params
@@ -227,18 +225,18 @@ def chunk_activation_bytes(model: GPTConfig, seq_len: int, layout: Layout, recom
     """Bytes the fullest chunk's layers keep per micro-batch: L/(p·v) layers, as many of them
     MoE layers as the chunk with the most holds."""
     n = model.n_layers // (layout.pp * layout.virtual_stages)
+    dense = layer_activation_bytes(model, seq_len, layout, recompute)
+    if not model.moe_experts:
+        return n * dense
     most = max(sum(map(model.is_moe, range(c * n, (c + 1) * n))) for c in range(model.n_layers // n))
-    dense, moe = (layer_activation_bytes(model, seq_len, layout, recompute, m) for m in (False, True))
-    return (n - most) * dense + most * moe
+    return (n - most) * dense + most * layer_activation_bytes(model, seq_len, layout, recompute, moe=True)
 
 
-@functools.lru_cache(maxsize=4096)
 def in_flight(schedule_name: str, pp: int, pp_rank: int, micro_batches: int, virtual_stages: int) -> int:
-    """Peak (micro-batch, chunk) pairs whose forward ran and backward did not, on `pp_rank`,
-    read off the repo's schedule."""
+    """Peak (micro-batch, chunk) pairs whose forward ran and backward did not, on `pp_rank`:
+    the repo's schedule's own count (`schedules.register`'s `in_flight`)."""
     validate_schedule(schedule_name, pp, micro_batches, virtual_stages)
-    compute = SCHEDULES[schedule_name](pp, pp_rank, micro_batches, virtual_stages)
-    return peak_in_flight(compute, splits_backward(schedule_name))
+    return SCHEDULES[schedule_name].in_flight(pp, pp_rank, micro_batches, virtual_stages)
 
 
 @dataclass(frozen=True)

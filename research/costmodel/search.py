@@ -7,8 +7,10 @@ choice (plain ZeRO, hybrid, ZeRO++)."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -17,7 +19,7 @@ from parallel.pipeline.schedules import validate as validate_schedule
 from research.costmodel.hardware import Cluster, GiB
 from research.costmodel.layout import Layout
 from research.costmodel.memory import Memory, predict_memory
-from research.costmodel.steptime import StepTime, predict_step_time, predict_step_times
+from research.costmodel.steptime import StepTime, predict_step_time, predict_step_times, step_time_floor
 from research.model import GPTConfig
 
 
@@ -49,13 +51,38 @@ def estimate(
     return Estimate(layout, memory, time, model_flops, hardware, model_flops * 1e12 / cluster.gpu.peak_flops)
 
 
+def prediction(e: Estimate) -> tuple[str, ...]:
+    """What a plan predicts of a layout (step time, memory, bytes over the network), to nine
+    significant digits: layouts with equal predictions differ in nothing the model sees."""
+    network = sum(c.inter_bytes for c in e.time.collectives)
+    return tuple(f"{x:.9g}" for x in (e.time.total, e.memory.total, network))
+
+
 @dataclass
 class Plan:
-    """Fitting layouts, fastest first, and the others by reason: reason -> (count, example)."""
+    """Fitting layouts, fastest first (all of them, or those `plan(top=...)` estimated), how
+    many fit (`fits`), and the others by reason: reason -> (count, example)."""
 
     ranked: list[Estimate]
     rejected: dict[str, tuple[int, str]] = field(default_factory=dict)
+    fits: int = 0
     _closest: dict[str, float] = field(default_factory=dict, repr=False)
+
+    def alike(self) -> list[list[Estimate]]:
+        """The ranked estimates grouped by equal `prediction`, fastest first, each group in rank order."""
+        groups: dict[tuple[str, ...], list[Estimate]] = {}
+        for e in self.ranked:
+            groups.setdefault(prediction(e), []).append(e)
+        return list(groups.values())
+
+    def step_time_of(self, n: int) -> float:
+        """The step time of the `n`-th distinct prediction (`alike`); inf while there are fewer."""
+        seen = set()
+        for e in self.ranked:
+            seen.add(prediction(e))
+            if len(seen) == n:
+                return e.time.total
+        return math.inf
 
     def reject(self, reason: str, layout: Layout, detail: str, count: int = 1, miss: float = 0.0) -> None:
         """Count `count` layouts under `reason`; the example kept is the first with the
@@ -245,6 +272,10 @@ def _rank_key(lo: Layout, time: StepTime, memory: Memory) -> tuple:
     return (time.total, memory.total, lo.zero, lo.qwz_block is not None, -(lo.qgz_bits or 16))
 
 
+def _estimate_key(e: Estimate) -> tuple:
+    return _rank_key(e.layout, e.time, e.memory)
+
+
 def _sort_variants(
     model: GPTConfig, variants: list[Layout], memories: dict, seq_len: int, cluster: Cluster
 ) -> tuple[list, list, list]:
@@ -266,7 +297,7 @@ def _sort_variants(
     return fitting, invalid, misses
 
 
-def _choose_comm(
+def _fitting_variants(
     model: GPTConfig,
     layout: Layout,
     memory: Memory,
@@ -275,22 +306,15 @@ def _choose_comm(
     scheme: str,
     pins: dict,
     result: Plan,
-) -> Estimate | None:
-    """The fastest of `comm_variants` of a fitting layout that `COMM_SCHEMES[scheme]` takes;
-    the plain layout itself when it is one (nothing pinned) and exposes no DP communication
-    (no variant can beat it: each holds at least its bytes and pays at least its other
-    terms). None, the layout counted in `result` by reason, when no variant is valid and fits."""
-    if not pins and COMM_SCHEMES[scheme](layout):
-        time = predict_step_time(model, layout, seq_len, cluster)
-        if not any(c.exposed for c in time.collectives):
-            return estimate(model, layout, seq_len, cluster, memory, time)
+) -> list[tuple[Layout, Memory]]:
+    """The `comm_variants` of a layout whose plain form fits (`memory`) that `COMM_SCHEMES[scheme]`
+    takes, are valid and fit, with their memory; none (the layout counted in `result` by
+    reason) when there are none."""
     variants = [v for v in comm_variants(layout, cluster, **pins) if COMM_SCHEMES[scheme](v)]
     fitting, invalid, misses = _sort_variants(model, variants, {(None, False): memory}, seq_len, cluster)
-    if fitting:
-        times = predict_step_times(model, [v for v, _ in fitting], seq_len, cluster)
-        time, (v, memory) = min(zip(times, fitting), key=lambda f: _rank_key(f[1][0], f[0], f[1][1]))
-        return estimate(model, v, seq_len, cluster, memory, time)
     capacity = cluster.gpu.memory_bytes
+    if fitting:
+        return fitting
     if misses:
         need, v = min(misses, key=lambda miss: miss[0])
         result.reject("does not fit in memory", v, f"needs {need / GiB:.2f} GiB > {capacity / GiB:.2f} GiB", miss=need)
@@ -299,18 +323,42 @@ def _choose_comm(
         result.reject(reason, v, detail)
     else:
         result.reject(f"no {scheme} communication for this layout", layout, f"zero={layout.zero} dp={layout.dp}")
-    return None
+    return []
+
+
+def _fastest(model: GPTConfig, fitting: list[tuple[Layout, Memory]], seq_len: int, cluster: Cluster) -> Estimate:
+    """The fastest of a layout's fitting communication variants; the plain layout alone when
+    it is among them (listed first) and exposes no DP communication (no variant can beat it:
+    each holds at least its bytes and pays at least its other terms)."""
+    plain, memory = fitting[0]
+    if _exact(plain) and plain.dp_shard is None:
+        time = predict_step_time(model, plain, seq_len, cluster)
+        if len(fitting) == 1 or not any(c.exposed for c in time.collectives):
+            return estimate(model, plain, seq_len, cluster, memory, time)
+    times = predict_step_times(model, [v for v, _ in fitting], seq_len, cluster)
+    time, (v, memory) = min(zip(times, fitting), key=lambda f: _rank_key(f[1][0], f[0], f[1][1]))
+    return estimate(model, v, seq_len, cluster, memory, time)
 
 
 def plan(
-    model: GPTConfig, cluster: Cluster, global_batch_size: int, seq_len: int, comm: str = "exact", **fixed: object
+    model: GPTConfig,
+    cluster: Cluster,
+    global_batch_size: int,
+    seq_len: int,
+    comm: str = "exact",
+    top: int | None = None,
+    **fixed: object,
 ) -> Plan:
-    """Estimate every runnable layout; keep those that fit in memory, each with its fastest
-    communication (`comm`: a key of `COMM_SCHEMES`), fastest first. `fixed` pins Layout
-    fields, `COMM_FIELDS` included."""
+    """Every runnable layout that fits in memory, each with its fastest communication (`comm`:
+    a key of `COMM_SCHEMES`), fastest first. `fixed` pins Layout fields, `COMM_FIELDS`
+    included. With `top`, only the layouts that can be among the `top` fastest distinct
+    predictions (`Plan.alike`) are estimated, the others only counted (`Plan.fits`): layouts
+    are estimated in order of `step_time_floor` until the floor exceeds the step time of the
+    `top`-th distinct prediction; what is ranked and how is as without `top`."""
     result = Plan([])
     capacity = cluster.gpu.memory_bytes
     pins = {k: fixed.pop(k) for k in COMM_FIELDS if k in fixed}
+    fitting = []
     for layout, why, count in candidate_layouts(model, cluster, global_batch_size, seq_len, **fixed):
         if why is not None:
             result.reject(why[0], layout, why[1], count)
@@ -324,8 +372,16 @@ def plan(
                 miss=memory.total,
             )
             continue
-        best = _choose_comm(model, layout, memory, seq_len, cluster, comm, pins, result)
-        if best is not None:
-            result.ranked.append(best)
-    result.ranked.sort(key=lambda e: _rank_key(e.layout, e.time, e.memory))
+        variants = _fitting_variants(model, layout, memory, seq_len, cluster, comm, pins, result)
+        if variants:
+            fitting.append(variants)
+    result.fits = len(fitting)
+    if top is not None:
+        floors = [step_time_floor(model, [v for v, _ in f], seq_len, cluster) for f in fitting]
+        fitting = [f for _, f in sorted(zip(floors, fitting), key=lambda pair: pair[0])]
+        floors.sort()
+    for i, variants in enumerate(fitting):
+        if top is not None and floors[i] > result.step_time_of(top):
+            break
+        bisect.insort(result.ranked, _fastest(model, variants, seq_len, cluster), key=_estimate_key)
     return result

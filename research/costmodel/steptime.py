@@ -56,6 +56,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import stage_of
@@ -63,7 +64,7 @@ from research.costmodel.dpcomm import Collective, dp_collectives, tied_embedding
 from research.costmodel.hardware import GPU, Cluster, ranks_per_node
 from research.costmodel.layout import DTYPE_BYTES, Layout
 from research.costmodel.memory import layer_activation_bytes
-from research.costmodel.params import rank_params
+from research.costmodel.params import RankParams, rank_params
 from research.costmodel.sharing import shared_makespan
 from research.model import GPTConfig
 
@@ -299,40 +300,69 @@ def _pipeline(
     return compute_f, compute_b, t_f, t_b, bubble, sends, m * (t_f + t_b) + bubble + sends
 
 
+class _Pipelined(NamedTuple):
+    """What layouts that differ only in how dp communicates share: the step's compute and
+    pipeline (`_micro_batch`, `_pipeline`) and the fuller pipeline rank's parameters."""
+
+    compute_f: float
+    compute_b: float
+    t_f: float
+    t_b: float
+    bubble: float
+    sends: float
+    pipeline: float
+    tp_comm: float
+    ep_comm: float
+    rank: RankParams
+
+
+def _pipelined(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster) -> _Pipelined:
+    t, p, v, m = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batches
+    compute_f, compute_b, tp_f, tp_b, ep_f, ep_b, p2p = _micro_batch(model, layout, seq_len, cluster)
+    parts = _pipeline(layout, cluster, (compute_f, compute_b), (tp_f + ep_f, tp_b + ep_b), p2p)
+    ranks = (rank_params(model, t, p, v, r, layout.unit_numel, layout.ep) for r in {0, p - 1})
+    rank = max(ranks, key=lambda r: r.numel)
+    return _Pipelined(*parts, m * (tp_f + tp_b), m * (ep_f + ep_b), rank)
+
+
+def _optimizer_seconds(layout: Layout, rank: RankParams, cluster: Cluster) -> float:
+    """The optimizer step: its shard's master, Adam state, gradient and parameter through HBM."""
+    P, G = DTYPE_BYTES[layout.precision], DTYPE_BYTES[layout.reduce_dtype]
+    optimized = rank.numel / layout.shard if layout.sharding.optimizer_state else rank.held  # experts: 1/ep held
+    return optimized * (2 * 12 + G + P) / cluster.gpu.hbm_bandwidth * cluster.compute_share
+
+
 def predict_step_times(model: GPTConfig, layouts: list[Layout], seq_len: int, cluster: Cluster) -> list[StepTime]:
     """Step times on `cluster` (the model in the module docstring) of layouts that differ at
     most in how dp communicates (`search.comm_variants`): the micro-batch is costed once."""
-    layout = layouts[0]
-    t, p, v, m = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batches
-    P, G = DTYPE_BYTES[layout.precision], DTYPE_BYTES[layout.reduce_dtype]
-    compute_f, compute_b, tp_f, tp_b, ep_f, ep_b, p2p = _micro_batch(model, layout, seq_len, cluster)
-    compute_f, compute_b, t_f, t_b, bubble, sends, pipeline = _pipeline(
-        layout, cluster, (compute_f, compute_b), (tp_f + ep_f, tp_b + ep_b), p2p
-    )
-    ranks = (rank_params(model, t, p, v, r, layout.unit_numel, layout.ep) for r in {0, p - 1})
-    rank = max(ranks, key=lambda r: r.numel)
+    shared = _pipelined(model, layouts[0], seq_len, cluster)
     times = []
     for lo in layouts:
         tied = tied_embedding(model, lo, cluster)
-        collectives = dp_collectives(lo, cluster, rank, compute_f, compute_b) + ((tied,) if tied else ())
-        dp = sum(c.exposed for c in collectives)
-        optimized = rank.numel / lo.shard if lo.sharding.optimizer_state else rank.held  # experts: 1/ep held
-        optimizer = optimized * (2 * 12 + G + P) / cluster.gpu.hbm_bandwidth * cluster.compute_share
+        collectives = dp_collectives(lo, cluster, shared.rank, shared.compute_f, shared.compute_b)
+        collectives += (tied,) if tied else ()
         times.append(
             StepTime(
-                t_f,
-                t_b,
-                pipeline,
-                bubble,
-                m * (tp_f + tp_b),
-                sends,
-                dp,
-                optimizer,
+                shared.t_f,
+                shared.t_b,
+                shared.pipeline,
+                shared.bubble,
+                shared.tp_comm,
+                shared.sends,
+                sum(c.exposed for c in collectives),
+                _optimizer_seconds(lo, shared.rank, cluster),
                 collectives,
-                m * (ep_f + ep_b),
+                shared.ep_comm,
             )
         )
     return times
+
+
+def step_time_floor(model: GPTConfig, layouts: list[Layout], seq_len: int, cluster: Cluster) -> float:
+    """A lower bound of every `predict_step_times` total of `layouts` without their data-parallel
+    collectives (which expose ≥ 0 s): the shared pipeline plus the shortest optimizer step."""
+    shared = _pipelined(model, layouts[0], seq_len, cluster)
+    return shared.pipeline + min(_optimizer_seconds(lo, shared.rank, cluster) for lo in layouts)
 
 
 def predict_step_time(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster) -> StepTime:
