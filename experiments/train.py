@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from experiments import launcher
 from parallel import comm, desync
-from research.config import parse_args
+from research.config import RunConfig, parse_args
 from research.errors import RunError, report
 from research.trainer import Trainer
 
@@ -53,9 +53,9 @@ def _world_size() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
-def run(argv: list[str] | None = None) -> dict[str, Any]:
-    """Parse, validate (before any process group exists), train; the run's summary. A
-    collective that waits longer than --comm-timeout ends the process with a desync report."""
+def join(argv: list[str] | None = None) -> RunConfig:
+    """Parse and validate `argv` (before any process group exists), then join the process
+    group (one process without torchrun) with --comm-timeout on every group: the config."""
     cfg = parse_args(argv, _world_size())
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     timeout_s = cfg.parallel.comm_timeout or desync.default_timeout_s(device_type)
@@ -63,7 +63,14 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     if not dist.is_initialized():
         _join(timeout_s)
     desync.set_timeout(timeout_s, [None])
-    with desync.report_timeouts(timeout_s):
+    return cfg
+
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """Join (`join`) and train; the run's summary. A collective that waits longer than
+    --comm-timeout ends the process with a desync report."""
+    cfg = join(argv)
+    with desync.report_timeouts(cfg.parallel.comm_timeout):
         return Trainer(cfg).train()
 
 

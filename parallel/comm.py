@@ -151,15 +151,19 @@ class CommLog:
     """Per group name -> per op name -> {"calls", "bytes", "payload_bytes"}.
 
     Filled by the wrappers of this module while the ``tracking()`` block that
-    yielded it is active (from any thread).
+    yielded it is active (from any thread); ``on_call(group, op, payload_bytes, bytes)`` is
+    called for each call as it is counted, on the thread that issued it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_call: Callable[[str, str, int, int], None] | None = None) -> None:
         self._stats: dict[str, dict[str, dict[str, int]]] = {}
         self._outer: CommLog | None = None  # the enclosing tracking() log, if nested
+        self._on_call = on_call
         self.wait_s = 0.0  # seconds this rank's thread was blocked in collectives (see `_timed`)
 
     def _add(self, group: str, op: str, payload: int, wire: int) -> None:
+        if self._on_call is not None:
+            self._on_call(group, op, payload, wire)
         ops = self._stats.setdefault(group, {})
         entry = ops.setdefault(op, {"calls": 0, "bytes": 0, "payload_bytes": 0})
         entry["calls"] += 1
@@ -200,14 +204,15 @@ _log: CommLog | None = None  # innermost active tracking() log
 
 
 @contextmanager
-def tracking() -> Iterator[CommLog]:
-    """Record every collective issued through this module into a fresh ``CommLog``.
+def tracking(on_call: Callable[[str, str, int, int], None] | None = None) -> Iterator[CommLog]:
+    """Record every collective issued through this module into a fresh ``CommLog`` (each
+    call also passed to ``on_call``, see there).
 
     Blocks nest: a call inside an inner block is recorded by the inner log and by
     every enclosing one. A log stops recording when its block exits.
     """
     global _log
-    log = CommLog()
+    log = CommLog(on_call)
     log._outer = _log
     _log = log
     try:

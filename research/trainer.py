@@ -285,8 +285,9 @@ class Trainer:
         return checkpoint.save(cfg.checkpoint.root, step, self.model, self.opt, self.dims, meta)
 
     # ---- one step -------------------------------------------------------------------------
-    def _step(self, step: int) -> tuple[torch.Tensor | None, torch.Tensor, float]:
-        """(this rank's mean micro-batch loss or None, global grad norm, the lr used)."""
+    def step(self, step: int) -> tuple[torch.Tensor | None, torch.Tensor, float]:
+        """Train step `step` (0-based) on its batch: (this rank's mean micro-batch loss or
+        None, global grad norm, the lr used)."""
         inputs, labels = self.batches.batch(step)
         micro = data.local_micro_batches(inputs, labels, self.dims.dp_rank, self.dims.dp, self.cfg.train.micro_batches)
         ids = [x.to(self.device) for x, _ in micro]
@@ -437,7 +438,7 @@ class Trainer:
         meter = metrics.ActivationMeter(self.model) if measure_activations else contextlib.nullcontext()
         t0 = time.perf_counter()
         with comm.tracking() as log, meter:
-            loss, norm, lr = self._step(step)
+            loss, norm, lr = self.step(step)
         loss_value = self._global_loss(loss)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
