@@ -50,7 +50,6 @@ from torch.utils.module_tracker import ModuleTracker
 
 from experiments import train
 from parallel import comm, desync
-from research.errors import RunError, report
 from research.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,15 +246,7 @@ def trace(argv: list[str] | None = None) -> Path:
 
 
 def main() -> None:
-    try:
-        trace()
-    except RunError as e:
-        report(e)
-        raise SystemExit(2) from None
-    finally:
-        comm.unwatch()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    train.as_rank(trace)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -102,8 +103,15 @@ def _join(timeout_s: float) -> None:
 def main() -> None:
     if launcher.wants_launch(sys.argv[1:]):
         raise SystemExit(launcher.launch(sys.argv[1:]))
+    as_rank(run)
+
+
+def as_rank(job: Callable[[], object]) -> None:
+    """Run `job` as this process's part of a run: a RunError ends it with its one sentence
+    (rank 0 under torchrun) and exit code 2; the watchdog and the process group are closed
+    however it ends."""
     try:
-        run()
+        job()
     except RunError as e:
         report(e)
         raise SystemExit(2) from None
