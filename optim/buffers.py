@@ -19,6 +19,7 @@ shard.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +33,26 @@ ALIGN = 16  # elements; keeps every parameter view 64-byte aligned in fp32
 
 def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
+
+
+class GradState(enum.Enum):
+    """Where a bucket's gradient is between `zero_grad` and the step."""
+
+    EMPTY = "no gradient since zero_grad"
+    ACCUMULATING = "gradients added since its last reduction (or zero_grad), not reduced"
+    REDUCING = "its reduction in flight"
+    REDUCED = "the reduced sum in grad_shard (the full buffer's other regions stale)"
+
+
+# The moves a bucket's gradient can make: accumulating (a backward's gradients), reducing
+# (launched; also with no new gradient, at the end of a synced backward), reduced (retired),
+# empty (zero_grad). A reduction in flight only finishes.
+MOVES = {
+    GradState.EMPTY: {GradState.EMPTY, GradState.ACCUMULATING, GradState.REDUCING},
+    GradState.ACCUMULATING: {GradState.EMPTY, GradState.ACCUMULATING, GradState.REDUCING},
+    GradState.REDUCING: {GradState.REDUCED},
+    GradState.REDUCED: {GradState.EMPTY, GradState.ACCUMULATING, GradState.REDUCING},
+}
 
 
 @dataclass(eq=False)
@@ -52,8 +73,7 @@ class FlatBucket:
     master: torch.Tensor = field(init=False)
     grad_buffer: torch.Tensor | None = field(init=False, default=None)
     grad_shard: torch.Tensor = field(init=False)
-    holds_reduced_sum: bool = field(init=False, default=False)
-    reduced: bool = field(init=False, default=False)
+    grad_state: GradState = field(init=False, default=GradState.EMPTY)
     on_grad_bytes: Callable[[int], None] | None = None  # told +/- bytes of each transient full gradient buffer
     keeps_reduced_sum: bool = True  # False on all but the first replica (hybrid sharding): see the reduced-sum rule
     marks: ParamMarks = NO_MARKS  # the groups its parameters (all alike in these) are replicated and tied over
@@ -69,6 +89,11 @@ class FlatBucket:
         self.numel = _round_up(max(end, 1), self.world * ALIGN)
         self._written = [False] * len(self.params)
         self.has_grad = [False] * len(self.params)  # parameter i has a gradient (torch: .grad is not None)
+
+    def _move(self, to: GradState) -> None:
+        if to not in MOVES[self.grad_state]:
+            raise AssertionError(f"a gradient bucket cannot go from {self.grad_state.name} to {to.name}")
+        self.grad_state = to
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -163,6 +188,7 @@ class FlatBucket:
     def accumulate(self, i: int, grad: torch.Tensor, scale: float) -> None:
         """slot_i ← slot_i + scale·grad (or scale·grad for the slot's first gradient)."""
         self._prepare_grad_buffer()
+        self._move(GradState.ACCUMULATING)
         off = self.offsets[i]
         slot = self.grad_buffer[off : off + self.shapes[i].numel()]
         if self._written[i]:
@@ -192,25 +218,29 @@ class FlatBucket:
         self.param_slice(self.grad_shard, i, self.opt_range)[1].zero_()
 
     def _prepare_grad_buffer(self) -> None:
+        """The full buffer, ready for gradients to be added: allocated (stages 2-3), and after
+        a reduction laid out by the reduced-sum rule (above)."""
+        reduced = self.grad_state is GradState.REDUCED
         if self.grad_buffer is None:
             self.grad_buffer = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.grad_shard.device)
             self._grad_bytes_changed(+1)
             self._written = [False] * len(self.params)
-            if self.holds_reduced_sum:
+            if reduced:
                 lo, hi = self.shard_range
                 if self.keeps_reduced_sum:
                     self.grad_buffer[lo:hi].copy_(self.grad_shard)
                 self._written = [True] * len(self.params)
-        elif self.holds_reduced_sum:
+        elif reduced:
             lo, hi = self.shard_range if self.keeps_reduced_sum else (self.numel, self.numel)
             self.grad_buffer[:lo].zero_()
             self.grad_buffer[hi:].zero_()
             self._written = [True] * len(self.params)
-        self.holds_reduced_sum = False
 
     def grads_for_reduction(self) -> torch.Tensor:
-        """The full gradient buffer with every slot valid (unwritten slots zeroed)."""
+        """The full gradient buffer with every slot valid (unwritten slots zeroed), handed to
+        its reduction."""
         self._prepare_grad_buffer()
+        self._move(GradState.REDUCING)
         for i, written in enumerate(self._written):
             if not written:
                 off = self.offsets[i]
@@ -222,8 +252,7 @@ class FlatBucket:
         """The reduced sum now lives in `grad_shard`; stages 2-3 drop the full buffer."""
         if self.sharding.gradients:
             self._drop_grad_buffer()
-        self.holds_reduced_sum = True
-        self.reduced = True
+        self._move(GradState.REDUCED)
 
     def zero_grad(self) -> None:
         """Forget the gradients: stages 0-1 only mark their slots unwritten (see above)."""
@@ -232,8 +261,7 @@ class FlatBucket:
             self._drop_grad_buffer()
         self._written = [False] * len(self.params)
         self.has_grad = [False] * len(self.params)
-        self.holds_reduced_sum = False
-        self.reduced = False
+        self._move(GradState.EMPTY)
 
     def _drop_grad_buffer(self) -> None:
         if self.grad_buffer is not None:
@@ -247,7 +275,7 @@ class FlatBucket:
 
     def zero_if_never_reduced(self) -> None:
         """With no backward since zero_grad the gradient is zero (stages 0-1 zero lazily)."""
-        if not self.reduced and not self.sharding.gradients:
+        if self.grad_state is GradState.EMPTY and not self.sharding.gradients:
             self.grad_shard.zero_()
 
     # ---- parameters after the step --------------------------------------------------------

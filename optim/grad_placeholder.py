@@ -41,11 +41,11 @@ UNSUPPORTED = (
 class GradOwner(Protocol):
     """The optimizer side of a placeholder: parameter `i` of bucket `k` (i None: the whole bucket)."""
 
-    def _grad_norm_of(self, k: int, i: int | None, norm_type: float) -> torch.Tensor: ...
+    def grad_norm_of(self, k: int, i: int | None, norm_type: float) -> torch.Tensor: ...
 
-    def _scale_grad_of(self, k: int, i: int | None, factor: torch.Tensor | float) -> None: ...
+    def scale_grad_of(self, k: int, i: int | None, factor: torch.Tensor | float) -> None: ...
 
-    def _zero_grad_of(self, k: int, i: int | None) -> None: ...
+    def zero_grad_of(self, k: int, i: int | None) -> None: ...
 
 
 class GradPlaceholder(torch.Tensor):
@@ -97,7 +97,7 @@ def _norm(
 ) -> torch.Tensor:
     if dim is not None:
         raise RuntimeError(UNSUPPORTED.format(op="a norm over some dims"))
-    norm = self.owner._grad_norm_of(self.k, self.i, float(ord))
+    norm = self.owner.grad_norm_of(self.k, self.i, float(ord))
     return norm if dtype is None else norm.to(dtype)
 
 
@@ -109,7 +109,7 @@ def _foreach_norm(tensors: list[torch.Tensor], ord: float = 2, dtype: torch.dtyp
 
 
 def _mul_(self: GradPlaceholder, factor: torch.Tensor | float) -> GradPlaceholder:
-    self.owner._scale_grad_of(self.k, self.i, factor)
+    self.owner.scale_grad_of(self.k, self.i, factor)
     return self
 
 
@@ -123,7 +123,7 @@ def _foreach_mul_(tensors: list[torch.Tensor], factors: Any) -> None:
 
 
 def _zero_(self: GradPlaceholder) -> GradPlaceholder:
-    self.owner._zero_grad_of(self.k, self.i)
+    self.owner.zero_grad_of(self.k, self.i)
     return self
 
 

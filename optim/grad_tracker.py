@@ -41,17 +41,14 @@ import torch.distributed as dist
 from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.nn.parallel import DistributedDataParallel
 
+from optim.buffers import FlatBucket, GradState
 from optim.collectives import gather_flat
 from optim.grad_placeholder import GradPlaceholder
 from optim.integrations import WRAPPED_BY, wrapped_by
-from optim.sharding import Sharding
 from parallel import comm
 
 if TYPE_CHECKING:
-    from optim.buffers import FlatBucket
-    from optim.grads import GradReducer
-    from optim.scaler import DynamicLossScaler
-    from optim.stage3 import ParamGatherer
+    from optim.zero_state import ZeroState
 
 MOVED = (
     "parameter {name!r} no longer lives in ZeroOptimizer's buffers: it was moved, cast or replaced after the "
@@ -90,30 +87,13 @@ WRAPPED = (
 
 class GradTracker:
     """ZeroOptimizer's gradient bookkeeping (module docstring): the `.grad` placeholders of the
-    parameters and of the master shards (their owner), which parameters have a gradient, the model checks, the once-per-step finishing of
-    the reduced gradients and their norms. `reducer` is the optimizer's GradReducer, set once
-    it exists (the reducer calls `check_grads` and `backward_end`)."""
+    parameters and of the master shards (their owner), which parameters have a gradient, the
+    model checks, the once-per-step finishing of the reduced gradients and their norms. The
+    gradient reducer tells it when a backward starts (`check_grads`) and ends (`backward_end`)."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        buckets: list[FlatBucket],
-        names: dict[torch.nn.Parameter, str],
-        group: dist.ProcessGroup | None,
-        dp_groups: list[dist.ProcessGroup | None],
-        norm_groups: list[dist.ProcessGroup | None],
-        stage: int,
-        param_dtype: torch.dtype,
-        find_unused_parameters: bool,
-        gatherer: ParamGatherer | None,
-        scaler: DynamicLossScaler | None,
-    ) -> None:
-        self.model, self.buckets, self.names, self.group, self.stage = model, buckets, names, group, stage
-        self._dp_groups, self._norm_groups = dp_groups, norm_groups
-        self.sharding = Sharding.of_zero_stage(stage)
-        self.param_dtype, self.find_unused_parameters = param_dtype, find_unused_parameters
-        self._gatherer, self.scaler = gatherer, scaler
-        self.reducer: GradReducer | None = None
+    def __init__(self, state: ZeroState) -> None:
+        self.shared = state
+        buckets, param_dtype = state.buckets, state.param_dtype
         self._all_params = [p for b in buckets for p in b.params]  # flat index order of the gradient flags
         self._first_index = [sum(len(b.params) for b in buckets[:k]) for k in range(len(buckets))]
         self._trained = set(self._all_params)
@@ -145,9 +125,8 @@ class GradTracker:
             b.master.grad = placeholder if shown else None
 
     @property
-    def unscale(self) -> float:
-        """1 / the fp16 loss scale (1 without one): what turns the reduced gradients into ḡ."""
-        return 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+    def buckets(self) -> list[FlatBucket]:
+        return self.shared.buckets
 
     def finish(self) -> None:
         """Once per step, before the norm or the update: check every gradient was reduced and
@@ -157,12 +136,12 @@ class GradTracker:
         which parameters have a gradient on some rank: those are stepped."""
         if self._finished:
             return
-        if self.reducer is not None and self.reducer.unsynced:
+        if any(b.grad_state is GradState.ACCUMULATING for b in self.buckets):
             raise RuntimeError(
                 "gradients accumulated under no_sync() (or model.require_backward_grad_sync = False) were never "
                 "reduced: run the last backward before step() with gradient synchronisation on"
             )
-        for name, p in self.model.named_parameters():
+        for name, p in self.shared.model.named_parameters():
             if p.grad is not None and p not in self._trained:
                 raise RuntimeError(NOT_TRAINED.format(name=name))
         for b in self.buckets:
@@ -178,7 +157,7 @@ class GradTracker:
         if self._norm is None:
             self.finish()
             with comm.doing("the global gradient norm"):
-                self._norm = global_grad_norm(self.buckets, self._norm_groups, self.unscale)
+                self._norm = global_grad_norm(self.buckets, self.shared.norm_groups, self.shared.unscale)
         return self._norm
 
     def check_grads(self, arriving: tuple[int, int] | None = None) -> None:
@@ -216,14 +195,15 @@ class GradTracker:
         when searching) raises on every rank that knows of it."""
         self.check_grads()
         with comm.doing("the agreement on which parameters have a gradient"):
-            hand_set = self._agree_on_has_grad(tied) if self.find_unused_parameters else self._hand_set
+            searching = self.shared.communication.find_unused_parameters
+            hand_set = self._agree_on_has_grad(tied) if searching else self._hand_set
         self._hand_set = 0
         if hand_set:
-            raise RuntimeError(HAND_SET.format(name=self.names[self._all_params[hand_set - 1]]))
+            raise RuntimeError(HAND_SET.format(name=self.shared.names[self._all_params[hand_set - 1]]))
         for k, b in enumerate(self.buckets):
             for i, p in enumerate(b.params):
-                if not (b.has_grad[i] or self.find_unused_parameters):
-                    raise RuntimeError(UNUSED.format(name=self.names[p]))
+                if not (b.has_grad[i] or searching):
+                    raise RuntimeError(UNUSED.format(name=self.shared.names[p]))
                 if b.has_grad[i] and p.grad is None:
                     p.grad = self.placeholders[k][i]
         self.show_shard_grads()
@@ -234,7 +214,7 @@ class GradTracker:
         first one's last entry carrying `_hand_set`; returns the agreed `_hand_set` (1 + a flat
         index, 0: none)."""
         hand_set = self._hand_set
-        dense = tuple(self._dp_groups)
+        dense = tuple(self.shared.dp_groups)
         by_groups: dict[tuple, list[int]] = {dense: []}  # data-parallel groups -> their buckets
         for k, b in enumerate(self.buckets):
             by_groups.setdefault(tuple(b.dp_groups) if b.marks.expert is not None else dense, []).append(k)
@@ -259,12 +239,10 @@ class GradTracker:
         return hand_set
 
     def backward_end(self, synced: bool) -> None:
-        """After every backward: stage 3 frees what it gathered; a backward that reduced every
-        bucket also agrees on which parameters got a gradient, so `.grad` shows the same
-        parameters on every rank (as under DDP) for third-party clipping."""
+        """After every backward (and stage 3's freeing): a backward that reduced every bucket
+        agrees on which parameters got a gradient, so `.grad` shows the same parameters on
+        every rank (as under DDP) for third-party clipping."""
         self._param_norms = self._bucket_norms = None
-        if self._gatherer is not None:
-            self._gatherer.backward_end()
         if synced:
             self.share_has_grad(tied=False)
         else:  # a clip now reaches finish(), which names the missing synced backward
@@ -276,25 +254,25 @@ class GradTracker:
         ddp = DistributedDataParallel._get_active_ddp_module()
         if ddp is not None:
             framework = wrapped_by(ddp)
-            raise RuntimeError(WRAPPED_BY[framework].format(stage=self.stage) if framework else WRAPPED)
-        if self.sharding.parameters and (torch.compiler.is_compiling() or get_eval_frame_callback() is not None):
+            raise RuntimeError(WRAPPED_BY[framework].format(stage=self.shared.stage) if framework else WRAPPED)
+        if self.shared.sharding.parameters and (torch.compiler.is_compiling() or get_eval_frame_callback() is not None):
             raise RuntimeError(COMPILED)
         for k, b in enumerate(self.buckets):
             device = b.param_shard.device
             for i, p in enumerate(b.params):
                 if b.sharding.parameters:  # empty between uses; moved or cast, it changes device or dtype
                     bound = (
-                        p.dtype == self.param_dtype
+                        p.dtype == self.shared.param_dtype
                         and p.device == device
                         and (p.numel() == 0 or p.shape == b.shapes[i])
                     )
                 else:  # a view of the bucket; moved or cast, it is new storage
                     bound = p.data_ptr() == self._bound[k][i]
                 if not bound:
-                    raise RuntimeError(MOVED.format(name=self.names.get(p, "?")))
+                    raise RuntimeError(MOVED.format(name=self.shared.names.get(p, "?")))
 
-    # ---- .grad placeholders (optim.grad_placeholder) ---------------------------------------
-    def _grad_norm_of(self, k: int, i: int | None, norm_type: float) -> torch.Tensor:
+    # ---- .grad placeholders (optim.grad_placeholder): their owner's answers -----------------
+    def grad_norm_of(self, k: int, i: int | None, norm_type: float) -> torch.Tensor:
         """‖ḡ‖_p of parameter i of bucket k (i None: of the whole bucket, `_bucket_norm`),
         unscaled, over all shards: ‖ḡ‖_p^p summed over the owned parts (the largest part's norm
         for p = ∞) in one all-reduce that gives every parameter's norm, reused until the
@@ -320,14 +298,14 @@ class GradTracker:
                     comm.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
                     local[mine] = part
             norms = local if inf else local ** (1.0 / norm_type)
-            self._param_norms = (norm_type, (norms * self.unscale).float())
+            self._param_norms = (norm_type, (norms * self.shared.unscale).float())
         return self._param_norms[1][self._first_index[k] + i]
 
     def _bucket_norm(self, k: int, norm_type: float) -> torch.Tensor:
         """‖ḡ_k‖_p of bucket k over its shard group, each element counted once as in
         `global_grad_norm` (so Σ_k ‖ḡ_k‖₂² is its square when no model-parallel group joins
         it), unscaled; every bucket's in one all-reduce, reused until the gradients change."""
-        if len(self._norm_groups) > 1:
+        if len(self.shared.norm_groups) > 1:
             raise RuntimeError(MODEL_PARALLEL_CLIP)
         if self._bucket_norms is None or self._bucket_norms[0] != norm_type:
             self.finish()
@@ -338,19 +316,20 @@ class GradTracker:
                 if counts_in_norm(b) and part.numel():
                     local[at] = torch.linalg.vector_norm(part, norm_type, dtype=torch.float32).double()
             local = local if inf else local**norm_type
-            if dist.get_world_size(self.group) > 1:
-                comm.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.group)
+            group = self.shared.group
+            if dist.get_world_size(group) > 1:
+                comm.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
             norms = local if inf else local ** (1.0 / norm_type)
-            self._bucket_norms = (norm_type, (norms * self.unscale).float())
+            self._bucket_norms = (norm_type, (norms * self.shared.unscale).float())
         return self._bucket_norms[1][k]
 
-    def _scale_grad_of(self, k: int, i: int | None, factor: torch.Tensor | float) -> None:
+    def scale_grad_of(self, k: int, i: int | None, factor: torch.Tensor | float) -> None:
         self.finish()
         b = self.buckets[k]
         (b.grad_shard if i is None else b.param_slice(b.grad_shard, i, b.opt_range)[1]).mul_(factor)
         self._param_norms = self._bucket_norms = self._norm = None
 
-    def _zero_grad_of(self, k: int, i: int | None) -> None:
+    def zero_grad_of(self, k: int, i: int | None) -> None:
         b = self.buckets[k]
         for j in range(len(b.params)) if i is None else [i]:
             b.clear_grad(j)
@@ -362,10 +341,10 @@ class GradTracker:
         self.finish()
         grads = {}
         for b in self.buckets:
-            flat = gather_flat(b, b.grad_shard.float() * self.unscale, b.group)
+            flat = gather_flat(b, b.grad_shard.float() * self.shared.unscale, b.group)
             for i, p in enumerate(b.params):
                 if b.has_grad[i]:
-                    grads[self.names[p]] = b.param_view(flat, i).clone()
+                    grads[self.shared.names[p]] = b.param_view(flat, i).clone()
         return grads
 
 

@@ -41,9 +41,10 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,11 @@ import torch.distributed as dist
 from optim.buffers import FlatBucket
 from optim.quantize import reduce_scatter_quantized
 from parallel import comm
+
+if TYPE_CHECKING:
+    from optim.grad_tracker import GradTracker
+    from optim.stage3 import ParamGatherer
+    from optim.zero_state import ZeroState
 
 MAX_IN_FLIGHT = 2
 QGZ_BLOCK = 2048  # elements per quantization block of qgZ
@@ -73,46 +79,32 @@ def _on_grad(reducer: weakref.ref[GradReducer], b: int, i: int, param: torch.Ten
 
 
 class GradReducer:
-    """Hooks that accumulate and reduce gradients bucket by bucket (see module docstring).
-
-    `on_backward_start(b, i)` runs at the first gradient of a backward (parameter i of bucket
-    b, whose `.grad` autograd has just set), before it is added: the optimizer forgets the
-    gradients whose `.grad` the user cleared; `on_bucket_done(i)` runs once
-    all parameters of bucket i have their gradient in a backward (stage 3 frees the gathered
-    parameters there); `on_backward_end(synced)` runs last, `synced` telling whether the
-    backward reduced every bucket. `sync_requested()`, asked at the first gradient of each
-    backward, False makes that backward accumulate only, as inside `no_sync()` (DDP's
-    `require_backward_grad_sync` flag, which training scripts set on micro-steps).
+    """Hooks that accumulate and reduce gradients bucket by bucket (see module docstring), and
+    the one owner of a backward's events: at its first gradient (parameter i of bucket b, whose
+    `.grad` autograd has just set, before it is added) the tracker forgets the gradients whose
+    `.grad` the user cleared (`GradTracker.check_grads`); once all parameters of a bucket have
+    their gradient, stage 3 frees its unit (`ParamGatherer.bucket_done`); at its end, after the
+    reductions, stage 3 frees what it gathered and then the tracker agrees on which parameters
+    got a gradient (`_end_of_backward`). The model's `require_backward_grad_sync` (DDP's flag,
+    which training scripts set on micro-steps), read at the first gradient of each backward,
+    False makes that backward accumulate only, as inside `no_sync()`.
     """
 
     def __init__(
         self,
-        buckets: list[FlatBucket],
-        group: dist.ProcessGroup | None,
-        placeholders: list[list[torch.Tensor]],
-        replicate_group: dist.ProcessGroup | None = None,
+        state: ZeroState,
+        tracker: GradTracker,
+        gatherer: ParamGatherer | None,
         quantized: QuantizedReduction | None = None,
-        on_backward_start: Callable[[int, int], None] | None = None,
-        on_bucket_done: Callable[[int], None] | None = None,
-        on_backward_end: Callable[[bool], None] | None = None,
-        sync_requested: Callable[[], bool] = lambda: True,
     ) -> None:
-        self.buckets = buckets
-        self.placeholders = placeholders
-        self.group = group
-        self.replicate_group = replicate_group
-        self.quantized = quantized
+        self.shared, self.tracker, self.gatherer, self.quantized = state, tracker, gatherer, quantized
+        buckets = state.buckets
         self.sync = True  # False inside no_sync()
-        self._sync_requested = sync_requested  # False: this backward only accumulates, as under no_sync()
         self._syncing = True  # whether the backward in progress reduces
-        self.unsynced: set[int] = set()  # buckets holding gradients accumulated under no_sync, not reduced yet
         self._scope = list(range(len(buckets)))  # the buckets a synced backward launches, in order
         self._in_scope = set(self._scope)
-        replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-        self._scale = 1.0 / (dist.get_world_size(group) * replicas)
-        self._on_backward_start = on_backward_start
-        self._on_bucket_done = on_bucket_done
-        self._on_backward_end = on_backward_end
+        replicas = dist.get_world_size(state.replicate_group) if state.replicate_group is not None else 1
+        self._scale = 1.0 / (state.world * replicas)  # the mean over every data-parallel rank
         self._ready = [0] * len(buckets)
         self._next = 0
         # reductions in flight: (their collectives in order, the works of the current one, bucket)
@@ -159,34 +151,35 @@ class GradReducer:
             self._wait_at_end = previous
         self._retire(keep=0)
 
+    @property
+    def buckets(self) -> list[FlatBucket]:
+        return self.shared.buckets
+
     def on_grad(self, b: int, i: int, param: torch.Tensor) -> None:
         if not self._callback_queued:
             self._callback_queued = True
-            self._syncing = self.sync and self._sync_requested()
+            self._syncing = self.sync and getattr(self.shared.model, "require_backward_grad_sync", True)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            if self._on_backward_start is not None:
-                self._on_backward_start(b, i)
+            self.tracker.check_grads(arriving=(b, i))
         bucket = self.buckets[b]
         if self._ready[b] == 0:
             self._finish_reduction_of(bucket)
-        grad = param.grad
-        if grad is self.placeholders[b][i]:
+        grad, placeholder = param.grad, self.tracker.placeholders[b][i]
+        if grad is placeholder:
             grad = grad.take()
         elif bucket.has_grad[i]:
             bucket.clear_grad(i)
         bucket.accumulate(i, grad, self._scale)
-        param.grad = self.placeholders[b][i]
+        param.grad = placeholder
         self._ready[b] += 1
-        if not self._syncing:
-            self.unsynced.add(b)
-        elif b not in self._in_scope:
+        if self._syncing and b not in self._in_scope:
             raise RuntimeError(
                 f"parameter {i} of gradient bucket {b} got a gradient in a backward scoped to other buckets; "
                 "scope the backward to every module whose parameters it reaches"
             )
         if self._ready[b] == len(bucket.params):
-            if self._on_bucket_done is not None:
-                self._on_bucket_done(b)
+            if self.gatherer is not None:
+                self.gatherer.bucket_done(bucket)
             if self._syncing:
                 self._launch_in_order()
 
@@ -197,7 +190,6 @@ class GradReducer:
             if not everything and self._ready[b] < len(self.buckets[b].params):
                 return
             self._launch(self.buckets[b])
-            self.unsynced.discard(b)
             self._next += 1
 
     def _retire(self, keep: int) -> None:
@@ -250,6 +242,9 @@ class GradReducer:
             bucket.grad_shard.add_(out)
 
     def _end_of_backward(self) -> None:
+        """Autograd's callback at the end of a backward: the rest of a synced backward's buckets
+        are launched (and waited for, outside `overlapped()`), stage 3 frees what it gathered,
+        then the tracker learns whether every bucket was reduced."""
         self._callback_queued = False
         if self._syncing:
             self._launch_in_order(everything=True)
@@ -257,5 +252,6 @@ class GradReducer:
                 self._retire(keep=0)
             self._next = 0
         self._ready = [0] * len(self.buckets)
-        if self._on_backward_end is not None:
-            self._on_backward_end(self._syncing and len(self._scope) == len(self.buckets))
+        if self.gatherer is not None:
+            self.gatherer.backward_end()
+        self.tracker.backward_end(self._syncing and len(self._scope) == len(self.buckets))

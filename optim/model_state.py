@@ -26,15 +26,17 @@ Hooks sit on every module whose subtree holds a trained parameter, so a submodul
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from optim.buffers import FlatBucket
-from optim.stage3 import MODEL_STATE_DICT
+from optim.stage3 import MODEL_STATE_DICT, ParamGatherer
 from parallel import comm
+
+if TYPE_CHECKING:
+    from optim.zero_state import ZeroState
 
 PLACEHOLDER = (
     "model.load_state_dict() got an empty tensor for {name!r}, whose shape is {shape}: the state dict was saved "
@@ -47,15 +49,11 @@ SHAPE = "model.load_state_dict() got {name!r} of shape {got}, but the parameter'
 class ModelStateHooks:
     """The model's state-dict hooks (see module docstring)."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        buckets: list[FlatBucket],
-        group: dist.ProcessGroup | None,
-        check_in: Callable[[int], None],
-        on_load: Callable[[], None],
-    ) -> None:
-        self.group, self.check_in, self.on_load = group, check_in, on_load
+    def __init__(self, shared: ZeroState, gatherer: ParamGatherer | None) -> None:
+        """`gatherer`: stage 3's, which checks the call in on every rank (`ParamGatherer.check_in`)
+        and forgets its hpZ copies once weights are loaded (`forget_secondary`)."""
+        model, buckets = shared.model, shared.buckets
+        self.gatherer = gatherer
         self.trained = {p for b in buckets for p in b.params}
         self.where = {p: (b, i) for b in buckets if b.sharding.parameters for i, p in enumerate(b.params)}
         self.resident = {
@@ -81,8 +79,8 @@ class ModelStateHooks:
 
     def _begin(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
         """Pre-hook. `keep_vars=True` asks for the parameter objects themselves: left as they are."""
-        if not self._keep_vars and not keep_vars:
-            self.check_in(MODEL_STATE_DICT)
+        if not self._keep_vars and not keep_vars and self.gatherer is not None:
+            self.gatherer.check_in(MODEL_STATE_DICT)
         self._keep_vars.append(keep_vars)
 
     def _fill(self, module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
@@ -133,4 +131,5 @@ class ModelStateHooks:
                 part.copy_(flat[start : start + part.numel()])
             if p in self.where:
                 state_dict[key] = torch.empty(0, dtype=p.dtype, device=p.device)
-        self.on_load()
+        if self.gatherer is not None:
+            self.gatherer.forget_secondary()

@@ -7,17 +7,18 @@ buckets whose parameters are stepped alike and once per run of ranges otherwise.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from optim import fused
 from optim.buffers import FlatBucket
 from optim.collectives import ShardGather, all_gather_shards
-from optim.quantize import QuantizedGather
 from optim.stage3 import ParamGatherer
 from parallel import comm
+
+if TYPE_CHECKING:
+    from optim.zero_state import ZeroState
 
 
 class ShardStep:
@@ -25,23 +26,12 @@ class ShardStep:
     the updated parameters. `param_steps[k][i]`: how many steps parameter i of bucket k has
     taken (torch's per-parameter "step"); `gathers`: the all-gathers still in flight."""
 
-    def __init__(
-        self,
-        buckets: list[FlatBucket],
-        inner: torch.optim.Optimizer,
-        optimizer_class: type[torch.optim.Optimizer],
-        backend: str,
-        group: dist.ProcessGroup | None,
-        rank: int,
-        qwz: QuantizedGather | None,
-        overlap_param_gather: bool,
-        gatherer: ParamGatherer | None,
-    ) -> None:
-        self.buckets, self.inner, self.optimizer_class, self.backend = buckets, inner, optimizer_class, backend
-        self.group, self.rank, self.qwz = group, rank, qwz
-        self.param_steps = [[0] * len(b.params) for b in buckets]
-        self.overlap_param_gather, self.gatherer = overlap_param_gather, gatherer
-        self.state, self.param_groups = inner.state, inner.param_groups
+    def __init__(self, shared: ZeroState, backend: str, gatherer: ParamGatherer | None) -> None:
+        self.shared, self.backend, self.gatherer = shared, backend, gatherer
+        self.buckets, self.inner, self.optimizer_class = shared.buckets, shared.inner, shared.optimizer_class
+        self.qwz, self.overlap_param_gather = shared.zero_plus_plus.qwz, shared.communication.overlap_param_gather
+        self.param_steps = [[0] * len(b.params) for b in self.buckets]
+        self.state, self.param_groups = self.inner.state, self.inner.param_groups
         self.gathers: dict[FlatBucket, ShardGather] = {}
 
     def _runs(self, k: int) -> list[tuple[int, list[tuple[int, int]]]]:

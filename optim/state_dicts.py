@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,9 +34,11 @@ from optim import sharded_state
 from optim.buffers import FlatBucket
 from optim.collectives import gather_flat
 from optim.shard_step import ShardStep
-from optim.sharding import Sharding
 from parallel import comm
 from parallel.comm import ExpertMark
+
+if TYPE_CHECKING:
+    from optim.zero_state import ZeroState
 
 RANK_LOCAL = "zero3d_rank_local"
 
@@ -136,33 +138,16 @@ class StateDicts:
     """ZeroOptimizer's state_dict / load_state_dict / full_state_dict / param_shapes (module
     docstring), on the optimizer's buckets, inner optimizer and per-parameter step counts."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        buckets: list[FlatBucket],
-        names: dict[torch.nn.Parameter, str],
-        group: dist.ProcessGroup | None,
-        stage: int,
-        inner: torch.optim.Optimizer,
-        optimizer_class: type[torch.optim.Optimizer],
-        scaler: Any,
-        orig_dtypes: dict[int, torch.dtype],
-        torch_order: list[list[torch.nn.Parameter]],
-        shard_step: ShardStep,
-    ) -> None:
-        self.model, self.buckets, self.names, self.group, self.stage = model, buckets, names, group, stage
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+    def __init__(self, shared: ZeroState, shard_step: ShardStep) -> None:
+        self.shared, self._shard_step = shared, shard_step
         self._ep_members: dict[ExpertMark, dict[int, list[int]]] = {}  # `_experts_tiled`
-        self.sharding = Sharding.of_zero_stage(stage)
-        self.inner, self.optimizer_class, self.scaler = inner, optimizer_class, scaler
-        self.state, self.param_groups = inner.state, inner.param_groups
-        self._orig_dtypes, self._torch_order, self._shard_step = orig_dtypes, torch_order, shard_step
+        self.state, self.param_groups = shared.inner.state, shared.inner.param_groups
         self._param_steps = shard_step.param_steps
         self.consolidated: dict[str, Any] | None = None  # for the next state_dict() (consolidate)
 
     def param_shapes(self) -> dict[torch.nn.Parameter, torch.Size]:
         """Each trained parameter's shape, also at stage 3, where it is empty between uses."""
-        return {p: shape for b in self.buckets for p, shape in zip(b.params, b.shapes)}
+        return {p: shape for b in self.shared.buckets for p, shape in zip(b.params, b.shapes)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded weights with the keys and shapes of `model.state_dict()`: trainable
@@ -170,29 +155,29 @@ class StateDicts:
         A collective: every rank must call it; every rank gets the whole dict."""
         self._shard_step.wait()
         full: dict[torch.nn.Parameter, torch.Tensor] = {}
-        for b in self.buckets:
+        for b in self.shared.buckets:
             flat = gather_flat(b, b.master, b.group)
             for i, p in enumerate(b.params):
-                full[p] = b.param_view(flat, i).to(self._orig_dtypes[id(p)]).clone()
+                full[p] = b.param_view(flat, i).to(self.shared.orig_dtypes[id(p)]).clone()
         return {
-            k: full[v] if v in full else v.detach().to(self._orig_dtypes.get(id(v), v.dtype)).clone()
-            for k, v in self.model.state_dict(keep_vars=True).items()
+            k: full[v] if v in full else v.detach().to(self.shared.orig_dtypes.get(id(v), v.dtype)).clone()
+            for k, v in self.shared.model.state_dict(keep_vars=True).items()
         }
 
     def consolidate(self, to: int) -> None:
         """Gather the plain `torch.optim` state dict onto rank `to` of the shard group, where
         the next `state_dict()` returns it (module docstring). A collective."""
-        if not 0 <= to < self.world:
-            raise ValueError(f"consolidate_state_dict(to={to}): the shard group has ranks 0-{self.world - 1}")
+        if not 0 <= to < self.shared.world:
+            raise ValueError(f"consolidate_state_dict(to={to}): the shard group has ranks 0-{self.shared.world - 1}")
         self._shard_step.wait()
         self._materialize_state()
-        index_of = {p: n for n, p in enumerate(p for group in self._torch_order for p in group)}
+        index_of = {p: n for n, p in enumerate(p for group in self.shared.torch_order for p in group)}
         state: dict[int, dict[str, Any]] = {}
-        for k, b in enumerate(self.buckets):
+        for k, b in enumerate(self.shared.buckets):
             for key, value in self.state[b.master].items():
                 whole = value.numel() == b.master.numel()
                 flat = gather_flat(b, value, b.group) if whole else value
-                if self.rank != to:  # it took part in the gathers; only rank `to` keeps a copy
+                if self.shared.rank != to:  # it took part in the gathers; only rank `to` keeps a copy
                     continue
                 for i, p in enumerate(b.params):
                     if self._param_steps[k][i] == 0:
@@ -202,16 +187,16 @@ class StateDicts:
                     else:
                         own = b.param_view(flat, i) if whole else value
                     state.setdefault(index_of[p], {})[key] = own.detach().to("cpu", copy=True)
-        if self.rank != to:
+        if self.shared.rank != to:
             return
         groups, start = [], 0
-        for group, params in zip(self.param_groups, self._torch_order):
+        for group, params in zip(self.param_groups, self.shared.torch_order):
             hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append({**hyper, "params": list(range(start, start + len(params)))})
             start += len(params)
         self.consolidated = {"state": dict(sorted(state.items())), "param_groups": groups}
-        if self.scaler is not None:
-            self.consolidated["loss_scaler"] = self.scaler.state_dict()
+        if self.shared.scaler is not None:
+            self.consolidated["loss_scaler"] = self.shared.scaler.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
         """Sharded state for `torch.distributed.checkpoint`, canonical per parameter:
@@ -227,7 +212,7 @@ class StateDicts:
         self._materialize_state()
         params: dict[str, Any] = {}
         state: dict[str, dict[str, Any]] = {}
-        for k, b in enumerate(self.buckets):
+        for k, b in enumerate(self.shared.buckets):
             for name, sharded in self._sharded_views(b, b.master).items():
                 params[name] = sharded
             for key, value in self.state[b.master].items():
@@ -237,21 +222,27 @@ class StateDicts:
                 else:
                     for i, p in enumerate(b.params):
                         own = torch.tensor(float(self._param_steps[k][i])) if key == "step" else value
-                        state.setdefault(self.names[p], {})[key] = own
+                        state.setdefault(self.shared.names[p], {})[key] = own
         # a tuple is one opaque (pickled) entry for DCP, whose save and load traversals
         # disagree on how to flatten lists of plain dicts
         groups = tuple({k: v for k, v in g.items() if k != "params"} for g in self.param_groups)
         sd = ShardedStateDict(params=params, state=state, param_groups=groups)
-        if self.scaler is not None:
-            sd["loss_scaler"] = self.scaler.state_dict()
+        if self.shared.scaler is not None:
+            sd["loss_scaler"] = self.shared.scaler.state_dict()
         sd.layout = self._layout()
         return sd
 
     def _layout(self) -> dict[str, Any]:
         """This rank's place in the sharding, recorded in a torch.save'd state dict."""
-        names = [(self.names[p], tuple(b.shapes[i])) for b in self.buckets for i, p in enumerate(b.params)]
-        buckets = [[self.names[p] for p in b.params] for b in self.buckets]
-        return {"rank": self.rank, "world": self.world, "layout": fingerprint(self.stage, names, buckets)}
+        names = [
+            (self.shared.names[p], tuple(b.shapes[i])) for b in self.shared.buckets for i, p in enumerate(b.params)
+        ]
+        buckets = [[self.shared.names[p] for p in b.params] for b in self.shared.buckets]
+        return {
+            "rank": self.shared.rank,
+            "world": self.shared.world,
+            "layout": fingerprint(self.shared.stage, names, buckets),
+        }
 
     def _sharded_views(self, bucket: FlatBucket, shard: torch.Tensor) -> dict[str, Any]:
         """name -> sharded tensor whose local pieces view `shard` (master-shaped)."""
@@ -261,7 +252,7 @@ class StateDicts:
             piece = bucket.param_slice(shard, i, bucket.shard_range)
             ranges = [[rs[i]] if i in rs else [] for rs in all_ranges]
             st = sharded_state.sharded_tensor_from_flat(bucket.shapes[i], [piece], ranges, bucket.group)
-            out[self.names[p]] = self._experts_tiled(st, bucket.marks.expert) if bucket.marks.expert else st
+            out[self.shared.names[p]] = self._experts_tiled(st, bucket.marks.expert) if bucket.marks.expert else st
         return out
 
     def _experts_tiled(self, st: Any, mark: ExpertMark) -> Any:
@@ -280,20 +271,20 @@ class StateDicts:
         """Create the inner optimizer's state before its first step, so a checkpoint can be
         loaded into it: one step with zero gradients and lr 0, after which the masters are
         restored and every state tensor is zeroed (a fresh state for Adam-like optimizers)."""
-        if all(self.state[b.master] for b in self.buckets):
+        if all(self.state[b.master] for b in self.shared.buckets):
             return
         if self._shard_step.fusable():
-            for b in self.buckets:
+            for b in self.shared.buckets:
                 self._shard_step.init_adam_state(b.master)
             return
-        saved = [(b.master.clone(), b.master.grad) for b in self.buckets]  # .grad: placeholders shown
+        saved = [(b.master.clone(), b.master.grad) for b in self.shared.buckets]  # .grad: placeholders shown
         lrs = [g["lr"] for g in self.param_groups]
         for g in self.param_groups:
             g["lr"] = 0.0
-        for b in self.buckets:
+        for b in self.shared.buckets:
             b.master.grad = torch.zeros_like(b.master)
-        self.inner.step()
-        for b, (m, grad), g, lr in zip(self.buckets, saved, self.param_groups, lrs):
+        self.shared.inner.step()
+        for b, (m, grad), g, lr in zip(self.shared.buckets, saved, self.param_groups, lrs):
             b.master.copy_(m)
             b.master.grad = grad
             g["lr"] = lr
@@ -309,20 +300,20 @@ class StateDicts:
         self.consolidated = None
         self._materialize_state()
         if RANK_LOCAL in state_dict:
-            check_rank_local(state_dict, self._layout(), self.group)
+            check_rank_local(state_dict, self._layout(), self.shared.group)
             state_dict = self._fill_from_rank_local(state_dict)
         elif is_torch_format(state_dict):
             self._load_torch_format(state_dict)
             return
         else:
-            agree(self._canonical_problem(state_dict), self.group)
+            agree(self._canonical_problem(state_dict), self.shared.group)
         mine = self.state_dict()
         _copy_into(mine["params"], state_dict["params"])
         for name, entries in mine["state"].items():
             _copy_into(entries, state_dict["state"][name])
-        for k, b in enumerate(self.buckets):
+        for k, b in enumerate(self.shared.buckets):
             for i, p in enumerate(b.params):
-                step = state_dict["state"][self.names[p]].get("step")
+                step = state_dict["state"][self.shared.names[p]].get("step")
                 if step is not None:
                     self._param_steps[k][i] = int(step)
         saved_groups = state_dict["param_groups"]
@@ -332,11 +323,11 @@ class StateDicts:
             )
         for group, saved in zip(self.param_groups, saved_groups):
             group.update(saved)
-        if self.scaler is not None and "loss_scaler" in state_dict:
-            self.scaler.load_state_dict(state_dict["loss_scaler"])
-        if not self.sharding.optimizer_state:
+        if self.shared.scaler is not None and "loss_scaler" in state_dict:
+            self.shared.scaler.load_state_dict(state_dict["loss_scaler"])
+        if not self.shared.sharding.optimizer_state:
             self._replicate_stage0()
-        for b in self.buckets:
+        for b in self.shared.buckets:
             b.write_master_to_params()
         self._shard_step.publish()
 
@@ -348,7 +339,7 @@ class StateDicts:
                 "opt.state_dict() returns, filled by dcp.load or saved by torch.save on every rank, or a torch.optim "
                 "state dict of the same model"
             )
-        for name, shape in ((self.names[p], s) for b in self.buckets for p, s in zip(b.params, b.shapes)):
+        for name, shape in ((self.shared.names[p], s) for b in self.shared.buckets for p, s in zip(b.params, b.shapes)):
             if name not in sd["params"] or name not in sd["state"]:
                 return (
                     f"the optimizer state dict has no parameter {name!r}: it was saved for another model or optimizer"
@@ -384,23 +375,23 @@ class StateDicts:
         """A torch.optim state dict of the same model: each parameter's state, numbered as a
         torch optimizer with the same param groups numbers it, copied into its owned part."""
         shape_of = self.param_shapes()
-        order = [[(self.names[p], shape_of[p]) for p in group] for group in self._torch_order]
+        order = [[(self.shared.names[p], shape_of[p]) for p in group] for group in self.shared.torch_order]
         problem = torch_format_problem(sd, order)
-        keys = {key for b in self.buckets for key in self.state[b.master]}
+        keys = {key for b in self.shared.buckets for key in self.state[b.master]}
         extra = {key for entries in sd["state"].values() for key in entries} - keys
         extra |= {key for group in sd["param_groups"] for key in group} - {"params", *self.param_groups[0]}
         if problem is None and extra:
             problem = (
-                f"the torch optimizer state has entries {sorted(extra)} that {self.optimizer_class.__name__} does not "
+                f"the torch optimizer state has entries {sorted(extra)} that {self.shared.optimizer_class.__name__} does not "
                 "have: it comes from another optimizer class; build ZeroOptimizer with the same one"
             )
-        agree(problem, self.group)
+        agree(problem, self.shared.group)
         index_of = {
             p: index
-            for group, mine in zip(sd["param_groups"], self._torch_order)
+            for group, mine in zip(sd["param_groups"], self.shared.torch_order)
             for index, p in zip(group["params"], mine)
         }
-        for k, b in enumerate(self.buckets):
+        for k, b in enumerate(self.shared.buckets):
             state = self.state[b.master]
             for i, p in enumerate(b.params):
                 self._param_steps[k][i] = int(sd["state"].get(index_of[p], {}).get("step", 0))
@@ -415,7 +406,7 @@ class StateDicts:
 
     def _replicate_stage0(self) -> None:
         """Stage 0 loads only its own shard of each replicated tensor; gather the rest."""
-        for b in self.buckets:
+        for b in self.shared.buckets:
             lo, hi = b.shard_range
             for t in [b.master, *(v for v in self.state[b.master].values() if v.numel() == b.master.numel())]:
                 comm.all_gather_into_tensor(t, t[lo:hi].clone(), group=b.group)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from functools import partial
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -42,13 +44,30 @@ from optim.zero_setup import (
     claim,
     param_names,
     torch_order,
+    trained_by,
     user_groups,
     validate,
 )
+from optim.zero_state import ZeroState
 from parallel import comm
 from parallel.comm import NO_MARKS, ParamMarks, param_marks
 
 __all__ = ["ZeroOptimizer"]
+
+
+def _shared(name: str, doc: str) -> property:
+    """A read-only attribute of ZeroOptimizer kept in its `ZeroState`."""
+    return property(attrgetter(f"zero_state.{name}"), doc=doc)
+
+
+def _wait_before_forward(opt: ZeroOptimizer, buckets: list[FlatBucket], module: torch.nn.Module, args: tuple) -> None:
+    """overlap_param_gather's forward pre-hook: the module's buckets' gathers end first."""
+    opt.wait_params(buckets)
+
+
+def _wait_before_state_dict(opt: ZeroOptimizer, *args: Any) -> None:
+    """overlap_param_gather's state_dict pre-hook: every gather ends first."""
+    opt.wait_params()
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -117,26 +136,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
             {"precision": precision, "communication": communication, "zero_plus_plus": zero_plus_plus},
         )
         self.precision = policies["precision"] or MixedPrecision()
-        self.communication = policies["communication"] or Communication()
-        self.zero_plus_plus = zpp = policies["zero_plus_plus"] or ZeroPlusPlus()
+        zpp = policies["zero_plus_plus"] or ZeroPlusPlus()
         validate(model, optimizer_class, stage, zpp.qwz_block)
         check_zero_plus_plus(stage, zpp.hpz, zpp.qgz_bits, node_groups, process_group)
         check_experts(model, zpp.hpz, zpp.qgz_bits)
-        self.model, self.optimizer_class, self.stage = model, optimizer_class, stage
-        self.sharding = Sharding.of_zero_stage(stage)
-        self._set_groups(process_group, replicate_group, node_groups, model_parallel_group)
-        self.param_dtype = self.precision.compute_dtype
-        self.names = param_names(model)
         groups, group_of = user_groups(model, param_groups, optimizer_kwargs)
-        self._torch_order = torch_order(param_groups, group_of, len(groups))
-        for group in self._dp_groups:
+        self.zero_state = self._share(
+            model,
+            optimizer_class,
+            stage,
+            (process_group, replicate_group, node_groups, model_parallel_group),
+            policies["communication"] or Communication(),
+            zpp,
+            torch_order(param_groups, group_of, len(groups)),
+        )
+        for group in self.zero_state.dp_groups:
             check_same_model_on_all_ranks(model, stage, group_of, group)
-        claim(model)  # from here on the model's parameters move into this optimizer's buffers
+        claim(model, self)  # from here on the model's parameters move into this optimizer's buffers
         self._cast_untrained(model)
-        self.buckets, units = self._build_buckets(group_of)
+        self.zero_state.buckets, units = self._build_buckets(group_of)
         self._init_inner(optimizer_class, groups, optimizer_kwargs)
         self.backend = fused.pick_backend(self.buckets[0].master.device, step_backend)
-        self.scaler = self.precision.loss_scaler or (DynamicLossScaler() if self.param_dtype == torch.float16 else None)
         self.last_step_skipped = False  # the last step() found an fp16 overflow and changed nothing
         self._register_hooks(units)
         if self.communication.timeout_s is not None and dist.get_world_size() > 1:
@@ -145,24 +165,61 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._grad_bytes = self.grad_peak_bytes = self.memory_breakdown()["grads"]
         self._constructed = True
 
+    # ---- what the parts share (optim.zero_state), read-only here ----------------------------
+    model = _shared("model", "the model being trained")
+    buckets = _shared("buckets", "the flat buckets holding the trained parameters (`optim.buffers`)")
+    names = _shared("names", "each trained parameter's name in the model")
+    group = _shared("group", "the shard group (the data-parallel group without replicas)")
+    replicate_group = _shared("replicate_group", "hybrid sharding: the ranks holding this shard in other replicas")
+    node_groups = _shared("node_groups", "ZeRO++: (this node's ranks of the shard group, its peers on other nodes)")
+    model_parallel_group = _shared("model_parallel_group", "the group the model is split over (tp × pp)")
+    stage = _shared("stage", "the ZeRO stage")
+    sharding = _shared("sharding", "what the stage shards (`optim.sharding`)")
+    param_dtype = _shared("param_dtype", "the compute dtype of the parameters")
+    communication = _shared("communication", "the `Communication` policy")
+    zero_plus_plus = _shared("zero_plus_plus", "the `ZeroPlusPlus` policy")
+    scaler = _shared("scaler", "the fp16 loss scaler, or None")
+    inner = _shared("inner", "the inner optimizer over the fp32 master shards")
+    optimizer_class = _shared("optimizer_class", "the inner optimizer's class")
+    world = _shared("world", "the shard group's size")
+    rank = _shared("rank", "this rank's place in the shard group")
+
     # ---- construction -------------------------------------------------------------------
-    def _set_groups(
+    def _share(
         self,
-        group: dist.ProcessGroup | None,
-        replicate_group: dist.ProcessGroup | None,
-        node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None,
-        model_parallel_group: dist.ProcessGroup | None,
-    ) -> None:
-        """The shard group (and this rank's place in it), replicas, nodes, model parallelism."""
-        self.group, self.replicate_group, self.model_parallel_group = group, replicate_group, model_parallel_group
-        self.node_groups = node_groups or (group, None)
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        model: torch.nn.Module,
+        optimizer_class: type[torch.optim.Optimizer],
+        stage: int,
+        groups: tuple,
+        communication: Communication,
+        zero_plus_plus: ZeroPlusPlus,
+        order: list[list[torch.nn.Parameter]],
+    ) -> ZeroState:
+        """The state the parts share, from the constructor's arguments: `groups` is (the shard
+        group, the replicate group, the node groups, the model-parallel group)."""
+        group, replicate_group, node_groups, model_parallel_group = groups
+        param_dtype = self.precision.compute_dtype
+        return ZeroState(
+            model=model,
+            names=param_names(model),
+            group=group,
+            replicate_group=replicate_group,
+            node_groups=node_groups or (group, None),
+            model_parallel_group=model_parallel_group,
+            stage=stage,
+            param_dtype=param_dtype,
+            communication=communication,
+            zero_plus_plus=zero_plus_plus,
+            scaler=self.precision.loss_scaler or (DynamicLossScaler() if param_dtype == torch.float16 else None),
+            optimizer_class=optimizer_class,
+            orig_dtypes={id(t): t.dtype for t in [*model.parameters(), *model.buffers()]},
+            torch_order=order,
+        )
 
     def _init_inner(self, optimizer_class: type, groups: list[dict[str, Any]], kwargs: dict[str, Any]) -> None:
         """The inner optimizer over the fp32 master shards, one of its groups per user group;
         this optimizer shares its param_groups, state and defaults."""
-        self.inner = optimizer_class(
+        self.zero_state.inner = optimizer_class(
             [{**g, "params": [b.master for b in self.buckets if b.group_index == i]} for i, g in enumerate(groups)],
             **kwargs,
         )
@@ -172,14 +229,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.defaults = self.inner.defaults
 
     def _register_hooks(self, units: list[tuple[torch.nn.Module, list[FlatBucket]]]) -> None:
-        """The hooks of a step (docs/architecture.md): the model check, stage 3's gatherer,
-        the gradient reducer; and the parts that serve them."""
+        """The parts of a step, each handed the shared `ZeroState` (docs/architecture.md): the
+        model check, stage 3's gatherer, the gradient bookkeeping and reducer, the step on the
+        shards, the state dicts and the model's own state-dict hooks."""
+        state, zpp = self.zero_state, self.zero_plus_plus
         # first among the forward pre-hooks, so that it refuses before stage 3 gathers anything
         self._check_handles = [r.register_forward_pre_hook(self._check_model) for r in root_modules(self.model)]
         if self.communication.overlap_param_gather:
             self._register_param_waits()
-        zpp = self.zero_plus_plus
-        self._gatherer = gatherer = (
+        self._gatherer = (
             ParamGatherer(
                 self.model,
                 units,
@@ -191,73 +249,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if self.sharding.parameters
             else None
         )
-        self._compose(gatherer)
+        self._grads = GradTracker(state)
         self._scopes: dict[torch.nn.Module, list[int]] = {}  # sync_only: module -> its bucket indices
-        self._reducer = GradReducer(
-            self.buckets,
-            self.group,
-            self._grads.placeholders,
-            self.replicate_group,
-            QuantizedReduction(zpp.qgz_bits, *self.node_groups) if zpp.qgz_bits is not None else None,
-            on_backward_start=lambda k, i: self._grads.check_grads(arriving=(k, i)),
-            on_bucket_done=(lambda i: gatherer.bucket_done(self.buckets[i])) if gatherer else None,
-            on_backward_end=self._grads.backward_end,
-            sync_requested=lambda: getattr(self.model, "require_backward_grad_sync", True),
-        )
-        self._grads.reducer = self._reducer
-
-    def _compose(self, gatherer: ParamGatherer | None) -> None:
-        """The objects this optimizer composes: the gradient bookkeeping, the step on the
-        shards, the state dicts and the model's own state-dict hooks."""
-        self._grads = GradTracker(
-            self.model,
-            self.buckets,
-            self.names,
-            self.group,
-            self._dp_groups,
-            [self.group] + ([self.model_parallel_group] if self.model_parallel_group is not None else []),
-            self.stage,
-            self.param_dtype,
-            self.communication.find_unused_parameters,
-            gatherer,
-            self.scaler,
-        )
-        self._shard_step = ShardStep(
-            self.buckets,
-            self.inner,
-            self.optimizer_class,
-            self.backend,
-            self.group,
-            self.rank,
-            self.zero_plus_plus.qwz,
-            self.communication.overlap_param_gather,
-            gatherer,
-        )
-        self._state_dicts = StateDicts(
-            self.model,
-            self.buckets,
-            self.names,
-            self.group,
-            self.stage,
-            self.inner,
-            self.optimizer_class,
-            self.scaler,
-            self._orig_dtypes,
-            self._torch_order,
-            self._shard_step,
-        )
-        self._model_state = ModelStateHooks(
-            self.model,
-            self.buckets,
-            self.group,
-            gatherer.check_in if gatherer else lambda what: None,
-            gatherer.forget_secondary if gatherer else lambda: None,
-        )
+        quantized = QuantizedReduction(zpp.qgz_bits, *self.node_groups) if zpp.qgz_bits is not None else None
+        self._reducer = GradReducer(state, self._grads, self._gatherer, quantized)
+        self._shard_step = ShardStep(state, self.backend, self._gatherer)
+        self._state_dicts = StateDicts(state, self._shard_step)
+        self._model_state = ModelStateHooks(state, self._gatherer)
 
     def _check_model(self, module: torch.nn.Module, args: tuple) -> None:
-        """The model check (`GradTracker.check_model`), hooked as a method of this optimizer so
-        that integrations find the optimizer of a model by its hook."""
+        """The model check (`GradTracker.check_model`) before each root forward."""
         self._grads.check_model(module, args)
+
+    @staticmethod
+    def of(model: torch.nn.Module) -> ZeroOptimizer | None:
+        """The ZeroOptimizer built over `model` (the module it was given), or None."""
+        return trained_by(model)
 
     def _register_param_waits(self) -> None:
         """overlap_param_gather: each module holding trained parameters waits, before its
@@ -266,25 +273,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for module in self.model.modules():
             mine = list(dict.fromkeys(bucket_of[p] for p in module.parameters(recurse=False) if p in bucket_of))
             if mine:
-                module.register_forward_pre_hook(lambda m, a, mine=mine: self.wait_params(mine))
-        self.model.register_state_dict_pre_hook(lambda *args: self.wait_params())
-
-    @property
-    def _dp_groups(self) -> list[dist.ProcessGroup | None]:
-        """The shard group, then the replicate group if any: together every data-parallel rank."""
-        return [self.group] + ([self.replicate_group] if self.replicate_group is not None else [])
+                module.register_forward_pre_hook(partial(_wait_before_forward, self, mine))
+        self.model.register_state_dict_pre_hook(partial(_wait_before_state_dict, self))
 
     def _broadcast_from_first(self, tensor: torch.Tensor, groups: list | None = None) -> None:
-        """Give every rank of `groups` (None: every data-parallel rank, `_dp_groups`) the
-        tensor of the first rank of the first group."""
-        for group in self._dp_groups if groups is None else groups:
+        """Give every rank of `groups` (None: every data-parallel rank) the tensor of the first
+        rank of the first group."""
+        for group in self.zero_state.dp_groups if groups is None else groups:
             comm.broadcast(tensor, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
 
     def _cast_untrained(self, model: torch.nn.Module) -> None:
         """Frozen parameters and floating buffers join the model's compute dtype, replicated
         from the first data-parallel rank as DDP does (their original dtypes are kept for
         `full_state_dict`)."""
-        self._orig_dtypes = {id(t): t.dtype for t in [*model.parameters(), *model.buffers()]}
         for p in model.parameters():
             if not p.requires_grad:
                 if p.is_floating_point():
@@ -450,7 +451,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.last_step_skipped = True
                 self._end_step()
                 return loss
-        self._shard_step.update_and_publish(self._grads.unscale * self._clip_coef)
+        self._shard_step.update_and_publish(self.zero_state.unscale * self._clip_coef)
         self._end_step()
         return loss
 
@@ -531,7 +532,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for i, p in enumerate(b.params):
                 if p.grad is self._grads.placeholders[k][i]:
                     p.grad = None
-        self._reducer.unsynced.clear()
         self._end_step()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

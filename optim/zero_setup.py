@@ -21,7 +21,9 @@ OUT_OF_STEP_ADVICE = (
 # Every module that a ZeroOptimizer trains (the model and its submodules). The optimizer moves
 # the parameters into its own buffers and hooks the modules, so a second one over any of them
 # would see the first's views and both would reduce the same gradients.
-_TRAINED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+_TRAINED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+# The model each ZeroOptimizer was given -> the optimizer, held weakly (the model must not keep it alive).
+_OPTIMIZER_OF: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 
 def claimed(model: torch.nn.Module) -> bool:
@@ -29,16 +31,22 @@ def claimed(model: torch.nn.Module) -> bool:
     return any(m in _TRAINED for m in model.modules())
 
 
-def claim(model: torch.nn.Module) -> None:
-    """Marks `model` as trained by one ZeroOptimizer, refusing it if one already trains part of it."""
+def trained_by(model: torch.nn.Module) -> Any:
+    """The ZeroOptimizer that was built over `model` (the very module given to it), or None."""
+    ref = _OPTIMIZER_OF.get(model)
+    return ref() if ref is not None else None
+
+
+def claim(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Marks `model` as trained by `optimizer`, refusing it if a ZeroOptimizer already trains part of it."""
     if claimed(model):
         raise ValueError(
             "this model (or a module in it) is already trained by a ZeroOptimizer, which holds its parameters "
             "in its own buffers; keep using that optimizer (change its param_groups' lr, load_state_dict), "
             "or build the model again for a new one"
         )
-    for m in model.modules():
-        _TRAINED[m] = True
+    _TRAINED.update(model.modules())
+    _OPTIMIZER_OF[model] = weakref.ref(optimizer)
 
 
 def validate(model: torch.nn.Module, optimizer_class: Any, stage: Any, qwz_block: Any) -> None:

@@ -177,3 +177,97 @@ def test_optim_composes_rather_than_inherits() -> None:
             if ast.unparse(base).split(".")[0] in ours
         ]
     assert not inherited, f"classes of optim/ built on another class of the repo: {inherited}"
+
+
+def private_members(paths: list[Path]) -> dict[str, set[Path]]:
+    """Each underscore name (not dunder) a class of the repo defines, as a method or as an
+    attribute of `self`, -> the files defining it. Protocols define interfaces, not members."""
+    found: dict[str, set[Path]] = {}
+    for path in paths:
+        for cls in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(cls, ast.ClassDef) or any("Protocol" in ast.unparse(b) for b in cls.bases):
+                continue
+            for node in ast.walk(cls):
+                name = None
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    name = node.name
+                elif (
+                    isinstance(node, ast.Attribute)
+                    and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "self"
+                ):
+                    name = node.attr
+                if name and name.startswith("_") and not name.startswith("__"):
+                    found.setdefault(name, set()).add(path)
+    return found
+
+
+def foreign_private_access(paths: list[Path]) -> list[str]:
+    """`obj._name` (obj not self / cls) in a file where `_name` is a member of a repo class
+    defined only in other files: one object reaching into another's internals."""
+    members = private_members(paths)
+    breaches = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Attribute) or node.attr not in members or path in members[node.attr]:
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            breaches.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    return breaches
+
+
+def test_no_object_reaches_into_another_modules_internals() -> None:
+    paths = sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))
+    breaches = foreign_private_access(paths)
+    assert not breaches, f"underscore members of another module's class used: make them public ({breaches})"
+
+
+def test_the_internals_rule_sees_a_breach(tmp_path: Path) -> None:
+    owner, user = tmp_path / "owner.py", tmp_path / "user.py"
+    owner.write_text("class A:\n    def __init__(self):\n        self._x = 1\n    def _f(self):\n        pass\n")
+    user.write_text("def g(a):\n    a._f()\n    return a._x + a.__class__.__name__.__len__()\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        assert foreign_private_access([owner, user]) == ["user.py:2 a._f", "user.py:3 a._x"]
+    finally:
+        ROOT = saved
+
+
+def lambda_wiring(path: Path) -> list[str]:
+    """Lambdas handed to a constructor (a call of a capitalized name) or as an `on_*`
+    argument: parts wired together by anonymous callbacks instead of by their methods."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        callee = ast.unparse(node.func).split(".")[-1]
+        constructor = callee[:1].isupper()
+        wired = [a for a in node.args if isinstance(a, ast.Lambda) and constructor]
+        wired += [
+            k.value
+            for k in node.keywords
+            if isinstance(k.value, ast.Lambda) and (constructor or (k.arg or "").startswith("on_"))
+        ]
+        found += [f"{path.relative_to(ROOT)}:{w.lineno} {callee}(... {ast.unparse(w)} ...)" for w in wired]
+    return found
+
+
+def test_optim_wires_no_parts_with_lambdas() -> None:
+    wired = [w for path in sorted((ROOT / "optim").rglob("*.py")) for w in lambda_wiring(path)]
+    assert not wired, f"pass the object (or its bound method) instead: {wired}"
+
+
+def test_the_wiring_rule_sees_a_lambda(tmp_path: Path) -> None:
+    source = tmp_path / "parts.py"
+    source.write_text(
+        "r = Reducer(b, on_end=lambda s: t.end(s))\nx = sorted(b, key=lambda k: k)\nf(on_done=lambda: 0)\n"
+    )
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        assert [w.split(" ")[0] for w in lambda_wiring(source)] == ["parts.py:1", "parts.py:3"]
+    finally:
+        ROOT = saved

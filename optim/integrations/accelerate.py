@@ -70,12 +70,12 @@ def prepare(accelerator: Accelerator, *objects: Any) -> Any:
     for i, obj in enumerate(objects):
         if isinstance(obj, ZeroOptimizer):
             continue
-        if isinstance(obj, torch.nn.parallel.DistributedDataParallel) and _zero_of(obj.module) is not None:
+        if isinstance(obj, torch.nn.parallel.DistributedDataParallel) and ZeroOptimizer.of(obj.module) is not None:
             raise ValueError(
                 "this model was already wrapped in DistributedDataParallel (by accelerator.prepare); pass the bare "
                 "model to optim.integrations.accelerate.prepare in place of accelerator.prepare"
             )
-        zero = _zero_of(obj) if isinstance(obj, torch.nn.Module) else None
+        zero = ZeroOptimizer.of(obj) if isinstance(obj, torch.nn.Module) else None
         if zero is not None:
             prepared[i] = _prepare_model(accelerator, obj, zero)
         else:
@@ -155,15 +155,6 @@ def _check_device(accelerator: Accelerator, zero: ZeroOptimizer) -> None:
         )
 
 
-def _zero_of(model: torch.nn.Module) -> ZeroOptimizer | None:
-    """The ZeroOptimizer built over `model` (found by the model check it hooks onto its forward)."""
-    for hook in model._forward_pre_hooks.values():
-        owner = getattr(hook, "__self__", None)
-        if isinstance(owner, ZeroOptimizer) and owner.model is model:
-            return owner
-    return None
-
-
 def _prepare_optimizer(accelerator: Accelerator, zero: ZeroOptimizer) -> ZeroAcceleratedOptimizer:
     """The wrapper accelerate's loop steps, registered for save_state / load_state."""
     for wrapped in accelerator._optimizers:
@@ -193,6 +184,6 @@ def _save_full_weights(models: list[torch.nn.Module], weights: list[dict], outpu
     """save_state's hook (every rank): a ZeroOptimizer's model is saved as its full weights
     from the fp32 masters, in their original dtypes (the model's own may be bf16 copies)."""
     for i, model in enumerate(models):
-        zero = _zero_of(model)
+        zero = ZeroOptimizer.of(model)
         if zero is not None:
             weights[i] = OrderedDict(zero.full_state_dict())
