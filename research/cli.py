@@ -3,7 +3,8 @@ and the benchmarks (experiments.bench) turn a dataclass into argparse flags.
 
 A field's annotation gives its flag (`field_type`): int, float, str or bool; `X | None`;
 `tuple[X, ...]` (one or more values); `Literal[...]` (its values are the choices). Its help
-is given once, where the field is declared (`arg`), or by the caller.
+and the values it allows beyond its type (a `Rule`) are given once, where the field is
+declared (`arg`), or by the caller (`about`).
 """
 
 from __future__ import annotations
@@ -57,12 +58,37 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """The values a field allows beyond its type, as a test and as words ("at least 1")."""
+
+    allows: Callable[[Any], bool]
+    text: str
+
+
+def one_of(*choices: Any) -> Rule:
+    """The rule allowing exactly `choices`."""
+    return Rule(lambda v: v in choices, "one of " + ", ".join(map(str, choices)))
+
+
+def about(help: str = "", rule: Rule | None = None, **flag: Any) -> dict[str, Any]:
+    """What a field's flag says beyond its type: its help, its `rule` (checked by
+    research.config; None: any value of the type) and further `add_argument` keywords
+    (`choices`, `metavar`)."""
+    return {"help": help, "rule": rule, "flag": flag}
+
+
 def arg(
-    default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None, **flag: Any
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    factory: Callable[[], Any] | None = None,
+    rule: Rule | None = None,
+    **flag: Any,
 ) -> Any:
     """A config dataclass field that is also a flag: its default (or a `factory` computing it
-    when needed), its help, and further `add_argument` keywords (`choices`, `metavar`)."""
-    metadata = {"help": help, "flag": flag}
+    when needed) and, as its metadata, what `about` says of the flag."""
+    metadata = about(help, rule, **flag)
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

@@ -5,7 +5,7 @@ A YAML file mirrors the tree (sections `model`, `parallel`, `train`, `data`, `lo
 `checkpoint`); every field is also a flag, `--field-name` (underscores become dashes),
 which overrides the file. `--help` shows each flag with the value it would take.
 Every value, from the file or a flag, is checked once where it enters (`check_value`):
-its type, then its range or choices (`RULES`); an error is one sentence naming the flag
+its type, then its range or choices (`Spec.rule`); an error is one sentence naming the flag
 (`--lr=abc must be a number`) or the file's key (`c.yaml: train.lr_schedule='linear' must
 be one of cosine, constant`). `validate` then checks the combinations.
 
@@ -23,7 +23,6 @@ import functools
 import math
 import os
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,36 +36,143 @@ from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import SCHEDULES, ScheduleError
 from parallel.pipeline.schedules import validate as validate_schedule
 from research import cli
-from research.data import load_tokenizer, require_hub, resolve_source
+from research.cli import Rule, about, arg, one_of
+from research.data import require_hub, resolve_source, tokenizer_file
 from research.errors import ConfigError
 from research.model import GPTConfig
 
 BATCH_KEYS = ("global_batch_size", "micro_batch_size", "micro_batches")
+
+# Ranges of the fields (every int and float field has one; tests check this); a Literal
+# field allows its choices.
+AT_LEAST_1 = Rule(lambda v: v >= 1, "at least 1")
+AT_LEAST_0 = Rule(lambda v: v >= 0, "at least 0")
+POSITIVE = Rule(lambda v: v > 0, "greater than 0")
+FRACTION = Rule(lambda v: 0 <= v < 1, "in [0, 1)")
+SEED = Rule(lambda v: 0 <= v < 2**32, "in [0, 2**32)")
+
+# The help and range of each field of research.model.GPTConfig, which declares its type and default.
+MODEL_FLAGS: dict[str, dict[str, Any]] = {
+    "vocab_size": about("vocabulary size (raised to the tokenizer's)", AT_LEAST_1),
+    "n_layers": about("transformer blocks", AT_LEAST_1),
+    "n_heads": about("attention heads", AT_LEAST_1),
+    "d_model": about("hidden size", AT_LEAST_1),
+    "d_ff": about("MLP width (None: 4·d_model, or 8/3·d_model rounded to 64 for swiglu)", AT_LEAST_1),
+    "max_seq_len": about("longest sequence (size of the learned position table)", AT_LEAST_1),
+    "position": about("position encoding"),
+    "norm": about("normalization"),
+    "activation": about("MLP activation"),
+    "tie_embeddings": about("share the input embedding with the output head"),
+    "dropout": about("dropout probability", FRACTION),
+    "sliding_window": about("attend to at most this many previous tokens (None: all)", AT_LEAST_1),
+    "bias": about("biases in linear layers and norms"),
+    "qkv_bias": about("bias on the QKV projection"),
+    "vocab_multiple": about("pad the vocabulary to a multiple of this (tp must divide the result)", AT_LEAST_1),
+    "recompute": about("activation recomputation: none, selective (attention core) or full (whole blocks)"),
+    "rope_theta": about("RoPE base", POSITIVE),
+    "norm_eps": about("epsilon of the norms", POSITIVE),
+    "init_seed": about("weight init seed (default: --seed)", SEED),
+    "moe_experts": about("Mixture-of-Experts: routed experts per MoE block (0: dense MLPs)", AT_LEAST_0),
+    "moe_top_k": about("experts each token is sent to", AT_LEAST_1),
+    "moe_every": about("every N-th block is an MoE block (1: all)", AT_LEAST_1),
+    "moe_d_ff": about("width of each expert's MLP (None: --d-ff's width)", AT_LEAST_1),
+    "moe_shared_experts": about(
+        "always-on shared experts per MoE block, as one MLP this many experts wide", AT_LEAST_0
+    ),
+    "moe_capacity_factor": about(
+        "each expert takes at most factor·tokens·k/E of a rank's slots, the rest are dropped and counted "
+        "(None: dropless)",
+        POSITIVE,
+    ),
+    "moe_aux_loss_coeff": about("coefficient of the Switch load-balancing loss E·Σ f·P", AT_LEAST_0),
+    "moe_z_loss_coeff": about("coefficient of the router z-loss mean(logsumexp(logits)²)", AT_LEAST_0),
+    "moe_renormalize": about("renormalize the top-k router weights to sum to 1"),
+    "fp8": about(
+        "float8 matmuls in the attention and MLP linear layers (not the head, router or experts): "
+        "tensorwise dynamic scaling (needs --precision bf16)"
+    ),
+}
 
 
 @dataclass
 class ParallelConfig:
     """Degrees of parallelism and how the pipeline runs."""
 
-    tp: int = 1
-    pp: int = 1
-    dp: int | None = None
-    dp_shard: int | None = None
-    ep: int = 1
-    zero: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    sequence_parallel: bool = False
-    grad_sync: Literal["last", "every"] = "last"
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL
-    unit_numel: int = DEFAULT_UNIT_NUMEL
-    qwz_block: int | None = None
-    qwz_float8: bool = False
-    hpz: bool = False
-    qgz_bits: int | None = None
-    overlap_param_gather: bool = False
-    find_unused_parameters: bool = False
-    comm_timeout: float | None = None
+    tp: int = arg(1, "tensor-parallel degree", rule=AT_LEAST_1)
+    pp: int = arg(1, "pipeline-parallel degree", rule=AT_LEAST_1)
+    dp: int | None = arg(None, "data-parallel degree (None: world size / (tp·pp))", rule=AT_LEAST_1)
+    dp_shard: int | None = arg(
+        None,
+        "hybrid sharding: ZeRO shards over groups of this many dp ranks (keep dp_shard·tp within a node) "
+        "and the dp/dp_shard replicas all-reduce the sharded gradients (None: dp, no replicas)",
+        rule=AT_LEAST_1,
+    )
+    ep: int = arg(
+        1,
+        "expert parallelism: MoE experts split over this many consecutive dp ranks (it divides dp, and dp_shard), "
+        "tokens exchanged by all-to-all; ZeRO shards each expert over the dp/ep ranks holding it",
+        rule=AT_LEAST_1,
+    )
+    zero: int = arg(
+        1, "ZeRO stage 0-3 over the dp group (over each dp_shard group with --dp-shard)", rule=one_of(0, 1, 2, 3)
+    )
+    schedule: str = arg("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1", rule=one_of(*SCHEDULES))
+    virtual_stages: int = arg(1, "model chunks per pipeline rank (interleaved-1f1b)", rule=AT_LEAST_1)
+    sequence_parallel: bool = arg(False, "shard norms/dropout along the sequence across the tp group")
+    grad_sync: Literal["last", "every"] = arg(
+        "last",
+        "reduce dp gradients after the rank's last backward of the step (last: one reduction; "
+        "ZeRO-2/3 hold full gradients while accumulating) or after every micro-batch's backward "
+        "(every: m reductions; ZeRO-2/3 hold only shards and a chunk's buckets in flight)",
+    )
+    bucket_numel: int = arg(
+        DEFAULT_BUCKET_NUMEL,
+        "elements per gradient bucket (ZeRO stages 0-2; stage 3 buckets by unit)",
+        rule=AT_LEAST_1,
+    )
+    unit_numel: int = arg(
+        DEFAULT_UNIT_NUMEL,
+        "ZeRO-3 gathers a module's parameters as one unit once its subtree holds this many "
+        "elements (below a block's size: one unit per transformer block)",
+        rule=AT_LEAST_1,
+    )
+    qwz_block: int | None = arg(
+        None,
+        "ZeRO++ qwZ: all-gather parameters as int8 with an fp32 scale per block of this many elements "
+        "(e.g. 2048; None: exact)",
+        rule=AT_LEAST_1,
+    )
+    qwz_float8: bool = arg(
+        False, "with --qwz-block, the blocks travel as float8 e4m3 instead of int8 (the gather of --fp8 runs)"
+    )
+    hpz: bool = arg(
+        False,
+        "ZeRO++ hpZ (--zero 3): after a unit's first all-gather in a step each rank keeps its node's 1/k slice "
+        "of it, so the step's later all-gathers stay inside the node (k = shard ranks per node)",
+    )
+    qgz_bits: int | None = arg(
+        None,
+        "ZeRO++ qgZ (--zero 2, 3): reduce-scatter gradients as 4- or 8-bit blocks through all-to-alls, "
+        "inside the node then across nodes, summed in fp32 (None: exact)",
+        rule=one_of(4, 8),
+    )
+    overlap_param_gather: bool = arg(
+        False,
+        "ZeRO-1/2: leave the all-gather of updated parameters in flight after the step and "
+        "wait for each bucket's just before the first forward that uses it (Megatron's overlap-param-gather)",
+    )
+    find_unused_parameters: bool = arg(
+        False,
+        "agree over the ranks, each step, which parameters got a gradient (two small "
+        "all-reduces), so a parameter unused in a step is not stepped, as in torch; off: every parameter must get a "
+        "gradient in every step (DDP's default promise), and one that does not stops the run with its name",
+    )
+    comm_timeout: float | None = arg(
+        None,
+        "seconds a collective may wait for the other ranks before the run stops with a report of "
+        f"which rank did not arrive (None: {CPU_TIMEOUT_S:g} on CPU/gloo, {CUDA_TIMEOUT_S:g} on CUDA/NCCL)",
+        rule=POSITIVE,
+    )
 
 
 @dataclass
@@ -75,36 +181,44 @@ class TrainConfig:
     constant) decay to min_lr at step lr_decay_steps (None: steps), global-norm clipping
     (0 disables), precision."""
 
-    steps: int = 50
-    seed: int = 0
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    global_batch_size: int | None = None
-    micro_batch_size: int | None = None
-    micro_batches: int | None = None
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 0
-    lr_decay_steps: int | None = None
-    lr_schedule: Literal["cosine", "constant"] = "cosine"
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    clip_grad: float = 1.0
-    max_nonfinite_steps: int = 3
+    steps: int = arg(50, "total optimizer steps of the run (also when resuming)", rule=AT_LEAST_1)
+    seed: int = arg(0, "seed of data order, init and dropout", rule=SEED)
+    precision: Literal["fp32", "bf16", "fp16"] = arg("fp32", "compute dtype (masters and optimizer state stay fp32)")
+    reduce_dtype: Literal["fp32", "bf16"] = arg("fp32", "dtype of the gradient reduction")
+    global_batch_size: int | None = arg(
+        None, "sequences per step = micro-batch size × micro-batches × dp", rule=AT_LEAST_1
+    )
+    micro_batch_size: int | None = arg(None, "sequences per micro-batch per dp rank", rule=AT_LEAST_1)
+    micro_batches: int | None = arg(None, "micro-batches per step", rule=AT_LEAST_1)
+    lr: float = arg(1e-3, "peak learning rate", rule=POSITIVE)
+    min_lr: float = arg(1e-4, "learning rate at the end of the decay", rule=AT_LEAST_0)
+    warmup_steps: int = arg(0, "linear warm-up steps", rule=AT_LEAST_0)
+    lr_decay_steps: int | None = arg(None, "step at which the decay reaches min_lr (None: --steps)", rule=AT_LEAST_1)
+    lr_schedule: Literal["cosine", "constant"] = arg("cosine", "after warm-up")
+    weight_decay: float = arg(0.1, "AdamW weight decay of matrices", rule=AT_LEAST_0)
+    beta1: float = arg(0.9, "AdamW beta1", rule=FRACTION)
+    beta2: float = arg(0.95, "AdamW beta2", rule=FRACTION)
+    eps: float = arg(1e-8, "AdamW epsilon", rule=POSITIVE)
+    clip_grad: float = arg(1.0, "clip the global gradient norm to this (0: off)", rule=AT_LEAST_0)
+    max_nonfinite_steps: int = arg(
+        3,
+        "stop the run after this many consecutive steps with a NaN/Inf loss (fp16 overflow skips do not count)",
+        rule=AT_LEAST_1,
+    )
 
 
 @dataclass
 class DataConfig:
     """Text source (None: the embedded corpus), tokenizer (None: bytes) and packing."""
 
-    data: str | None = None
-    text_field: str = "text"
-    tokenizer: str | None = None
-    seq_len: int = 128
-    num_proc: int = 1
-    data_cache: str | None = None
+    data: str | None = arg(
+        None, "text files, folder, glob, save_to_disk folder or hub name (None: the embedded corpus)"
+    )
+    text_field: str = arg("text", "column holding the text in jsonl/parquet/datasets")
+    tokenizer: str | None = arg(None, "'byte' or a tokenizer.json")
+    seq_len: int = arg(128, "tokens per training sequence", rule=AT_LEAST_1)
+    num_proc: int = arg(1, "processes for tokenization", rule=AT_LEAST_1)
+    data_cache: str | None = arg(None, "token cache folder (None: $ZERO3D_DATA_CACHE or ~/.cache/zero3d/tokens)")
 
 
 def wandb_mode_from_env() -> str:
@@ -117,13 +231,17 @@ def wandb_mode_from_env() -> str:
 class LogConfig:
     """Where the run writes and how it reports."""
 
-    out: str = "runs/default"
-    overwrite: bool = False
-    log_every: int = 1
-    wandb: Literal["offline", "online", "disabled"] = field(default_factory=wandb_mode_from_env)
-    wandb_project: str = "zero3d"
-    wandb_group: str | None = None
-    wandb_name: str | None = None
+    out: str = arg("runs/default", "run folder: config.yaml, metrics.jsonl, summary.json, wandb/")
+    overwrite: bool = arg(
+        False, "start afresh in an --out that holds a run, replacing its files (without it such an --out is refused)"
+    )
+    log_every: int = arg(1, "console line every N steps", rule=AT_LEAST_1)
+    wandb: Literal["offline", "online", "disabled"] = arg(
+        help="wandb mode (default: $WANDB_MODE or offline)", factory=wandb_mode_from_env
+    )
+    wandb_project: str = arg("zero3d", "wandb project")
+    wandb_group: str | None = arg(None, "wandb group (None: the run folder's name)")
+    wandb_name: str | None = arg(None, "wandb run name")
 
 
 @dataclass
@@ -134,12 +252,19 @@ class CheckpointConfig:
     there is none, and saves there; `export` writes the final weights as one full-precision
     file (.safetensors or .pt)."""
 
-    save: str | None = None
-    save_every: int = 0
-    load: str | None = None
-    resume: str | None = None
-    reschedule: bool = False
-    export: str | None = None
+    save: str | None = arg(None, "checkpoint root: ROOT/step_N/ and ROOT/latest")
+    save_every: int = arg(0, "save every N steps (0: only at the end)", rule=AT_LEAST_0)
+    load: str | None = arg(None, "resume from a checkpoint folder or root (its latest); an error when it holds none")
+    resume: str | None = arg(
+        None,
+        "a restartable job's one flag: load ROOT's latest checkpoint if it has one, else start fresh; save to ROOT",
+    )
+    reschedule: bool = arg(
+        False,
+        "on --resume / --load, apply a changed LR schedule (--steps, --lr, --min-lr, --warmup-steps, "
+        "--lr-decay-steps, --lr-schedule) from the checkpoint's step, saying so; without it a change is refused",
+    )
+    export: str | None = arg(None, "write the final weights as one .safetensors/.pt file (needs --save)")
 
     @property
     def root(self) -> str | None:
@@ -163,109 +288,6 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-HELP = {
-    "vocab_size": "vocabulary size (raised to the tokenizer's)",
-    "n_layers": "transformer blocks",
-    "n_heads": "attention heads",
-    "d_model": "hidden size",
-    "d_ff": "MLP width (None: 4·d_model, or 8/3·d_model rounded to 64 for swiglu)",
-    "max_seq_len": "longest sequence (size of the learned position table)",
-    "position": "position encoding",
-    "norm": "normalization",
-    "activation": "MLP activation",
-    "tie_embeddings": "share the input embedding with the output head",
-    "dropout": "dropout probability",
-    "sliding_window": "attend to at most this many previous tokens (None: all)",
-    "bias": "biases in linear layers and norms",
-    "qkv_bias": "bias on the QKV projection",
-    "vocab_multiple": "pad the vocabulary to a multiple of this (tp must divide the result)",
-    "recompute": "activation recomputation: none, selective (attention core) or full (whole blocks)",
-    "rope_theta": "RoPE base",
-    "norm_eps": "epsilon of the norms",
-    "init_seed": "weight init seed (default: --seed)",
-    "moe_experts": "Mixture-of-Experts: routed experts per MoE block (0: dense MLPs)",
-    "moe_top_k": "experts each token is sent to",
-    "moe_every": "every N-th block is an MoE block (1: all)",
-    "moe_d_ff": "width of each expert's MLP (None: --d-ff's width)",
-    "moe_shared_experts": "always-on shared experts per MoE block, as one MLP this many experts wide",
-    "moe_capacity_factor": "each expert takes at most factor·tokens·k/E of a rank's slots, the rest are dropped "
-    "and counted (None: dropless)",
-    "moe_aux_loss_coeff": "coefficient of the Switch load-balancing loss E·Σ f·P",
-    "moe_z_loss_coeff": "coefficient of the router z-loss mean(logsumexp(logits)²)",
-    "moe_renormalize": "renormalize the top-k router weights to sum to 1",
-    "fp8": "float8 matmuls in the attention and MLP linear layers (not the head, router or experts): "
-    "tensorwise dynamic scaling (needs --precision bf16)",
-    "tp": "tensor-parallel degree",
-    "pp": "pipeline-parallel degree",
-    "dp": "data-parallel degree (None: world size / (tp·pp))",
-    "dp_shard": "hybrid sharding: ZeRO shards over groups of this many dp ranks (keep dp_shard·tp within a node) "
-    "and the dp/dp_shard replicas all-reduce the sharded gradients (None: dp, no replicas)",
-    "ep": "expert parallelism: MoE experts split over this many consecutive dp ranks (it divides dp, and dp_shard), "
-    "tokens exchanged by all-to-all; ZeRO shards each expert over the dp/ep ranks holding it",
-    "zero": "ZeRO stage 0-3 over the dp group (over each dp_shard group with --dp-shard)",
-    "schedule": "pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1",
-    "virtual_stages": "model chunks per pipeline rank (interleaved-1f1b)",
-    "sequence_parallel": "shard norms/dropout along the sequence across the tp group",
-    "grad_sync": "reduce dp gradients after the rank's last backward of the step (last: one reduction; "
-    "ZeRO-2/3 hold full gradients while accumulating) or after every micro-batch's backward "
-    "(every: m reductions; ZeRO-2/3 hold only shards and a chunk's buckets in flight)",
-    "bucket_numel": "elements per gradient bucket (ZeRO stages 0-2; stage 3 buckets by unit)",
-    "unit_numel": "ZeRO-3 gathers a module's parameters as one unit once its subtree holds this many "
-    "elements (below a block's size: one unit per transformer block)",
-    "qwz_block": "ZeRO++ qwZ: all-gather parameters as int8 with an fp32 scale per block of this many elements "
-    "(e.g. 2048; None: exact)",
-    "qwz_float8": "with --qwz-block, the blocks travel as float8 e4m3 instead of int8 (the gather of --fp8 runs)",
-    "hpz": "ZeRO++ hpZ (--zero 3): after a unit's first all-gather in a step each rank keeps its node's 1/k slice "
-    "of it, so the step's later all-gathers stay inside the node (k = shard ranks per node)",
-    "qgz_bits": "ZeRO++ qgZ (--zero 2, 3): reduce-scatter gradients as 4- or 8-bit blocks through all-to-alls, "
-    "inside the node then across nodes, summed in fp32 (None: exact)",
-    "overlap_param_gather": "ZeRO-1/2: leave the all-gather of updated parameters in flight after the step and "
-    "wait for each bucket's just before the first forward that uses it (Megatron's overlap-param-gather)",
-    "find_unused_parameters": "agree over the ranks, each step, which parameters got a gradient (two small "
-    "all-reduces), so a parameter unused in a step is not stepped, as in torch; off: every parameter must get a "
-    "gradient in every step (DDP's default promise), and one that does not stops the run with its name",
-    "comm_timeout": "seconds a collective may wait for the other ranks before the run stops with a report of "
-    f"which rank did not arrive (None: {CPU_TIMEOUT_S:g} on CPU/gloo, {CUDA_TIMEOUT_S:g} on CUDA/NCCL)",
-    "steps": "total optimizer steps of the run (also when resuming)",
-    "seed": "seed of data order, init and dropout",
-    "precision": "compute dtype (masters and optimizer state stay fp32)",
-    "reduce_dtype": "dtype of the gradient reduction",
-    "global_batch_size": "sequences per step = micro-batch size × micro-batches × dp",
-    "micro_batch_size": "sequences per micro-batch per dp rank",
-    "micro_batches": "micro-batches per step",
-    "lr": "peak learning rate",
-    "min_lr": "learning rate at the end of the decay",
-    "warmup_steps": "linear warm-up steps",
-    "lr_decay_steps": "step at which the decay reaches min_lr (None: --steps)",
-    "lr_schedule": "after warm-up",
-    "weight_decay": "AdamW weight decay of matrices",
-    "beta1": "AdamW beta1",
-    "beta2": "AdamW beta2",
-    "eps": "AdamW epsilon",
-    "clip_grad": "clip the global gradient norm to this (0: off)",
-    "max_nonfinite_steps": "stop the run after this many consecutive steps with a NaN/Inf loss "
-    "(fp16 overflow skips do not count)",
-    "data": "text files, folder, glob, save_to_disk folder or hub name (None: the embedded corpus)",
-    "text_field": "column holding the text in jsonl/parquet/datasets",
-    "tokenizer": "'byte' or a tokenizer.json",
-    "seq_len": "tokens per training sequence",
-    "num_proc": "processes for tokenization",
-    "data_cache": "token cache folder (None: $ZERO3D_DATA_CACHE or ~/.cache/zero3d/tokens)",
-    "out": "run folder: config.yaml, metrics.jsonl, summary.json, wandb/",
-    "overwrite": "start afresh in an --out that holds a run, replacing its files (without it such an --out is refused)",
-    "log_every": "console line every N steps",
-    "wandb": "wandb mode (default: $WANDB_MODE or offline)",
-    "wandb_project": "wandb project",
-    "wandb_group": "wandb group (None: the run folder's name)",
-    "wandb_name": "wandb run name",
-    "save": "checkpoint root: ROOT/step_N/ and ROOT/latest",
-    "save_every": "save every N steps (0: only at the end)",
-    "load": "resume from a checkpoint folder or root (its latest); an error when it holds none",
-    "resume": "a restartable job's one flag: load ROOT's latest checkpoint if it has one, else start fresh; save to ROOT",
-    "reschedule": "on --resume / --load, apply a changed LR schedule (--steps, --lr, --min-lr, --warmup-steps, "
-    "--lr-decay-steps, --lr-schedule) from the checkpoint's step, saying so; without it a change is refused",
-    "export": "write the final weights as one .safetensors/.pt file (needs --save)",
-}
 _CLASSES = {
     "model": GPTConfig,
     "parallel": ParallelConfig,
@@ -277,92 +299,16 @@ _CLASSES = {
 
 
 @dataclass(frozen=True)
-class Rule:
-    """The values a field allows beyond its type, as a test and as words ("at least 1")."""
-
-    allows: Callable[[Any], bool]
-    text: str
-
-
-def one_of(*choices: Any) -> Rule:
-    """The rule allowing exactly `choices`."""
-    return Rule(lambda v: v in choices, "one of " + ", ".join(map(str, choices)))
-
-
-AT_LEAST_1 = Rule(lambda v: v >= 1, "at least 1")
-AT_LEAST_0 = Rule(lambda v: v >= 0, "at least 0")
-POSITIVE = Rule(lambda v: v > 0, "greater than 0")
-FRACTION = Rule(lambda v: 0 <= v < 1, "in [0, 1)")
-SEED = Rule(lambda v: 0 <= v < 2**32, "in [0, 2**32)")
-
-# Every int and float field has a rule (tests check this); Literal fields get one_of(their choices).
-RULES: dict[str, Rule] = {
-    **dict.fromkeys(
-        (
-            "vocab_size",
-            "n_layers",
-            "n_heads",
-            "d_model",
-            "d_ff",
-            "max_seq_len",
-            "sliding_window",
-            "vocab_multiple",
-            "moe_top_k",
-            "moe_every",
-            "moe_d_ff",
-            "ep",
-            "tp",
-            "pp",
-            "dp",
-            "dp_shard",
-            "virtual_stages",
-            "bucket_numel",
-            "unit_numel",
-            "qwz_block",
-            "steps",
-            "global_batch_size",
-            "micro_batch_size",
-            "micro_batches",
-            "lr_decay_steps",
-            "max_nonfinite_steps",
-            "seq_len",
-            "num_proc",
-            "log_every",
-        ),
-        AT_LEAST_1,
-    ),
-    **dict.fromkeys(
-        (
-            "warmup_steps",
-            "min_lr",
-            "weight_decay",
-            "clip_grad",
-            "save_every",
-            "moe_experts",
-            "moe_shared_experts",
-            "moe_aux_loss_coeff",
-            "moe_z_loss_coeff",
-        ),
-        AT_LEAST_0,
-    ),
-    **dict.fromkeys(("rope_theta", "norm_eps", "comm_timeout", "lr", "eps", "moe_capacity_factor"), POSITIVE),
-    **dict.fromkeys(("dropout", "beta1", "beta2"), FRACTION),
-    **dict.fromkeys(("init_seed", "seed"), SEED),
-    "zero": one_of(0, 1, 2, 3),
-    "qgz_bits": one_of(4, 8),
-    "schedule": one_of(*SCHEDULES),
-}
-
-
-@dataclass(frozen=True)
 class Spec:
     """A config field: its section, dataclass field, base type (bool, int, float or str),
-    whether None is allowed, its rule, and its choices when its type is a Literal."""
+    whether None is allowed, its help, its rule (a Literal's: its choices) and its choices
+    when its type is a Literal."""
 
     section: str
     field: dataclasses.Field
     kind: type
     optional: bool
+    help: str
     rule: Rule | None
     choices: tuple[str, ...] = ()
 
@@ -375,9 +321,9 @@ def field_specs() -> dict[str, Spec]:
         types_of = cli.field_types(cls)
         for f in dataclasses.fields(cls):
             assert f.name not in out, f"config field {f.name} appears in two sections"
-            t = types_of[f.name]
-            rule = one_of(*t.choices) if t.choices else RULES.get(f.name)
-            out[f.name] = Spec(section, f, t.kind, t.optional, rule, t.choices)
+            t, flag = types_of[f.name], MODEL_FLAGS[f.name] if cls is GPTConfig else f.metadata
+            rule = one_of(*t.choices) if t.choices else flag["rule"]
+            out[f.name] = Spec(section, f, t.kind, t.optional, flag["help"], rule, t.choices)
     return out
 
 
@@ -501,18 +447,19 @@ def build_parser(
         )
         if spec.kind is bool:
             groups[spec.section].add_argument(
-                cli.flag_name(name), default=default, action=argparse.BooleanOptionalAction, help=HELP[name]
+                cli.flag_name(name), default=default, action=argparse.BooleanOptionalAction, help=spec.help
             )
         else:
             metavar = "{" + ",".join(spec.choices) + "}" if spec.choices else name.upper()
-            groups[spec.section].add_argument(cli.flag_name(name), default=default, metavar=metavar, help=HELP[name])
+            groups[spec.section].add_argument(cli.flag_name(name), default=default, metavar=metavar, help=spec.help)
     return p
 
 
 def parse_args(argv: list[str] | None, world_size: int) -> RunConfig:
     """The validated config of `argv` on `world_size` processes (ConfigError if invalid).
     Each value is checked once where it enters (`load_yaml` for the file, `check_value` for a
-    flag); then the batch sizes are resolved and the combinations validated."""
+    flag); then the batch sizes are resolved, the combinations validated (`validate`) and the
+    paths looked up (`check_paths`); the vocabulary waits for the tokenizer (`check_vocab`)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
@@ -535,7 +482,8 @@ def parse_args(argv: list[str] | None, world_size: int) -> RunConfig:
         raise ConfigError(str(e)) from None
     cfg = RunConfig(model=model, **{s: _CLASSES[s](**v) for s, v in sections.items()})
     resolve_batch(cfg, world_size, given_cli, given_file)
-    validate(cfg, world_size)
+    validate(cfg)
+    check_paths(cfg)
     return cfg
 
 
@@ -644,14 +592,13 @@ def validate_fp8(m: GPTConfig, par: ParallelConfig, precision: str, tokens: int 
         )
 
 
-def validate(cfg: RunConfig, world_size: int) -> None:
-    """Reject every invalid combination with one sentence naming the flags. Each field's own
-    type and range were checked where it entered (`check_value`); here: the pipeline
-    schedule against pp, micro-batches and virtual stages; the model's split over tp and
-    pp, with the vocabulary the run really has (raised to the tokenizer's, as the trainer
-    does) padded to --vocab-multiple; sequence length and parallelism; the LR schedule;
-    that --data and --tokenizer exist (a hub dataset only while the hub is reachable); the
-    checkpoint flags; the ZeRO++ switches against the stage."""
+def validate(cfg: RunConfig) -> None:
+    """Reject every invalid combination with one sentence naming the flags, reading nothing.
+    Each field's own type and range were checked where it entered (`check_value`); here: the
+    pipeline schedule against pp, micro-batches and virtual stages; the model's split over tp
+    and pp (its vocabulary over tp once the tokenizer is loaded: `check_vocab`); sequence
+    length and parallelism; the LR schedule; the checkpoint flags; the ZeRO++ switches
+    against the stage."""
     m, par, tr, data = cfg.model, cfg.parallel, cfg.train, cfg.data
     try:
         validate_schedule(par.schedule, par.pp, tr.micro_batches, par.virtual_stages)
@@ -664,22 +611,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     validate_zero_options(par)
     validate_moe(m, par)
     validate_fp8(m, par, tr.precision, data.seq_len * (tr.micro_batch_size or 1))
-    try:
-        source = resolve_source(data.data)
-        if isinstance(source, str):
-            require_hub(source)
-        tokenizer = load_tokenizer(data.tokenizer)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    real = m.with_vocab_of(tokenizer.vocab_size)
-    if real.padded_vocab % par.tp:
-        raise ConfigError(
-            f"--vocab-multiple={m.vocab_multiple} pads the vocabulary of {real.vocab_size} tokens to "
-            f"{real.padded_vocab}, which --tp={par.tp} does not divide; make --vocab-multiple a "
-            f"multiple of {par.tp}"
-        )
-    try:
-        real.validate_tp(par.tp)
+    try:  # heads and widths; the vocabulary padded here to a multiple of tp, as `check_vocab` checks the real one
+        dataclasses.replace(m, vocab_multiple=m.vocab_multiple * par.tp).validate_tp(par.tp)
     except ValueError as e:
         raise ConfigError(f"--tp={par.tp} does not split the model: {e}") from None
     try:
@@ -696,25 +629,11 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     if tr.lr_decay_steps is not None and tr.lr_decay_steps <= tr.warmup_steps:
         raise ConfigError(f"--lr-decay-steps={tr.lr_decay_steps} must exceed --warmup-steps={tr.warmup_steps}")
     _validate_checkpoint(cfg.checkpoint)
-    _validate_out(cfg.log, cfg.checkpoint)
-
-
-def _validate_out(log: LogConfig, ck: CheckpointConfig) -> None:
-    """A fresh run never silently replaces another: an --out that holds one (its metrics or
-    summary) is refused unless the run continues it (--resume, --load, or torchrun restarting
-    this job's workers) or --overwrite replaces it."""
-    held = [name for name in RUN_FILES if os.path.isfile(os.path.join(log.out, name))]
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if held and not (log.overwrite or ck.resume or ck.load or restarted):
-        raise ConfigError(
-            f"--out={log.out} holds a run ({held[0]}); continue it with --resume ROOT (the --save-every "
-            "checkpoints it saved), replace it with --overwrite, or choose another --out"
-        )
 
 
 def _validate_checkpoint(ck: CheckpointConfig) -> None:
     """--save-every and --export need --save (or --resume); an export is .safetensors or .pt;
-    --load exists; --resume goes alone."""
+    --resume goes alone."""
     if ck.resume and ck.load:
         raise ConfigError(
             f"--resume={ck.resume} loads its own latest checkpoint; drop --load={ck.load} (or drop --resume for a strict load)"
@@ -727,8 +646,47 @@ def _validate_checkpoint(ck: CheckpointConfig) -> None:
         raise ConfigError(f"--export={ck.export} needs --save DIR (the export is written from the final checkpoint)")
     if ck.export and not ck.export.endswith((".safetensors", ".pt")):
         raise ConfigError(f"--export={ck.export} must end in .safetensors or .pt")
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """The files and folders the flags name, looked up, none of them read: --data (a Hub
+    dataset only while the Hub is not offline) and --tokenizer exist, --load is a folder,
+    and --out holds no run that this one would replace unasked."""
+    try:
+        source = resolve_source(cfg.data.data)
+        if isinstance(source, str):
+            require_hub(source)
+        tokenizer_file(cfg.data.tokenizer)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    ck = cfg.checkpoint
     if ck.load and not os.path.isdir(ck.load):
         raise ConfigError(f"--load={ck.load} is not a directory")
+    _check_out(cfg.log, ck)
+
+
+def _check_out(log: LogConfig, ck: CheckpointConfig) -> None:
+    """A fresh run never silently replaces another: an --out that holds one (its metrics or
+    summary) is refused unless the run continues it (--resume, --load, or torchrun restarting
+    this job's workers) or --overwrite replaces it."""
+    held = [name for name in RUN_FILES if os.path.isfile(os.path.join(log.out, name))]
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if held and not (log.overwrite or ck.resume or ck.load or restarted):
+        raise ConfigError(
+            f"--out={log.out} holds a run ({held[0]}); continue it with --resume ROOT (the --save-every "
+            "checkpoints it saved), replace it with --overwrite, or choose another --out"
+        )
+
+
+def check_vocab(model: GPTConfig, tp: int) -> None:
+    """The run's vocabulary (`model`'s, raised to the tokenizer's) padded to --vocab-multiple
+    against --tp; checked where the tokenizer is loaded (`research.trainer.load_data`)."""
+    if model.padded_vocab % tp:
+        raise ConfigError(
+            f"--vocab-multiple={model.vocab_multiple} pads the vocabulary of {model.vocab_size} tokens to "
+            f"{model.padded_vocab}, which --tp={tp} does not divide; make --vocab-multiple a "
+            f"multiple of {tp}"
+        )
 
 
 RUN_FILES = ("summary.json", "metrics.jsonl")  # what makes a folder a run's

@@ -101,14 +101,21 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def load_tokenizer(spec: str | None) -> Tokenizer:
-    """None or "byte": ByteTokenizer; otherwise the path of a ``tokenizers`` JSON file."""
+def tokenizer_file(spec: str | None) -> Path | None:
+    """(Cheap, no loading.) The ``tokenizers`` JSON file that --tokenizer names, None for bytes
+    (None or "byte"); a ValueError when there is no such file."""
     if spec is None or spec == "byte":
-        return ByteTokenizer()
+        return None
     path = Path(spec).expanduser()
     if not path.is_file():
         raise ValueError(f"--tokenizer {spec!r} is neither 'byte' nor an existing tokenizer.json file.")
-    return HFTokenizer(path)
+    return path
+
+
+def load_tokenizer(spec: str | None) -> Tokenizer:
+    """None or "byte": ByteTokenizer; otherwise the path of a ``tokenizers`` JSON file."""
+    path = tokenizer_file(spec)
+    return ByteTokenizer() if path is None else HFTokenizer(path)
 
 
 def _builder(path: str | Path) -> str | None:

@@ -34,7 +34,7 @@ from parallel.dims import ParallelDims
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.random import seed_everything
 from research import checkpoint, costmodel, data, metrics, moe
-from research.config import RUN_FILES, RunConfig, TrainConfig, save_yaml
+from research.config import RUN_FILES, RunConfig, TrainConfig, check_vocab, save_yaml
 from research.errors import NonFiniteLossError
 from research.model import GPTConfig, pipeline_chunks
 
@@ -63,9 +63,11 @@ def lr_multiplier(tr: TrainConfig) -> Callable[[int], float]:
 def load_data(cfg: RunConfig) -> tuple[GPTConfig, data.GlobalBatches]:
     """The run's model config with its vocabulary raised to the tokenizer's, and the run's
     global batches (a collective when torch.distributed is initialized: rank 0 tokenizes).
-    Unusable data is a DataError on every rank, printed by the rank that found it."""
+    A vocabulary that --tp does not split is a ConfigError before any tokenizing; unusable
+    data is a DataError on every rank, printed by the rank that found it."""
     tokenizer = data.load_tokenizer(cfg.data.tokenizer)
     model = cfg.model.with_vocab_of(tokenizer.vocab_size)
+    check_vocab(model, cfg.parallel.tp)
     tokens = data.load_tokens(
         cfg.data.data,
         tokenizer,

@@ -11,8 +11,8 @@ import sys
 import pytest
 import yaml
 
-from research.config import RULES, ConfigError, RunConfig, build_parser, check_value, field_specs, parse_args, save_yaml
-from research.trainer import lr_multiplier, weight_decay_groups
+from research.config import ConfigError, RunConfig, build_parser, check_value, field_specs, parse_args, save_yaml
+from research.trainer import load_data, lr_multiplier, weight_decay_groups
 from tests.conftest import slow_except
 
 TINY = "experiments/configs/tiny.yaml"
@@ -374,10 +374,10 @@ def test_an_empty_string_is_refused(name: str) -> None:
 
 
 def test_every_number_has_a_range_and_every_default_passes() -> None:
-    """A new int or float field must decide its range in RULES."""
+    """A new int or float field must declare its range (`arg(..., rule=)`, or MODEL_FLAGS)."""
     for name, spec in field_specs().items():
         if spec.kind in (int, float):
-            assert name in RULES, f"{name} has no rule in research.config.RULES"
+            assert spec.rule is not None, f"{name} declares no range"
         default = RunConfig().to_dict()[spec.section][name]
         assert check_value(name, default, "default") == default, name
 
@@ -411,17 +411,6 @@ def test_a_yaml_file_that_is_not_text_is_one_sentence(tmp_path) -> None:
 @pytest.mark.parametrize(
     "argv, world, message",
     [
-        (
-            ["--tp", "4", "--vocab-multiple", "2"],
-            4,
-            "--vocab-multiple=2 pads the vocabulary of 257 tokens to 258, which --tp=4 does not divide; "
-            "make --vocab-multiple a multiple of 4",
-        ),
-        (
-            ["--tp", "2", "--vocab-multiple", "1"],
-            2,
-            "pads the vocabulary of 257 tokens to 257, which --tp=2 does not divide",
-        ),
         (["--min-lr", "0.1", "--lr", "0.01"], 1, "--min-lr=0.1 must not exceed --lr=0.01"),
         (["--warmup-steps", "10", "--lr-decay-steps", "10"], 1, "--lr-decay-steps=10 must exceed --warmup-steps=10"),
         (["--save-every", "5"], 1, "--save-every=5 needs --save DIR"),
@@ -434,13 +423,44 @@ def test_bad_combinations_fail_with_one_sentence(argv: list[str], world: int, me
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "argv, world, message",
+    [
+        (
+            ["--tp", "4", "--vocab-multiple", "2"],
+            4,
+            "--vocab-multiple=2 pads the vocabulary of 257 tokens to 258, which --tp=4 does not divide; "
+            "make --vocab-multiple a multiple of 4",
+        ),
+        (
+            ["--tp", "2", "--vocab-multiple", "1"],
+            2,
+            "pads the vocabulary of 257 tokens to 257, which --tp=2 does not divide",
+        ),
+    ],
+)
+def test_a_vocabulary_tp_does_not_split_fails_where_the_tokenizer_is_loaded(
+    tmp_path, argv: list[str], world: int, message: str
+) -> None:
+    """Validation reads no tokenizer; loading the data loads it and checks its vocabulary
+    before any tokenizing."""
+    cfg = parse_args([*argv, "--data-cache", str(tmp_path / "cache")], world)
+    with pytest.raises(ConfigError) as info:
+        load_data(cfg)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "cache").exists()
+
+
 def test_the_vocabulary_check_uses_the_tokenizers_vocabulary(tmp_path) -> None:
     """The byte tokenizer has 257 ids: vocab_size 256 with vocab_multiple 2 pads to 258 (not 256)."""
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"model": {"vocab_size": 256, "vocab_multiple": 2}, "parallel": {"tp": 4}}))
     with pytest.raises(ConfigError, match="to 258, which --tp=4 does not divide"):
-        parse_args(["--config", str(path)], 4)
-    parse_args(["--config", str(path), "--vocab-multiple", "4"], 4)  # 257 pads to 260 = 4 × 65
+        load_data(parse_args(["--config", str(path)], 4))
+    (tmp_path / "a.txt").write_text("some text to train on " * 8)
+    argv = ["--config", str(path), "--vocab-multiple", "4", "--data", str(tmp_path / "a.txt"), "--seq-len", "8"]
+    model, _ = load_data(parse_args([*argv, "--data-cache", str(tmp_path / "cache")], 4))
+    assert (model.vocab_size, model.padded_vocab) == (257, 260)  # 260 = 4 × 65
 
 
 def test_a_hub_dataset_while_offline_is_one_sentence(monkeypatch) -> None:

@@ -1327,7 +1327,9 @@ def test_plan_takes_a_hardware_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     (tmp_path / "slow.yaml").write_text(slow + "matmul_efficiency: 0.3\n")
     assert predict("--hardware", str(tmp_path / "slow.yaml"))["step_s"] > 2 * predict("--gpu", "h100")["step_s"]
     (tmp_path / "cpu.yaml").write_text(slow.replace("device: h100", "device: cpu"))
-    with pytest.raises(SystemExit, match=r"is not in research\.metrics' GPU table: give peak_tflops\.bf16 and hbm_gbs"):
+    with pytest.raises(
+        SystemExit, match=r"is not in research\.costmodel\.datasheet's GPU table: give peak_tflops\.bf16 and hbm_gbs"
+    ):
         predict("--hardware", str(tmp_path / "cpu.yaml"))
 
 

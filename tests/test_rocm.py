@@ -15,6 +15,7 @@ from experiments.bench.gpu_suite import report
 from optim import fused, quantize
 from parallel import comm
 from research import costmodel, metrics
+from research.costmodel.datasheet import gpu_peak_flops
 
 CUDA = torch.device("cuda")
 
@@ -44,14 +45,14 @@ def test_amd_gpus_have_their_peaks_and_bandwidth(rocm, name: str, bf16: float, f
     rocm(name)
     assert metrics.peak_flops(CUDA, torch.bfloat16) == pytest.approx(bf16 * 1e12)
     assert metrics.peak_flops(CUDA, torch.float16) == pytest.approx(bf16 * 1e12)
-    assert metrics.gpu_peak_flops(name, torch.float32) == pytest.approx(fp32 * 1e12)
+    assert gpu_peak_flops(name, torch.float32) == pytest.approx(fp32 * 1e12)
     assert fused_step_bandwidth.hbm_peak(CUDA) == pytest.approx(hbm)
 
 
 def test_cdna2_has_no_tf32(rocm) -> None:
     """MI250X matrix cores take fp32, not TF32: fp32 counts at its matrix rate either way."""
-    assert metrics.gpu_peak_flops("AMD Instinct MI250X", torch.float32, tf32=True) == pytest.approx(47.9e12)
-    assert metrics.gpu_peak_flops("AMD Instinct MI300X", torch.float32, tf32=True) == pytest.approx(653.7e12)
+    assert gpu_peak_flops("AMD Instinct MI250X", torch.float32, tf32=True) == pytest.approx(47.9e12)
+    assert gpu_peak_flops("AMD Instinct MI300X", torch.float32, tf32=True) == pytest.approx(653.7e12)
 
 
 def test_kernels_and_collectives_pick_their_gpu_paths(rocm) -> None:

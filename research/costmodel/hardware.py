@@ -5,7 +5,7 @@ research/costmodel/systems/*.yaml, and `python -m experiments.calibrate` writes 
 on the machine at hand. Keys (bandwidths in GB/s per device and direction):
 
     name: h100
-    device: h100            # a row of research.metrics' GPU table: peak FLOP/s, HBM bandwidth
+    device: h100            # a row of the GPU table (`datasheet`): peak FLOP/s, HBM bandwidth
     memory_mib: 81559       # per device
     devices_per_node: 8
     intra_node: {gbs: 450}  # optional latency_us: µs per step of a ring collective (NCCL's below);
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import yaml
 
-from research.metrics import gpu_hbm_bandwidth, gpu_peak_flops
+from research.costmodel.datasheet import gpu_hbm_bandwidth, gpu_peak_flops
 
 MiB, GiB = 2**20, 2**30
 
@@ -179,7 +179,9 @@ def load_system(path: str | Path) -> System:
         fp8 = peaks.get("fp8") or (row and gpu_peak_flops(row, torch.float8_e4m3fn))
         hbm = float(raw["hbm_gbs"]) * 1e9 if "hbm_gbs" in raw else row and gpu_hbm_bandwidth(row)
         if not bf16 or not hbm:
-            raise ValueError(f"device {row!r} is not in research.metrics' GPU table: give peak_tflops.bf16 and hbm_gbs")
+            raise ValueError(
+                f"device {row!r} is not in research.costmodel.datasheet's GPU table: give peak_tflops.bf16 and hbm_gbs"
+            )
         intra, inter = raw["intra_node"], raw["inter_node"]
         eta, pair = raw.get("matmul_efficiency"), inter.get("pair_gbs")
         gpu = GPU(
