@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from optim.sharding import Sharding
-from parallel.comm import NO_MARKS, ParamMarks
+from parallel.marks import NO_MARKS, ParamMarks
 
 ALIGN = 16  # elements; keeps every parameter view 64-byte aligned in fp32
 

@@ -27,7 +27,7 @@ that keeps torch.optim + DDP semantics under other people's habits.
   shard; an expert's by one rank of its expert group, and the experts of the other ranks of
   the shard group are other experts), so summing each rank's owned part over the shard group
   counts it once. Across model-parallel ranks (tensor / pipeline) each rank holds different
-  parameters, except those marked replicated with `parallel.comm.mark_replicated` (norms and
+  parameters, except those marked replicated with `parallel.marks.mark_replicated` (norms and
   row-parallel biases under TP, tied embeddings across pipeline stages): their bucket counts
   only on the rank that is rank 0 of every group it is replicated over (w_e ∈ {0, 1}).
 """

@@ -35,7 +35,7 @@ from optim.buffers import FlatBucket
 from optim.collectives import gather_flat
 from optim.shard_step import ShardStep
 from parallel import comm
-from parallel.comm import ExpertMark
+from parallel.marks import ExpertMark
 
 if TYPE_CHECKING:
     from optim.zero_state import ZeroState

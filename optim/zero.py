@@ -50,7 +50,7 @@ from optim.zero_setup import (
 )
 from optim.zero_state import ZeroState
 from parallel import comm
-from parallel.comm import NO_MARKS, ParamMarks, param_marks
+from parallel.marks import NO_MARKS, ParamMarks, param_marks
 
 __all__ = ["ZeroOptimizer"]
 
@@ -353,7 +353,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _data_parallel_groups(self, marks: ParamMarks) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
         """The groups a parameter is sharded and replicated over: an expert's own
-        (`parallel.comm.mark_expert`: the ranks holding the same experts), else this
+        (`parallel.marks.mark_expert`: the ranks holding the same experts), else this
         optimizer's."""
         if marks.expert is not None:
             return marks.expert.shard, marks.expert.replicate
@@ -508,7 +508,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parameters from the fp32 masters (in their original dtype), the rest as they are. A
         collective: every rank must call it; every rank gets the whole dict. Like the model's
         own state dict it holds this rank's part of a model split across ranks: its TP slices,
-        its pipeline stage, its experts under expert parallelism (`parallel.comm.mark_expert`);
+        its pipeline stage, its experts under expert parallelism (`parallel.marks.mark_expert`);
         `state_dict()` names every expert once, for checkpoints."""
         return self._state_dicts.full_state_dict()
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from optim.state_dicts import agree
-from parallel import comm
+from parallel import comm, marks
 
 NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "Muon", "LAMB", "Lamb", "FusedLAMB", "Shampoo", "SparseAdam", "LARS"}
 OUT_OF_STEP_ADVICE = (
@@ -118,10 +118,10 @@ def check_zero_plus_plus(
 def check_experts(model: torch.nn.Module, hpz: bool, qgz_bits: int | None) -> None:
     """ZeRO++ hpZ and qgZ follow the shard group's split into nodes, which expert parameters
     (sharded over their own groups) do not have yet: refused, one sentence."""
-    if (hpz or qgz_bits is not None) and any(m.expert is not None for m in comm.param_marks(model).values()):
+    if (hpz or qgz_bits is not None) and any(m.expert is not None for m in marks.param_marks(model).values()):
         raise ValueError(
             "ZeRO++ hpZ and qgZ split the data-parallel group by node, which the expert parameters of this model "
-            "(parallel.comm.mark_expert) are not split by: drop hpz / qgz_bits for a model with experts (qwZ composes)"
+            "(parallel.marks.mark_expert) are not split by: drop hpz / qgz_bits for a model with experts (qwZ composes)"
         )
 
 

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from optim import ZeroOptimizer
 from optim.sharded_state import tile_sharded_tensor
 from parallel import comm
-from parallel.comm import NO_MARKS, ParamMarks, param_marks
 from parallel.dims import ParallelDims
+from parallel.marks import NO_MARKS, ParamMarks, param_marks
 from parallel.random import get_rng_tracker
 from research import checkpoint_files as files
 from research.errors import CheckpointError, raise_together

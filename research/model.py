@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
-from parallel import comm
+from parallel import marks
 from parallel.expert.aux_loss import attach as attach_aux_loss
 from parallel.expert.groups import ExpertGroups
 from parallel.pipeline.partition import layer_ranges
@@ -218,7 +218,7 @@ def _mark_replicated(module: nn.Module, name: str, group: dist.ProcessGroup | No
     if sequence_parallel:
         sequence_parallel_grad_sync(module, name, group)
     else:
-        comm.mark_replicated(module, name, group)
+        marks.mark_replicated(module, name, group)
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -543,5 +543,5 @@ def pipeline_chunks(
             holders[1].embed = holders[0].embed
             holders[1].head.weight = holders[0].embed.weight
         elif holders:
-            comm.mark_tied(holders[0].embed, "weight", embedding_group)
+            marks.mark_tied(holders[0].embed, "weight", embedding_group)
     return chunks

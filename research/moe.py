@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel import comm
+from parallel import comm, marks
 from parallel.expert.dispatch import TokenDispatcher
 from parallel.expert.grouped import grouped_mm
 from parallel.expert.groups import ExpertGroups
@@ -85,7 +85,7 @@ def _replicated(module: nn.Module, name: str, group: Group, sequence_parallel: b
     if sequence_parallel:
         sequence_parallel_grad_sync(module, name, group)
     else:
-        comm.mark_replicated(module, name, group)
+        marks.mark_replicated(module, name, group)
 
 
 class Router(nn.Module):
@@ -128,8 +128,8 @@ class Experts(nn.Module):
         mine = slice(ep_rank * cfg.experts // ep, (ep_rank + 1) * cfg.experts // ep)
         self.up = nn.Parameter(up[mine].chunk(tp, dim=3)[r].contiguous())
         self.down = nn.Parameter(down[mine].chunk(tp, dim=1)[r].contiguous())
-        comm.mark_partitioned(self, "up", 3)
-        comm.mark_partitioned(self, "down", 1)
+        marks.mark_partitioned(self, "up", 3)
+        marks.mark_partitioned(self, "down", 1)
 
     def forward(self, rows_nh: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows sorted by local expert (`counts` of each) -> this TP rank's partial outputs."""
@@ -165,7 +165,7 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, self.dispatcher.ep, self.dispatcher.ep_rank, tp_group)
         if self.groups.ep is not None:  # ZeRO reduces and shards them over the ranks holding the same experts
             for name in ("up", "down"):
-                comm.mark_expert(self.experts, name, self.groups.ep, self.groups.shard, self.groups.replicate)
+                marks.mark_expert(self.experts, name, self.groups.ep, self.groups.shard, self.groups.replicate)
         self.shared = shared
         self.stats = RouterStats()
         self._totals: torch.Tensor | None = None  # aux loss, z-loss, tokens per expert since `take_stats`

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from parallel import comm
-from parallel.comm import NO_MARKS, param_marks
+from parallel import marks
 from parallel.dims import ParallelDims
+from parallel.marks import NO_MARKS, param_marks
 from parallel.random import seed_everything
 from research.model import GPTConfig, pipeline_chunks
 from tests.dist_utils import run_distributed
@@ -33,11 +33,11 @@ def by_name(model: nn.Module) -> dict[str, tuple]:
 def test_marks_on_the_owning_module() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
     a, b = object(), object()  # stand-ins for process groups
-    comm.mark_replicated(model, "1.weight", a)
-    comm.mark_replicated(model[1], "weight", b)
-    comm.mark_replicated(model, "1.weight", a)  # same group again: no-op
-    comm.mark_tied(model, "0.bias", b)
-    comm.mark_partitioned(model[0], "weight", 1)
+    marks.mark_replicated(model, "1.weight", a)
+    marks.mark_replicated(model[1], "weight", b)
+    marks.mark_replicated(model, "1.weight", a)  # same group again: no-op
+    marks.mark_tied(model, "0.bias", b)
+    marks.mark_partitioned(model[0], "weight", 1)
     found = param_marks(model)
     assert found[model[1].weight].replicated == (a, b)
     assert found[model[0].bias].tied == (b,) and found[model[0].bias].replicated == (b,)
@@ -47,7 +47,7 @@ def test_marks_on_the_owning_module() -> None:
     assert by_name(clone) == by_name(model)
     assert param_marks(clone)[clone[1].weight].replicated[0] is a  # groups are shared, not copied
     with pytest.raises(ValueError, match=r"Sequential has no parameter '1\.scale' to mark"):
-        comm.mark_replicated(model, "1.scale", a)
+        marks.mark_replicated(model, "1.scale", a)
 
 
 def _deepcopied_gpt(tp: int, pp: int) -> dict:

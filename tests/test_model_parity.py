@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm
-from parallel.comm import NO_MARKS, param_marks
+from parallel.marks import NO_MARKS, param_marks
 from parallel.random import seed_everything
 from research.model import GPT, GPTConfig
 from tests.dist_utils import run_distributed

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel import comm
-from parallel.comm import param_marks
+from parallel.marks import param_marks
 from parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,

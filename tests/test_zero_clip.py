@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from optim import ZeroOptimizer
 from optim.policies import Communication
-from parallel import comm
+from parallel import marks
 from tests.dist_utils import dp_by_mp_groups, run_distributed
 from tests.models import batches, make_model
 
@@ -28,7 +28,7 @@ def norm_with_marks(stage: int) -> float:
     model = make_model()
     for name, p in model.named_parameters():
         if p.ndim == 1:
-            comm.mark_replicated(model, name, mp)
+            marks.mark_replicated(model, name, mp)
     opt = ZeroOptimizer(
         model,
         torch.optim.AdamW,

@@ -1,4 +1,4 @@
-"""ZeroOptimizer on expert parameters (`parallel.comm.mark_expert`): each is reduced over
+"""ZeroOptimizer on expert parameters (`parallel.marks.mark_expert`): each is reduced over
 exactly the ranks holding the same experts and averaged over every data-parallel rank, at
 every stage; the global norm counts every expert once; ZeRO++ hpZ / qgZ are refused."""
 
@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from optim import ZeroOptimizer
 from optim.policies import Communication, ZeroPlusPlus
-from parallel import ParallelDims, comm
+from parallel import ParallelDims, marks
 from tests.dist_utils import run_distributed
 
 SMALL = Communication(bucket_numel=64, unit_numel=16, resident_numel=0)  # several buckets and stage-3 units
@@ -26,7 +26,7 @@ class Experts(nn.Module):
         super().__init__()
         self.dense = nn.Parameter(torch.zeros(3, 4))
         self.experts = nn.Parameter(torch.zeros(2, 4, 5))
-        comm.mark_expert(self, "experts", groups.ep, groups.shard, groups.replicate)
+        marks.mark_expert(self, "experts", groups.ep, groups.shard, groups.replicate)
 
     def forward(self, scale: float) -> torch.Tensor:
         return scale * (self.dense.sum() + self.experts.sum())

@@ -19,7 +19,7 @@ class ExpertGroups:
         dp: every data-parallel rank of this model slice: the tokens whose statistics the
             auxiliary losses share (None: this rank alone).
         shard: the data-parallel ranks holding this rank's experts, over which ZeRO shards
-            and reduces them (`parallel.comm.mark_expert`); needed with `ep`.
+            and reduces them (`parallel.marks.mark_expert`); needed with `ep`.
         replicate: hybrid sharding: the ranks holding the same expert shard in other replicas.
     """
 

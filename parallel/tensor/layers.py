@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from parallel import comm
+from parallel import comm, marks
 from parallel.tensor import fp8
 from parallel.tensor.mappings import (
     _all_gather_dim0,
@@ -110,12 +110,12 @@ def sequence_parallel_grad_sync(module: nn.Module, name: str, group: Group) -> N
       that consumes the gradient);
     - it always runs before every ``register_post_accumulate_grad_hook`` (ZeroOptimizer's),
       whatever the order of registration.
-    Marks the parameter (``parallel.comm.mark_sequence_parallel``, which also marks it
+    Marks the parameter (``parallel.marks.mark_sequence_parallel``, which also marks it
     replicated over ``group``). A tensor hook lives with its Parameter object, which
     ``copy.deepcopy`` does not copy, so a forward pre-hook on ``module`` (which is copied)
     registers it on any marked parameter that lacks it. Idempotent; a no-op hook at tp == 1.
     """
-    comm.mark_sequence_parallel(module, name, group)
+    marks.mark_sequence_parallel(module, name, group)
     if not module.__dict__.get("_sequence_parallel_hooked"):
         module.__dict__["_sequence_parallel_hooked"] = True
         module.register_forward_pre_hook(_register_grad_sync_hooks)
@@ -213,9 +213,9 @@ class ColumnParallelLinear(_TPModule):
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.weight = _sharded_weight((out_features, in_features), 0, group, init_method)
         self.bias = nn.Parameter(torch.zeros(out_local)) if bias else None
-        comm.mark_partitioned(self, "weight", 0)
+        marks.mark_partitioned(self, "weight", 0)
         if bias:
-            comm.mark_partitioned(self, "bias", 0)
+            marks.mark_partitioned(self, "bias", 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and self.fp8 == "none" and tp_size(self.group) > 1:
@@ -259,9 +259,9 @@ class RowParallelLinear(_TPModule):
         self.sequence_parallel = sequence_parallel
         self.weight = _sharded_weight((out_features, in_features), 1, group, init_method)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        comm.mark_partitioned(self, "weight", 1)
+        marks.mark_partitioned(self, "weight", 1)
         if bias:  # replicated over TP; under SP its gradient is summed over TP
-            comm.mark_replicated(self, "bias", group)
+            marks.mark_replicated(self, "bias", group)
             if sequence_parallel:
                 sequence_parallel_grad_sync(self, "bias", group)
 
@@ -302,7 +302,7 @@ class VocabParallelEmbedding(_TPModule):
         self.vocab_start = tp_rank(group) * v_local
         self.vocab_end = self.vocab_start + v_local
         self.weight = _sharded_weight((num_embeddings, embedding_dim), 0, group, init_method)
-        comm.mark_partitioned(self, "weight", 0)
+        marks.mark_partitioned(self, "weight", 0)
 
     def forward(self, ids_sb: torch.Tensor) -> torch.Tensor:
         if tp_size(self.group) == 1:

@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from optim.buffers import ALIGN, bucket_key
 from optim.policies import DEFAULT_BUCKET_NUMEL, DEFAULT_UNIT_NUMEL, default_resident_numel
 from optim.stage3 import has_own_forward, stage3_units
-from parallel.comm import NO_MARKS, ParamMarks, param_marks
+from parallel.marks import NO_MARKS, ParamMarks, param_marks
 from parallel.pipeline.partition import layer_ranges
 from parallel.pipeline.schedules import stage_of
 from parallel.tensor import ShapeGroup
