@@ -4,28 +4,17 @@ CPU backend and torch's AdamW(fused=True) are timed, with finite bandwidths."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.bench
+from tests.conftest import run_bench
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.bench
 
 
 @pytest.mark.timeout(120)
 def test_fused_step_bandwidth_smoke_on_cpu() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.bench.fused_step_bandwidth", "--numel", "2e5"],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        cwd=ROOT,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_bench("fused_step_bandwidth", "--numel", "2e5", timeout=110)
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("torch.optim.AdamW", "zero3d"))]
     assert rows[0].startswith("torch.optim.AdamW(fused=True)") and len(rows) >= 3
     for row in rows:

@@ -3,39 +3,18 @@ model on the same batches and report finite throughput (MFU needs a GPU peak).""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.bench
+from tests.conftest import run_bench
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.bench
 
 
 @pytest.mark.timeout(180)
 def test_gpu_mfu_quick_runs_on_cpu(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "experiments.bench.gpu_mfu",
-            "--quick",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--data-cache",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        cwd=ROOT,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_bench("gpu_mfu", "--quick", "--steps", "2", "--warmup", "1", "--data-cache", str(tmp_path), timeout=170)
     rows = (line.split() for line in proc.stdout.splitlines() if line.startswith(("ours ", "ours_fp8", "plain")))
     lines = {fields[0]: fields for fields in rows}
     assert set(lines) == {"ours", "plain", "ours_fp8"}

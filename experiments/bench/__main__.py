@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 
 from experiments.bench import one_process, pipeline_bubble, zero_vs_torch
-from experiments.bench.common import finish, format_table, goal_cell
+from experiments.bench.results import finish
+from experiments.bench.tables import format_table, goal_cell
 from research.cli import HelpFormatter
 
 

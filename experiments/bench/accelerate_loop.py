@@ -40,9 +40,7 @@ accelerate runs on GPUs only) is zero_vs_torch's zero3 / fsdp2 pairing.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import math
 import platform
 import sys
 import time
@@ -53,39 +51,27 @@ import torch
 import torch.distributed as dist
 
 from experiments.bench.common import batch as make_batch
-from experiments.bench.common import (
-    bench_parser,
-    finish,
-    format_table,
-    launch,
-    make_model,
-    median,
-    percentile,
-    spread_ms,
-)
-from research.cli import arg, config_from
+from experiments.bench.common import launch, matching_adamw, median, spread_ms, take_turns
+from experiments.bench.config import TinyGPTRun, parse_config
+from experiments.bench.results import finish, nonfinite, paired
+from experiments.bench.tables import ratio_columns, step_time_columns, table
+from research.cli import arg
 
 METHODS = ["ddp", "zero0", "zero1", "zero2", "zero3", "plain0", "plain1", "plain2", "plain3"]
 GOAL = 1.1  # ratio of median step times: zeroS / ddp for stages 0-2, zero3 / plain3
 
 
 @dataclass
-class Config:
+class Config(TinyGPTRun):
     world: int = arg(2, "ranks (gloo processes, one thread each)")
     methods: tuple[str, ...] = arg((*METHODS[:5], "plain3"), "methods to run", choices=METHODS)
     steps: int = arg(20, "timed optimizer steps per method per round")
     warmup: int = arg(3, "untimed steps before them")
-    rounds: int = arg(2, "rounds of fresh models")
     accum: int = arg(2, "micro-batches per optimizer step (accelerator.accumulate)")
     clip: float = arg(1.0, "accelerator.clip_grad_norm_ max norm")
-    dim: int = arg(256, "TinyGPT hidden size")
-    layers: int = arg(4, "TinyGPT blocks")
-    heads: int = arg(4, "attention heads")
-    seq: int = arg(64, "tokens per sequence")
-    vocab: int = arg(1024, "vocabulary size")
-    micro_batch: int = arg(2, "sequences per rank per micro-batch")
-    lr: float = arg(1e-3, "AdamW learning rate")
-    weight_decay: float = arg(0.1, "AdamW weight decay")
+
+    def problem(self) -> str | None:
+        return "--world and --accum must be >= 1" if self.world < 1 or self.accum < 1 else super().problem()
 
 
 def zero_options(cfg: Config) -> Any:
@@ -94,17 +80,10 @@ def zero_options(cfg: Config) -> Any:
     from optim.policies import Communication
 
     return Communication(
-        unit_numel=12 * cfg.dim * cfg.dim + 4 * cfg.dim,  # a block: qkv, proj, fc1, fc2, two LayerNorms
+        unit_numel=cfg.block_numel(),
         resident_numel=2**16 if cfg.dim >= 128 else 1024,
         find_unused_parameters=False,
     )
-
-
-def adam_kwargs() -> dict[str, Any]:
-    """torch's AdamW in the kernel family of ZeroOptimizer's step backend on this machine."""
-    from optim import fused
-
-    return {"torch_fused": {"fused": True}, "torch": {"foreach": True}}.get(fused.pick_backend("cpu"), {})
 
 
 class Method:
@@ -118,10 +97,10 @@ class Method:
 
         self.cfg = cfg
         self.acc = Accelerator(cpu=True, gradient_accumulation_steps=cfg.accum)
-        model = make_model(0, cfg.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq)
+        model = cfg.model()
         hyper = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
         if name == "ddp":
-            opt = torch.optim.AdamW(model.parameters(), **hyper, **adam_kwargs())
+            opt = torch.optim.AdamW(model.parameters(), **hyper, **matching_adamw())
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
             self.model, self.opt, self.sched = self.acc.prepare(model, opt, sched)
         else:
@@ -170,73 +149,47 @@ def run_rank(cfg: Config) -> dict[str, Any] | None:
     """Every round: fresh methods, then warmup + steps steps in which they take turns. Per
     method, the slowest rank's ms per timed step and the global mean loss of the last step."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    total = cfg.warmup + cfg.steps
-    batches = [make_batch(i, cfg.micro_batch * world * cfg.accum, cfg.seq, cfg.vocab) for i in range(total)]
-    times: dict[str, list[float]] = {m: [] for m in cfg.methods}
-    cpu: dict[str, list[float]] = {m: [] for m in cfg.methods}
-    losses: dict[str, float] = {}
-    for r in range(cfg.rounds):
-        methods = {m: Method(m, cfg) for m in cfg.methods}
-        names = list(cfg.methods)
-        for i in range(total):
-            idx, tgt = batches[i]
-            mine = [
-                (idx[s : s + cfg.micro_batch], tgt[s : s + cfg.micro_batch])
-                for s in range(
-                    rank * cfg.micro_batch * cfg.accum, (rank + 1) * cfg.micro_batch * cfg.accum, cfg.micro_batch
-                )
-            ]
-            k = (r + i) % len(names)
-            for m in names[k:] + names[:k]:
-                dist.barrier()
-                c0, t0 = time.process_time(), time.perf_counter()
-                loss = methods[m].step(mine)
-                spent = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
-                dist.all_reduce(spent, op=dist.ReduceOp.MAX)
-                if i >= cfg.warmup:
-                    times[m].append(float(spent[0]) * 1e3)
-                    cpu[m].append(float(spent[1]) * 1e3)
-                mean = torch.tensor(loss, dtype=torch.float64)
-                dist.all_reduce(mean)
-                losses[m] = float(mean) / world
-        del methods
+    mine = cfg.micro_batch * cfg.accum  # sequences of a rank per step
+    batches = [make_batch(i, mine * world, cfg.seq, cfg.vocab) for i in range(cfg.warmup + cfg.steps)]
+
+    def step(name: str, method: Method, i: int) -> tuple[float, float, float]:
+        """(wall ms, CPU ms) of the slowest rank and the global mean loss of a step."""
+        idx, tgt = (t[rank * mine : (rank + 1) * mine] for t in batches[i])
+        micro = [(idx[s : s + cfg.micro_batch], tgt[s : s + cfg.micro_batch]) for s in range(0, mine, cfg.micro_batch)]
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        loss = method.step(micro)
+        spent = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
+        dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+        mean = torch.tensor(loss, dtype=torch.float64)
+        dist.all_reduce(mean)
+        return float(spent[0]) * 1e3, float(spent[1]) * 1e3, float(mean) / world
+
+    samples: dict[str, list[tuple[float, float, float]]] = {m: [] for m in cfg.methods}
+    turns = take_turns(
+        cfg.methods, cfg.rounds, cfg.warmup + cfg.steps, lambda _: {m: Method(m, cfg) for m in cfg.methods}, step
+    )
+    for round_ in turns:
+        for m, steps in round_.items():
+            samples[m] += steps[cfg.warmup :]
     if rank != 0:
         return None
-    return {
-        m: {
-            "times_ms": times[m],
-            **spread_ms(times[m]),
-            "cpu_median_ms": median(cpu[m]),
-            "final_loss": losses[m],
-        }
-        for m in cfg.methods
-    }
+    out = {}
+    for m, s in samples.items():
+        wall, cpu, _ = zip(*s)
+        out[m] = {"times_ms": list(wall), **spread_ms(list(wall)), "cpu_median_ms": median(list(cpu))}
+        out[m]["final_loss"] = s[-1][2]
+    return out
 
 
 def ratios(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """zeroS / ddp and zeroS / plainS: the ratio of median step times (the goals' measure) and
-    the median and quartiles of the paired per-step ratios (the two steps ran back to back)."""
+    """zeroS / ddp and zeroS / plainS (`results.paired`), "met" where a goal judges them."""
+    zeros = [m for m in per_method if m.startswith("zero")]
     out = []
-    pairs = [(m, "ddp") for m in per_method if m.startswith("zero")]
-    pairs += [(m, f"plain{m[-1]}") for m in per_method if m.startswith("zero")]
-    for m, other in pairs:
-        if other not in per_method:
-            continue
-        ours, theirs = per_method[m], per_method[other]
-        paired = [a / b for a, b in zip(ours["times_ms"], theirs["times_ms"])]
-        ratio = ours["median_ms"] / theirs["median_ms"]
-        out.append(
-            {
-                "ours": m,
-                "theirs": other,
-                "ratio": ratio,
-                "met": ratio <= GOAL if _has_goal(m, other) else None,
-                "paired_median": median(paired),
-                "paired_p25": percentile(paired, 25),
-                "paired_p75": percentile(paired, 75),
-                "cpu_ratio": ours["cpu_median_ms"] / theirs["cpu_median_ms"],
-            }
-        )
+    for m, other in [(m, "ddp") for m in zeros] + [(m, f"plain{m[-1]}") for m in zeros]:
+        if other in per_method:
+            r = paired(per_method[m], per_method[other])
+            out.append({"ours": m, "theirs": other, **r, "met": r["ratio"] <= GOAL if _has_goal(m, other) else None})
     return out
 
 
@@ -245,82 +198,42 @@ def _has_goal(ours: str, theirs: str) -> bool:
     return (theirs == "ddp") != (ours == "zero3")
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
-    p = bench_parser(Config, __doc__, "tiny model, 1 round, few steps")
-    a = p.parse_args(argv)
-    cfg = config_from(Config, a)
-    if a.quick:
-        cfg.steps, cfg.warmup, cfg.rounds = 3, 1, 1
-        cfg.dim, cfg.layers, cfg.heads, cfg.seq, cfg.vocab = 64, 2, 2, 32, 256
-    if cfg.dim % cfg.heads:
-        p.error(f"--dim={cfg.dim} is not divisible by --heads={cfg.heads}")
-    if cfg.world < 1 or cfg.steps < 1 or cfg.rounds < 1 or cfg.warmup < 0 or cfg.accum < 1:
-        p.error("--world, --steps, --rounds and --accum must be >= 1 and --warmup >= 0")
-    return cfg, a
-
-
-def print_tables(per_method: dict[str, Any], rs: list[dict[str, Any]]) -> None:
-    """The per-method table, then the ratios against their goals."""
-    rows = [
-        [
-            m,
-            f"{e['median_ms']:.1f}",
-            f"{e['p25_ms']:.1f}-{e['p75_ms']:.1f}",
-            f"{e['cpu_median_ms']:.1f}",
-            f"{e['final_loss']:.6f}",
-        ]
-        for m, e in per_method.items()
-    ]
-    print()
-    print(format_table(["method", "median ms / step", "p25-p75 ms", "cpu ms", "final loss"], rows))
-    print()
-    rows = [
-        [
-            f"{r['ours']} / {r['theirs']}",
-            f"{r['ratio']:.3f}",
-            f"<= {GOAL}" if r["met"] is not None else "-",
-            {True: "yes", False: "NO", None: "-"}[r["met"]],
-            f"{r['paired_median']:.3f} ({r['paired_p25']:.2f}-{r['paired_p75']:.2f})",
-            f"{r['cpu_ratio']:.3f}",
-        ]
-        for r in rs
-    ]
-    headers = ["ours / theirs", "ratio of medians", "goal", "met", "paired median (p25-p75)", "cpu ratio"]
-    print(format_table(headers, rows))
+METHOD_COLUMNS = {
+    **step_time_columns("median ms / step", ".1f"),
+    "cpu ms": "cpu_median_ms:.1f",
+    "final loss": "final_loss:.6f",
+}
+RATIO_COLUMNS = ratio_columns(lambda r: f"<= {GOAL}" if r["met"] is not None else "-")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the methods on `world` ranks, print the tables and the goal; the results as --json writes them."""
-    cfg, args = parse_args(argv)
-    numel = sum(
-        p.numel() for p in dict.fromkeys(make_model(0, cfg.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.seq).parameters())
+    cfg, args = parse_config(Config, __doc__, argv)
+    print(
+        f"accelerate_loop: {cfg.describe()}, {cfg.world} gloo ranks x 1 thread, micro-batch {cfg.micro_batch}/rank, "
+        f"accumulation {cfg.accum}, clip {cfg.clip}; {cfg.schedule()}; torch {torch.__version__}, {platform.machine()}"
     )
     print(
-        f"accelerate_loop: TinyGPT dim={cfg.dim} layers={cfg.layers} seq={cfg.seq} vocab={cfg.vocab} ({numel:,} params, "
-        f"fp32), {cfg.world} gloo ranks x 1 thread, micro-batch {cfg.micro_batch}/rank, accumulation {cfg.accum}, "
-        f"clip {cfg.clip}; {cfg.rounds} rounds x {cfg.warmup} warm-up + {cfg.steps} timed steps, interleaved; "
-        f"torch {torch.__version__}, {platform.machine()}"
-    )
-    print(
-        f"  ZeroOptimizer options {zero_options(cfg)}; baseline AdamW {adam_kwargs() or '(torch defaults)'}", flush=True
+        f"  ZeroOptimizer options {zero_options(cfg)}; baseline AdamW {matching_adamw() or '(torch defaults)'}",
+        flush=True,
     )
     start = time.perf_counter()
     per_method = launch(run_rank, cfg.world, cfg)[0]
     rs = ratios(per_method)
-    print_tables(per_method, rs)
+    print()
+    print(table(({"method": m, **e} for m, e in per_method.items()), METHOD_COLUMNS))
+    print()
+    print(table(rs, RATIO_COLUMNS))
     results = {
         "config": asdict(cfg),
-        "numel": numel,
+        "numel": cfg.numel(),
         "torch": torch.__version__,
         "methods": per_method,
         "ratios": rs,
         "seconds": time.perf_counter() - start,
     }
     print(f"total {results['seconds']:.0f} s")
-    nonfinite = [
-        m for m, e in per_method.items() if not (math.isfinite(e["median_ms"]) and math.isfinite(e["final_loss"]))
-    ]
-    return finish(results, nonfinite, args.json)
+    return finish(results, nonfinite(per_method, ("median_ms", "final_loss")), args.json)
 
 
 if __name__ == "__main__":

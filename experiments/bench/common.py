@@ -9,28 +9,29 @@
   follows a fixed random bigram permutation), so losses visibly go down.
 - ``model_state_bytes(...)``: bytes of params / grads / optimizer state that exist on a
   rank, each storage counted once (DTensors count their local shard).
+- ``take_turns(...)``: the methods of a benchmark stepping in turn, in an order that rotates
+  every step, so that all of them see the same machine load.
 - ``timed(fn, device, repeats)``: median seconds of a call (CUDA events on a GPU).
-- ``median`` / ``percentile`` and ``format_table`` for plain-text result tables.
+- ``median`` / ``percentile`` / ``spread_ms``: statistics of step times.
 
-A benchmark's command line comes from its config dataclass through ``research.cli`` (``arg``,
-``config_parser``, ``config_from``), as the trainer's does.
+A benchmark's config and command line: ``config``; its tables: ``tables``; its results: ``results``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
+import gc
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from parallel.launch import DEFAULT_PRELOAD, run_local
-from research.cli import config_parser
+
+M = TypeVar("M")
+T = TypeVar("T")
 
 # ---------------------------------------------------------------------------------------
 # Launching local gloo ranks
@@ -123,6 +124,16 @@ def batch(step: int, global_batch: int, seq: int, vocab: int, seed: int = 1234) 
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def matching_adamw(step_backend: str | None = None) -> dict[str, bool]:
+    """torch.optim.AdamW's keywords for the kernel family of ZeroOptimizer's step backend
+    (None: its pick on the CPU): fused=True for torch_fused, foreach=True for torch, so that
+    a comparison is about the data-parallel machinery, not about the Adam kernel."""
+    from optim import fused
+
+    backend = step_backend or fused.pick_backend("cpu")
+    return {"torch_fused": {"fused": True}, "torch": {"foreach": True}}.get(backend, {})
+
+
 # ---------------------------------------------------------------------------------------
 # Memory of model states
 # ---------------------------------------------------------------------------------------
@@ -162,8 +173,48 @@ def optimizer_state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------
-# Timing, statistics and tables
+# Taking turns, timing and statistics
 # ---------------------------------------------------------------------------------------
+
+
+def rotated(names: Sequence[str], k: int) -> list[str]:
+    """The methods' order at step k: `names` rotated left by k."""
+    k %= len(names)
+    return [*names[k:], *names[:k]]
+
+
+def take_turns(
+    names: Sequence[str],
+    rounds: int,
+    steps: int,
+    build: Callable[[int], Mapping[str, M]],
+    step: Callable[[str, M, int], T],
+) -> Iterator[dict[str, list[T]]]:
+    """Per round r: fresh methods `build(r)` (name -> method), then `steps` steps i in each of
+    which every method takes its turn, `step(name, method, i)`, in the order `rotated(names,
+    r + i)`, so that all of them see the same machine load. Yields each round's step results
+    by method, warm-up steps included, after freeing its methods."""
+    for r in range(rounds):
+        methods = build(r)
+        out: dict[str, list[T]] = {m: [] for m in names}
+        for i in range(steps):
+            for m in rotated(names, r + i):
+                out[m].append(step(m, methods[m], i))
+        del methods
+        gc.collect()
+        yield out
+
+
+def step_times(turns: Iterable[dict[str, list[float]]], warmup: int) -> dict[str, dict[str, list[float]]]:
+    """Per method, from rounds of `take_turns` whose steps give milliseconds: "times_ms", the
+    timed steps of every round (the first `warmup` of each left out), and "round_medians_ms"."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for round_ in turns:
+        for m, times in round_.items():
+            entry = out.setdefault(m, {"times_ms": [], "round_medians_ms": []})
+            entry["times_ms"] += times[warmup:]
+            entry["round_medians_ms"].append(median(times[warmup:]))
+    return out
 
 
 def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
@@ -204,46 +255,3 @@ def median(values: list[float]) -> float:
 def spread_ms(times_ms: list[float]) -> dict[str, float]:
     """{"median_ms", "p25_ms", "p75_ms"} of step times."""
     return {"median_ms": median(times_ms), "p25_ms": percentile(times_ms, 25), "p75_ms": percentile(times_ms, 75)}
-
-
-def goal_cell(met: bool | None, goal: str) -> str:
-    """A table's goal column: "-" without a goal, else "<goal> (met)" or "<goal> (missed)"."""
-    return "-" if met is None else f"{goal} ({'met' if met else 'missed'})"
-
-
-def format_table(headers: list[str], rows: list[list[Any]]) -> str:
-    """A plain-text table (also valid Markdown)."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(r: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
-
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
-
-
-def mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.2f}"
-
-
-def finish(results: dict[str, Any], nonfinite: list[str], json_path: str | None) -> dict[str, Any]:
-    """Record the rows with non-finite numbers (printed as an error: the command then exits
-    1) and write the results as JSON when asked."""
-    results["nonfinite"] = nonfinite
-    if nonfinite:
-        print(f"ERROR: non-finite results for {', '.join(nonfinite)}", file=sys.stderr)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {json_path}")
-    return results
-
-
-def bench_parser(config_class: type, doc: str | None, quick: str) -> argparse.ArgumentParser:
-    """A CPU benchmark's flags: its config dataclass's fields (research.cli), then `--quick`
-    (a smoke run; `quick` says what it shrinks) and `--json PATH`."""
-    p = config_parser(config_class, doc)
-    p.add_argument("--quick", action="store_true", help=f"{quick} (smoke test)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    return p

@@ -13,16 +13,17 @@ Results: docs/benchmarks.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
 
 from experiments.bench.common import timed
+from experiments.bench.tables import Cell, millis, table
 from optim import fused
 from optim.policies import DTYPES
-from research import metrics
 from research.cli import arg, config_from, config_parser
+from research.costmodel.datasheet import gpu_hbm_bandwidth
 
 
 @dataclass
@@ -33,10 +34,10 @@ class Config:
 
 
 def hbm_peak(device: torch.device) -> float | None:
-    """The datasheet HBM bandwidth of `device` in GB/s (research.metrics' GPU table)."""
+    """The datasheet HBM bandwidth of `device` in GB/s (`research.costmodel.datasheet`'s GPU table)."""
     if device.type != "cuda":
         return None
-    bandwidth = metrics.gpu_hbm_bandwidth(torch.cuda.get_device_name(device))
+    bandwidth = gpu_hbm_bandwidth(torch.cuda.get_device_name(device))
     return None if bandwidth is None else bandwidth / 1e9
 
 
@@ -81,7 +82,8 @@ def torch_fused_adamw(n: int, device: torch.device, repeats: int) -> tuple[float
 def measure(n: int, grad_dtype: torch.dtype, device: torch.device, repeats: int) -> list[dict[str, Any]]:
     """`torch.optim.AdamW(fused=True)` first, then each of our backends that runs on
     `device`, on an n-element shard (bf16 parameter copies out): per row the label, the
-    backend (None for torch's), median seconds, bytes moved and effective GB/s."""
+    backend (None for torch's), median seconds, bytes moved, effective GB/s and the time
+    relative to AdamW(fused=True)'s."""
     rows = []
 
     def add(label: str, backend: str | None, seconds: float, nbytes: int) -> None:
@@ -101,10 +103,13 @@ def measure(n: int, grad_dtype: torch.dtype, device: torch.device, repeats: int)
     add("torch.optim.AdamW(fused=True), fp32", None, *torch_fused_adamw(n, device, repeats))
     for backend in fused.available_backends(device):
         add(f"zero3d {backend}", backend, *ours(backend, n, grad_dtype, torch.bfloat16, device, repeats))
+    for r in rows:
+        r["time_vs_adamw"] = r["seconds"] / rows[0]["seconds"]
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Measure and print the table; the results: {"config", "numel", "hbm_peak_gbs", "rows"}."""
     args = config_from(Config, config_parser(Config, __doc__).parse_args(argv))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n = int(args.numel or (1e9 if device.type == "cuda" else 4e6))
@@ -115,15 +120,17 @@ def main(argv: list[str] | None = None) -> None:
         f"device: {name}; shard: {n:,} elements; grad {args.grad_dtype}, params out bf16; "
         f"HBM peak {peak or 'unknown'} GB/s; median of {args.repeats}"
     )
+    columns: dict[str, Cell] = {
+        "step": "label",
+        "ms": millis(".2f"),
+        "B/elem": "bytes_per_element",
+        "GB/s": "gbs:.1f",
+        "% peak": lambda r: f"{100 * r['gbs'] / peak:.1f}%" if peak else "n/a",
+        "time vs AdamW(fused)": "time_vs_adamw:.3f",
+    }
     rows = measure(n, grad_dtype, device, args.repeats)
-    base_s = rows[0]["seconds"]
-    print(f"{'step':40s} {'ms':>9s} {'B/elem':>7s} {'GB/s':>9s} {'% peak':>7s} {'time vs AdamW(fused)':>21s}")
-    for r in rows:
-        pct = f"{100 * r['gbs'] / peak:6.1f}%" if peak else "    n/a"
-        print(
-            f"{r['label']:40s} {1e3 * r['seconds']:9.2f} {r['bytes_per_element']:7d} {r['gbs']:9.1f} {pct:>7s} "
-            f"{r['seconds'] / base_s:21.3f}"
-        )
+    print(table(rows, columns, markdown=False))
+    return {"config": asdict(args), "numel": n, "hbm_peak_gbs": peak, "rows": rows}
 
 
 if __name__ == "__main__":

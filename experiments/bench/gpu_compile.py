@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import functools
 import io
-import json
 import multiprocessing as mp
 import os
 import re
@@ -44,7 +43,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from experiments.bench.common import format_table
+from experiments.bench.results import write_json
+from experiments.bench.tables import Cell, format_table, table
 from optim import fused, quantize
 from optim.fused import KernelVariant
 from optim.grads import QGZ_BLOCK
@@ -294,20 +294,13 @@ def compile_table(kernels: tuple[str, ...], targets: tuple[str, ...], jobs: int 
     return [rows[slot] for slot in range(len(work))]
 
 
-def _cell(row: Row, column: str) -> str:
-    if column == "ok":
-        return "yes" if row.ok else f"NO: {row.error}"
-    value = getattr(row, column)
-    return "-" if value is None else str(value)
-
-
 def tables(rows: list[Row]) -> str:
     """One table per kernel: a row per signature and target."""
-    out = []
-    for kernel in dict.fromkeys(r.kernel for r in rows):
-        cells = [[r.signature, r.target, *(_cell(r, c) for c in COLUMNS)] for r in rows if r.kernel == kernel]
-        out.append(f"{kernel}\n\n" + format_table(["signature", "target", *COLUMNS], cells))
-    return "\n\n".join(out)
+    columns: dict[str, Cell] = {"signature": "signature", "target": "target", **{c: c for c in COLUMNS[:-1]}}
+    columns["ok"] = lambda r: "yes" if r["error"] is None else f"NO: {r['error']}"
+    kernels = dict.fromkeys(r.kernel for r in rows)
+    records = [dataclasses.asdict(r) for r in rows]
+    return "\n\n".join(f"{k}\n\n" + table([r for r in records if r["kernel"] == k], columns) for k in kernels)
 
 
 def _span(values: list[int | None]) -> str:
@@ -341,17 +334,8 @@ def summary(rows: list[Row]) -> str:
                 *widths,
             ]
         )
-    headers = [
-        "kernel",
-        "target",
-        "compiled",
-        "registers",
-        "spills (most)",
-        "shared bytes (most)",
-        f"vector bits {ALIGNED[True]}",
-        f"vector bits {ALIGNED[False]}",
-    ]
-    return format_table(headers, cells)
+    headers = ["kernel", "target", "compiled", "registers", "spills (most)", "shared bytes (most)"]
+    return format_table([*headers, *(f"vector bits {a}" for a in ALIGNED.values())], cells)
 
 
 def kernel_names() -> tuple[str, ...]:
@@ -381,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in rows if not r.ok]
     print(f"\n{len(rows)} rows in {seconds:.0f} s, {args.jobs} compiles at a time; {len(failed)} did not compile")
     if args.json:
-        Path(args.json).write_text(json.dumps([r.as_json() for r in rows], indent=1) + "\n")
+        write_json(args.json, [r.as_json() for r in rows])
         print(f"wrote {args.json}")
     return 1 if failed else 0
 

@@ -30,11 +30,12 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from experiments.bench.tables import table
 from optim.policies import DTYPES
 from research import data, metrics
 from research.cli import arg, config_from, config_parser
@@ -42,21 +43,16 @@ from research.config import parse_args as parse_run_args
 from research.trainer import load_data
 
 QUICK = [
-    "--n-layers",
-    "2",
-    "--d-model",
-    "64",
-    "--n-heads",
-    "4",
-    "--max-seq-len",
-    "64",
-    "--seq-len",
-    "64",
-    "--precision",
-    "fp32",
-    "--global-batch-size",
-    "4",
-]
+    "--n-layers", "2", "--d-model", "64", "--n-heads", "4", "--max-seq-len", "64", "--seq-len", "64",
+    "--precision", "fp32", "--global-batch-size", "4",
+]  # fmt: skip
+COLUMNS = {
+    "": "loop",
+    "step s": "step_time_s:.4f",
+    "tok/s": "tokens_per_s:.1f",
+    "TFLOP/s": "tflops_per_device:.2f",
+    "MFU": "mfu:.1%",
+}
 
 
 @dataclass
@@ -125,26 +121,27 @@ def ours(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the loops and print their table; the results: {"config", "rows" (a record per loop),
+    "ratio_step_time" (ours / plain) and, with --fp8, "fp8_speedup" (ours / ours_fp8)}."""
     p = config_parser(Config, __doc__)
     p.add_argument("--quick", action="store_true", help="a tiny fp32 model (CPU smoke run)")
     known, rest = p.parse_known_args(argv)
     args = config_from(Config, known)
     run_argv = ["--config", args.config, *(QUICK if known.quick else []), *rest]
-    results = {"ours": ours(run_argv, args.steps, args.warmup), "plain": plain_loop(run_argv, args.steps, args.warmup)}
+    loops = {"ours": ours(run_argv, args.steps, args.warmup), "plain": plain_loop(run_argv, args.steps, args.warmup)}
     if args.fp8:
         fp8_argv = [*run_argv, "--precision", "bf16", "--fp8", "tensorwise"]
-        results["ours_fp8"] = ours(fp8_argv, args.steps, args.warmup)
+        loops["ours_fp8"] = ours(fp8_argv, args.steps, args.warmup)
     print(
         f"gpu_mfu: {args.config} {' '.join(rest)}; {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
     )
-    print(f"{'':8} {'step s':>9} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>7}")
-    for name, r in results.items():
-        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        print(f"{name:8} {r['step_time_s']:9.4f} {r['tokens_per_s']:10.1f} {r['tflops_per_device']:9.2f} {mfu:>7}")
-    results["ratio_step_time"] = results["ours"]["step_time_s"] / results["plain"]["step_time_s"]
+    rows = [{"loop": name, **r} for name, r in loops.items()]
+    print(table(rows, COLUMNS, markdown=False))
+    results = {"config": asdict(args), "rows": rows}
+    results["ratio_step_time"] = loops["ours"]["step_time_s"] / loops["plain"]["step_time_s"]
     print(f"step time ours / plain: {results['ratio_step_time']:.3f}")
     if args.fp8:
-        results["fp8_speedup"] = results["ours"]["step_time_s"] / results["ours_fp8"]["step_time_s"]
+        results["fp8_speedup"] = loops["ours"]["step_time_s"] / loops["ours_fp8"]["step_time_s"]
         print(f"step time ours / ours_fp8: {results['fp8_speedup']:.3f}")
     return results
 

@@ -22,13 +22,17 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from experiments.bench.common import bench_parser, finish, format_table, goal_cell, launch, median, spread_ms
-from research.cli import arg, config_from
+from experiments.bench.common import launch, median, spread_ms, step_times, take_turns
+from experiments.bench.config import MoESizes, Rounds, parse_config
+from experiments.bench.results import finish_rows
+from experiments.bench.tables import goal_column, step_time_columns
+from research.cli import arg
 
 GOAL = 1.0
 PEERS = {"mixtral_eager": "eager", "mixtral_grouped": "grouped_mm"}  # method -> experts_implementation
@@ -36,15 +40,13 @@ AGREE = 1e-4  # the largest |y_peer - y_ours| accepted (fp32, different summatio
 
 
 @dataclass
-class Config:
+class Config(MoESizes, Rounds):
     d_model: int = arg(256, "hidden size h")
     d_ff: int = arg(512, "each expert's width f")
-    experts: int = arg(8, "experts E")
-    top_k: int = arg(2, "experts per token")
     tokens: int = arg(2048, "tokens per step (sequence × batch)")
-    steps: int = arg(10, "timed steps per method per round")
-    warmup: int = arg(2, "untimed steps before them")
     rounds: int = arg(8, "rounds of fresh layers")
+
+    QUICK: ClassVar[dict[str, Any]] = Rounds.QUICK | {"d_model": 32, "d_ff": 64, "tokens": 128}
 
 
 def ours(cfg: Config) -> torch.nn.Module:
@@ -109,26 +111,24 @@ def run_rank(cfg: Config) -> dict[str, Any]:
     x = torch.randn(cfg.tokens // 8, 8, cfg.d_model, generator=gen, requires_grad=True)
     g = torch.randn(cfg.tokens // 8, 8, cfg.d_model, generator=gen)
     methods = ("ours", *PEERS)
-    out: dict[str, dict[str, Any]] = {m: {"times_ms": [], "round_medians_ms": [], "max_diff": 0.0} for m in methods}
-    for r in range(cfg.rounds):
+    max_diff = dict.fromkeys(methods, 0.0)
+
+    def fresh(r: int) -> dict[str, Callable[[], torch.Tensor]]:
+        """The methods' steps on fresh layers, each peer's output compared with ours."""
         layers = build(cfg)
         runs = {m: step_fn(m, layers[m], x, g) for m in methods}
         ref = runs["ours"]().detach()
         for m in PEERS:
-            out[m]["max_diff"] = max(out[m]["max_diff"], float((runs[m]().detach() - ref).abs().max()))
-        times: dict[str, list[float]] = {m: [] for m in methods}
-        for i in range(cfg.warmup + cfg.steps):
-            k = (r + i) % len(methods)
-            for m in methods[k:] + methods[:k]:
-                t0 = time.perf_counter()
-                runs[m]()
-                t = time.perf_counter() - t0
-                if i >= cfg.warmup:
-                    times[m].append(t * 1e3)
-        for m in methods:
-            out[m]["times_ms"] += times[m]
-            out[m]["round_medians_ms"].append(median(times[m]))
-    return out
+            max_diff[m] = max(max_diff[m], float((runs[m]().detach() - ref).abs().max()))
+        return runs
+
+    def step(m: str, run: Callable[[], torch.Tensor], i: int) -> float:
+        t0 = time.perf_counter()
+        run()
+        return (time.perf_counter() - t0) * 1e3
+
+    turns = take_turns(methods, cfg.rounds, cfg.warmup + cfg.steps, fresh, step)
+    return {m: {**e, "max_diff": max_diff[m]} for m, e in step_times(turns, cfg.warmup).items()}
 
 
 def rows(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -149,44 +149,27 @@ def rows(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def table(rs: list[dict[str, Any]]) -> str:
-    return format_table(
-        ["method", "fwd+bwd median ms", "p25-p75 ms", "ours / it", "goal", "max |y - y_ours|"],
-        [
-            [
-                r["method"],
-                f"{r['median_ms']:.2f}",
-                f"{r['p25_ms']:.2f}-{r['p75_ms']:.2f}",
-                "-" if r["ours_over_it"] is None else f"{r['ours_over_it']:.3f}",
-                goal_cell(r["met"], f"<= {GOAL}"),
-                f"{r['max_diff']:.1e}",
-            ]
-            for r in rs
-        ],
-    )
+COLUMNS = {
+    **step_time_columns("fwd+bwd median ms", ".2f"),
+    "ours / it": "ours_over_it:.3f",
+    "goal": goal_column(f"<= {GOAL}"),
+    "max |y - y_ours|": "max_diff:.1e",
+}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = bench_parser(Config, __doc__, "small layer, 1 round, few steps")
-    a = p.parse_args(argv)
-    cfg = config_from(Config, a)
-    if a.quick:
-        cfg.d_model, cfg.d_ff, cfg.tokens, cfg.steps, cfg.warmup, cfg.rounds = 32, 64, 128, 3, 1, 1
+    cfg, args = parse_config(Config, __doc__, argv)
     print(
         f"moe_layer: h={cfg.d_model} f={cfg.d_ff} E={cfg.experts} k={cfg.top_k}, {cfg.tokens} tokens, fp32, SwiGLU; "
-        f"{cfg.rounds} rounds x {cfg.warmup} warm-up + {cfg.steps} timed steps, interleaved; 1 thread; "
-        f"torch {torch.__version__}",
+        f"{cfg.schedule()}; 1 thread; torch {torch.__version__}",
         flush=True,
     )
     start = time.perf_counter()
     rs = rows(launch(run_rank, 1, cfg)[0])
-    print()
-    print(table(rs))
-    results = {"config": asdict(cfg), "rows": rs, "seconds": time.perf_counter() - start}
     differ = [r["method"] for r in rs if not r["max_diff"] <= AGREE]
     if differ:
         print(f"ERROR: the outputs of {', '.join(differ)} differ from ours by more than {AGREE}", file=sys.stderr)
-    return finish(results, [r["method"] for r in rs if r["median_ms"] != r["median_ms"]] + differ, a.json)
+    return finish_rows(cfg, start, rs, COLUMNS, ("median_ms",), args.json, also=differ)
 
 
 if __name__ == "__main__":

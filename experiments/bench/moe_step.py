@@ -24,40 +24,39 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from experiments.bench.common import bench_parser, finish, format_table, launch, median, spread_ms
-from research.cli import arg, config_from
+from experiments.bench.common import launch, median, spread_ms, step_times, take_turns
+from experiments.bench.config import GPTRun, MoESizes, Rounds, parse_config
+from experiments.bench.results import finish_rows
+from experiments.bench.tables import step_time_columns
+from parallel import accounting
+from research.cli import arg
 
 WORLD = 4
 METHODS = ("dense", "moe_ep1", "moe_ep2", "moe_ep4", "moe_ep4_capacity")
 
 
 @dataclass
-class Config:
-    d_model: int = arg(128, "hidden size")
-    layers: int = arg(4, "blocks (every other one MoE)")
-    heads: int = arg(4, "attention heads")
-    seq: int = arg(64, "tokens per sequence")
-    vocab: int = arg(512, "vocabulary")
-    experts: int = arg(8, "experts E per MoE block")
-    top_k: int = arg(2, "experts per token (each of width d_ff / k)")
+class Config(GPTRun, MoESizes, Rounds):
+    vocab: int = arg(512, "vocabulary size")
     micro_batch: int = arg(4, "sequences per rank per step")
-    steps: int = arg(10, "timed steps per method per round")
-    warmup: int = arg(2, "untimed steps before them")
-    rounds: int = arg(2, "rounds of fresh models")
+
+    QUICK: ClassVar[dict[str, Any]] = Rounds.QUICK | {
+        "steps": 2,
+        "d_model": 32,
+        "layers": 2,
+        "seq": 16,
+        "micro_batch": 2,
+    }
 
 
 def model_config(cfg: Config, method: str) -> Any:
-    from research.model import GPTConfig
-
-    dense = GPTConfig(
-        vocab_size=cfg.vocab, n_layers=cfg.layers, n_heads=cfg.heads, d_model=cfg.d_model, max_seq_len=cfg.seq
-    )
+    dense = cfg.gpt_config()
     if method == "dense":
         return dense
     return dataclasses.replace(
@@ -99,31 +98,28 @@ def build(cfg: Config, method: str) -> tuple[Any, Any]:
 
 def run_rank(cfg: Config) -> dict[str, Any] | None:
     """Per method (on rank 0): every timed step (ms), the last loss, all-to-all bytes per step."""
-    from parallel import comm
 
     gen = torch.Generator().manual_seed(dist.get_rank())
     ids = torch.randint(0, cfg.vocab, (cfg.micro_batch, cfg.seq + 1), generator=gen)
-    out = {m: {"times_ms": [], "loss": None, "a2a_bytes": 0} for m in METHODS}
-    for r in range(cfg.rounds):
-        trainers = {m: build(cfg, m) for m in METHODS}
-        for i in range(cfg.warmup + cfg.steps):
-            k = (r + i) % len(METHODS)
-            for m in METHODS[k:] + METHODS[:k]:
-                model, opt = trainers[m]
-                dist.barrier()
-                t0 = time.perf_counter()
-                with comm.tracking() as log:
-                    loss = model(ids[:, :-1], ids[:, 1:])
-                    loss.backward()
-                    opt.clip_grad_norm_(1.0)
-                    opt.step()
-                    opt.zero_grad()
-                t = time.perf_counter() - t0
-                if i >= cfg.warmup:
-                    out[m]["times_ms"].append(t * 1e3)
-                out[m]["loss"] = loss.item()
-                out[m]["a2a_bytes"] = log.as_dict().get("ep", {}).get("all_to_all_single", {}).get("bytes", 0)
-        del trainers
+    last: dict[str, dict[str, Any]] = {}
+
+    def step(m: str, trainer: tuple[Any, Any], i: int) -> float:
+        model, opt = trainer
+        dist.barrier()
+        t0 = time.perf_counter()
+        with accounting.tracking() as log:
+            loss = model(ids[:, :-1], ids[:, 1:])
+            loss.backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        t = time.perf_counter() - t0
+        a2a = log.as_dict().get("ep", {}).get("all_to_all_single", {}).get("bytes", 0)
+        last[m] = {"loss": loss.item(), "a2a_bytes": a2a}
+        return t * 1e3
+
+    turns = take_turns(METHODS, cfg.rounds, cfg.warmup + cfg.steps, lambda r: {m: build(cfg, m) for m in METHODS}, step)
+    out = {m: {**e, **last[m]} for m, e in step_times(turns, cfg.warmup).items()}
     return out if dist.get_rank() == 0 else None
 
 
@@ -142,50 +138,26 @@ def rows(cfg: Config, per_method: dict[str, dict[str, Any]]) -> list[dict[str, A
     ]
 
 
-def table(rs: list[dict[str, Any]]) -> str:
-    return format_table(
-        [
-            "method",
-            "step median ms",
-            "p25-p75 ms",
-            "/ dense",
-            "all-to-all bytes / step (rank 0)",
-            "formula",
-            "last loss",
-        ],
-        [
-            [
-                r["method"],
-                f"{r['median_ms']:.1f}",
-                f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}",
-                f"{r['over_dense']:.3f}",
-                f"{r['a2a_bytes']:,}",
-                f"{r['formula_bytes']:,.0f}",
-                f"{r['loss']:.4f}",
-            ]
-            for r in rs
-        ],
-    )
+COLUMNS = {
+    **step_time_columns("step median ms", ".1f"),
+    "/ dense": "over_dense:.3f",
+    "all-to-all bytes / step (rank 0)": "a2a_bytes:,",
+    "formula": "formula_bytes:,.0f",
+    "last loss": "loss:.4f",
+}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = bench_parser(Config, __doc__, "tiny model, 1 round, few steps")
-    a = p.parse_args(argv)
-    cfg = config_from(Config, a)
-    if a.quick:
-        cfg.d_model, cfg.layers, cfg.seq, cfg.micro_batch, cfg.steps, cfg.warmup, cfg.rounds = 32, 2, 16, 2, 2, 1, 1
+    cfg, args = parse_config(Config, __doc__, argv)
     print(
         f"moe_step: GPT d={cfg.d_model} layers={cfg.layers} seq={cfg.seq}, E={cfg.experts} top-{cfg.top_k} in every "
-        f"other block; {WORLD} gloo ranks x 1 thread, ZeRO-1, micro-batch {cfg.micro_batch}/rank; {cfg.rounds} rounds x "
-        f"{cfg.warmup} warm-up + {cfg.steps} timed steps, interleaved; torch {torch.__version__}",
+        f"other block; {WORLD} gloo ranks x 1 thread, ZeRO-1, micro-batch {cfg.micro_batch}/rank; {cfg.schedule()}; "
+        f"torch {torch.__version__}",
         flush=True,
     )
     start = time.perf_counter()
     rs = rows(cfg, launch(run_rank, WORLD, cfg)[0])
-    print()
-    print(table(rs))
-    results = {"config": asdict(cfg), "rows": rs, "seconds": time.perf_counter() - start}
-    return finish(results, [r["method"] for r in rs if r["median_ms"] != r["median_ms"]], a.json)
+    return finish_rows(cfg, start, rs, COLUMNS, ("median_ms",), args.json)
 
 
 if __name__ == "__main__":

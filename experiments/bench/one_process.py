@@ -18,30 +18,32 @@ ratio per round. Goal: zeroS / torch <= 1.1 for every stage. Results: docs/bench
 
 from __future__ import annotations
 
-import gc
 import sys
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from experiments.bench.common import bench_parser, finish, format_table, goal_cell, launch, median, spread_ms
-from research.cli import arg, config_from
+from experiments.bench.common import launch, median, rotated, spread_ms, step_times, take_turns
+from experiments.bench.config import Rounds, parse_config
+from experiments.bench.results import finish_rows
+from experiments.bench.tables import goal_column, joined, step_time_columns
+from research.cli import arg
 
 GOAL = 1.1
 METHODS = ("torch", "zero0", "zero1", "zero2", "zero3")
 
 
 @dataclass
-class Config:
+class Config(Rounds):
     dim: int = arg(4096, "nn.Linear(dim, dim) with bias: dim·dim + dim parameters")
     batch: int = arg(8, "rows per batch")
-    steps: int = arg(10, "timed steps per method per round")
-    warmup: int = arg(2, "untimed steps before them")
     rounds: int = arg(8, "rounds of fresh models; within a round the methods take turns step by step")
     lr: float = arg(1e-3, "AdamW learning rate")
     weight_decay: float = arg(0.01, "AdamW weight decay")
+
+    QUICK: ClassVar[dict[str, Any]] = Rounds.QUICK | {"dim": 256}
 
 
 def build(method: str, cfg: Config) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -66,30 +68,24 @@ def run_rank(cfg: Config) -> dict[str, Any]:
     """Per method: the step times (ms) of every timed step and the median of each round, and
     the last loss."""
     batches = [torch.randn(cfg.batch, cfg.dim, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    out: dict[str, dict[str, Any]] = {m: {"times_ms": [], "round_medians_ms": []} for m in METHODS}
-    for r in range(cfg.rounds):
-        order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
-        trainers = {m: build(m, cfg) for m in order}  # the build order rotates too: which memory each gets
-        times: dict[str, list[float]] = {m: [] for m in METHODS}
-        for i in range(cfg.warmup + cfg.steps):
-            k = (r + i) % len(METHODS)
-            for m in METHODS[k:] + METHODS[:k]:
-                model, opt = trainers[m]
-                loss = model(batches[i % 2]).square().mean()
-                loss.backward()
-                t0 = time.perf_counter()
-                opt.step()
-                t = time.perf_counter() - t0
-                opt.zero_grad()
-                out[m]["loss"] = loss.item()
-                if i >= cfg.warmup:
-                    times[m].append(t * 1e3)
-        for m in METHODS:
-            out[m]["times_ms"] += times[m]
-            out[m]["round_medians_ms"].append(median(times[m]))
-        del trainers
-        gc.collect()
-    return out
+    losses: dict[str, float] = {}
+
+    def step(m: str, trainer: tuple[torch.nn.Module, torch.optim.Optimizer], i: int) -> float:
+        model, opt = trainer
+        loss = model(batches[i % 2]).square().mean()
+        loss.backward()
+        t0 = time.perf_counter()
+        opt.step()
+        t = time.perf_counter() - t0
+        opt.zero_grad()
+        losses[m] = loss.item()
+        return t * 1e3
+
+    # the build order rotates too: which memory each gets
+    turns = take_turns(
+        METHODS, cfg.rounds, cfg.warmup + cfg.steps, lambda r: {m: build(m, cfg) for m in rotated(METHODS, r)}, step
+    )
+    return {m: {**e, "loss": losses[m]} for m, e in step_times(turns, cfg.warmup).items()}
 
 
 def rows(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -113,49 +109,27 @@ def rows(per_method: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def table(rs: list[dict[str, Any]]) -> str:
-    return format_table(
-        ["method", "step median ms", "p25-p75 ms", "ours / torch", "goal", "per-round ratios", "last loss"],
-        [
-            [
-                r["method"],
-                f"{r['median_ms']:.1f}",
-                f"{r['p25_ms']:.1f}-{r['p75_ms']:.1f}",
-                f"{r['ratio']:.3f}",
-                goal_cell(r["met"], f"<= {GOAL}"),
-                " ".join(f"{x:.2f}" for x in r["round_ratios"]),
-                f"{r['loss']:.6f}",
-            ]
-            for r in rs
-        ],
-    )
+COLUMNS = {
+    **step_time_columns("step median ms", ".1f"),
+    "ours / torch": "ratio:.3f",
+    "goal": goal_column(f"<= {GOAL}"),
+    "per-round ratios": joined("round_ratios"),
+    "last loss": "loss:.6f",
+}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = bench_parser(Config, __doc__, "small layer, 1 round, few steps")
-    a = p.parse_args(argv)
-    cfg = config_from(Config, a)
-    if a.quick:
-        cfg.dim, cfg.steps, cfg.warmup, cfg.rounds = 256, 3, 1, 1
+    cfg, args = parse_config(Config, __doc__, argv)
     numel = cfg.dim * cfg.dim + cfg.dim
     print(
         f"one_process: nn.Linear({cfg.dim}, {cfg.dim}) ({numel:,} params, fp32), batch {cfg.batch}, "
-        f"AdamW lr={cfg.lr} wd={cfg.weight_decay}; {cfg.rounds} rounds x {cfg.warmup} warm-up + {cfg.steps} "
-        f"timed steps, interleaved; 1 gloo process, 1 thread; torch {torch.__version__}",
+        f"AdamW lr={cfg.lr} wd={cfg.weight_decay}; {cfg.schedule()}; 1 gloo process, 1 thread; "
+        f"torch {torch.__version__}",
         flush=True,
     )
     start = time.perf_counter()
-    per_method = launch(run_rank, 1, cfg)[0]
-    rs = rows(per_method)
-    print()
-    print(table(rs))
-    results = {"config": asdict(cfg), "numel": numel, "rows": rs, "seconds": time.perf_counter() - start}
-    nonfinite = [r["method"] for r in rs if not all(map(_finite, (r["median_ms"], r["loss"])))]
-    return finish(results, nonfinite, a.json)
-
-
-def _finite(x: float) -> bool:
-    return x == x and abs(x) != float("inf")
+    rs = rows(launch(run_rank, 1, cfg)[0])
+    return finish_rows(cfg, start, rs, COLUMNS, ("median_ms", "loss"), args.json, numel=numel)
 
 
 if __name__ == "__main__":

@@ -42,45 +42,60 @@ Results: docs/benchmarks.md.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import math
 import os
 import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from experiments.bench.common import batch as make_batch
-from experiments.bench.common import bench_parser, finish, format_table, launch, median, percentile
-from research.cli import arg, config_from
+from experiments.bench.common import launch, median, percentile, take_turns
+from experiments.bench.config import GPTRun, parse_config
+from experiments.bench.results import finish, nonfinite
+from experiments.bench.tables import table
+from research.cli import arg
 from research.costmodel import num_params
 
 SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+IMPLEMENTATIONS = ("ours", "torch")
 CAVEAT = (
     "{world} ranks on {cores} CPU core(s): ranks compete for cores, so compute actions are slower while "
     "several ranks compute at once and the measured idle fractions include CPU contention; they are not "
     "the bubble of a pipeline with one dedicated device per rank."
 )
+COLUMNS = {
+    "schedule": "schedule",
+    "v": "v",
+    "m": "m",
+    "idle meas.": "idle_measured:.3f",
+    "idle theory": "idle_theory:.3f",
+    "idle sim": "idle_sim:.3f",
+    "t_f ms": "t_f_ms:.2f",
+    "t_b ms": "t_b_ms:.2f",
+    "makespan ms": "makespan_ms:.1f",
+    "sim makespan ms": "sim_makespan_ms:.1f",
+    "ours ms": "ours_ms:.1f",
+    "torch ms": "torch_ms:.1f",
+    "ours / torch": "ratio:.3f",
+}
 
 
 @dataclass
-class Config:
+class Config(GPTRun):
     pp: int = arg(4, "pipeline ranks (processes)")
     virtual_stages: int = arg(2, "v of interleaved-1f1b")
     m_factors: tuple[int, ...] = arg((1, 2, 4, 8), "micro-batches m = factor x pp")
     layers: int = arg(8, "transformer blocks")
-    d_model: int = arg(128, "hidden size")
-    heads: int = arg(4, "attention heads")
-    seq: int = arg(64, "tokens per sequence")
     vocab: int = arg(256, "vocabulary size")
-    micro_batch: int = arg(2, "sequences per micro-batch")
     warmup: int = arg(1, "untimed steps before the timed ones")
     steps: int = arg(6, "timed steps per implementation per (schedule, m)")
+
+    QUICK: ClassVar[dict[str, Any]] = {"d_model": 32, "seq": 16, "warmup": 1, "steps": 2}
 
     @property
     def png_m(self) -> int:
@@ -93,6 +108,15 @@ class Config:
     def microbatches(self) -> list[int]:
         return [f * self.pp for f in self.m_factors]
 
+    def problem(self) -> str | None:
+        if self.pp < 2:
+            return f"--pp={self.pp}: a pipeline needs at least 2 ranks"
+        if self.layers % (self.pp * self.virtual_stages):
+            return f"--layers={self.layers} must split evenly into pp x v = {self.pp * self.virtual_stages} stages"
+        if self.steps < 1 or self.warmup < 1 or min(self.m_factors) < 1:
+            return "--steps, --warmup and --m-factors must be >= 1 (torch's stages infer shapes on the first step)"
+        return None
+
 
 def theory(pp: int, m: int, v: int) -> float:
     """Idle share of the makespan, equal stages, free communication: (p-1)/(v·m+p-1)."""
@@ -104,26 +128,27 @@ def theory(pp: int, m: int, v: int) -> float:
 # ---------------------------------------------------------------------------------------
 
 
-def _model_config(cfg: Config) -> Any:
-    from research.model import GPTConfig
+class Chunks:
+    """This rank's v chunks of the seeded GPT (`research.model.pipeline_chunks`)."""
 
-    return GPTConfig(
-        vocab_size=cfg.vocab,
-        n_layers=cfg.layers,
-        n_heads=cfg.heads,
-        d_model=cfg.d_model,
-        max_seq_len=cfg.seq,
-        vocab_multiple=64,
-    )
-
-
-class Ours:
-    def __init__(self, cfg: Config, dims: Any, name: str, v: int, m: int) -> None:
-        from parallel.pipeline.executor import PipelineExecutor
+    def __init__(self, cfg: Config, dims: Any, v: int) -> None:
         from research.model import pipeline_chunks
 
+        self.chunks = pipeline_chunks(
+            cfg.gpt_config(vocab_multiple=64), dims.pp_rank, dims.pp, v, dims.tp_group, dims.embedding_group
+        )
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad(set_to_none=True)
+
+
+class Ours(Chunks):
+    def __init__(self, cfg: Config, dims: Any, name: str, v: int, m: int) -> None:
+        from parallel.pipeline.executor import PipelineExecutor
+
+        super().__init__(cfg, dims, v)
         self.cfg, self.m = cfg, m
-        self.chunks = pipeline_chunks(_model_config(cfg), dims.pp_rank, dims.pp, v, dims.tp_group, dims.embedding_group)
         self.executor = PipelineExecutor(self.chunks, name, m, dims.pp_group)
 
     def step(self, ids: torch.Tensor, labels: torch.Tensor) -> float | None:
@@ -140,21 +165,16 @@ class Ours:
         start of its run, which begins right after `t0` (the offset is the call itself)."""
         return [(r, k, i, c, self.t0 + s, self.t0 + e) for r, k, i, c, s, e in self.executor.events]
 
-    def zero_grad(self) -> None:
-        for chunk in self.chunks:
-            chunk.zero_grad(set_to_none=True)
 
-
-class Torch:
+class Torch(Chunks):
     """torch.distributed.pipelining over the same chunks (a fresh, identically seeded copy)."""
 
     def __init__(self, cfg: Config, dims: Any, name: str, v: int, m: int) -> None:
         from torch.distributed import pipelining
 
         from parallel.pipeline.schedules import stage_of
-        from research.model import pipeline_chunks
 
-        self.chunks = pipeline_chunks(_model_config(cfg), dims.pp_rank, dims.pp, v, dims.tp_group, dims.embedding_group)
+        super().__init__(cfg, dims, v)
         n_stages = dims.pp * v
         self.stages = [
             pipelining.PipelineStage(
@@ -180,56 +200,47 @@ class Torch:
         self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
         return float(torch.stack(losses).detach().mean()) if self.has_last else None
 
-    def zero_grad(self) -> None:
-        for chunk in self.chunks:
-            chunk.zero_grad(set_to_none=True)
 
+def run_schedule(cfg: Config, dims: Any, name: str, v: int, m: int) -> dict[str, Any]:
+    """Ours and torch's implementation of (schedule, m) taking turns step by step: per timed
+    step the slowest rank's wall seconds of each, and every rank's losses and our events."""
+    batches = [make_batch(i, m * cfg.micro_batch, cfg.seq, cfg.vocab) for i in range(cfg.warmup + cfg.steps)]
 
-def timed(impl: Ours | Torch, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, float | None]:
-    impl.zero_grad()
-    dist.barrier()
-    t0 = time.perf_counter()
-    loss = impl.step(ids, labels)
-    return time.perf_counter() - t0, loss
+    def step(key: str, impl: Ours | Torch, i: int) -> tuple[float, float | None, list[tuple] | None]:
+        impl.zero_grad()
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = impl.step(*batches[i])
+        wall = time.perf_counter() - t0
+        return wall, loss, impl.events() if isinstance(impl, Ours) else None
+
+    def build(r: int) -> dict[str, Ours | Torch]:
+        impls = {"ours": Ours(cfg, dims, name, v, m), "torch": Torch(cfg, dims, name, v, m)}
+        gc.collect()
+        return impls
+
+    (steps,) = take_turns(IMPLEMENTATIONS, 1, cfg.warmup + cfg.steps, build, step)
+    timed = {key: steps[key][cfg.warmup :] for key in IMPLEMENTATIONS}
+    walls = torch.tensor([[s[0] for s in timed[key]] for key in IMPLEMENTATIONS], dtype=torch.float64)
+    dist.all_reduce(walls, op=dist.ReduceOp.MAX)  # per step, the slowest rank
+    mine = {"events": [s[2] for s in timed["ours"]], **{f"loss_{key}": [s[1] for s in timed[key]] for key in timed}}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return {
+        "schedule": name,
+        "v": v,
+        "m": m,
+        "ours_s": walls[0].tolist(),
+        "torch_s": walls[1].tolist(),
+        "ranks": gathered,
+    }
 
 
 def run_rank(cfg: Config) -> list[dict[str, Any]] | None:
     from parallel import ParallelDims
 
     dims = ParallelDims(pp=cfg.pp).build()
-    out = []
-    for name, v in cfg.schedules():
-        for m in cfg.microbatches():
-            impls = {"ours": Ours(cfg, dims, name, v, m), "torch": Torch(cfg, dims, name, v, m)}
-            rec: dict[str, Any] = {"ours": [], "torch": [], "loss_ours": [], "loss_torch": [], "events": []}
-            gc.collect()
-            for i in range(cfg.warmup + cfg.steps):
-                ids, labels = make_batch(i, m * cfg.micro_batch, cfg.seq, cfg.vocab)
-                order = ["ours", "torch"] if i % 2 == 0 else ["torch", "ours"]
-                for key in order:
-                    wall, loss = timed(impls[key], ids, labels)
-                    if i >= cfg.warmup:
-                        rec[key].append(wall)
-                        rec[f"loss_{key}"].append(loss)
-                        if key == "ours":
-                            rec["events"].append(impls["ours"].events())
-            walls = torch.tensor([rec["ours"], rec["torch"]], dtype=torch.float64)
-            dist.all_reduce(walls, op=dist.ReduceOp.MAX)  # per step, the slowest rank
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(
-                gathered, {"events": rec["events"], "loss_ours": rec["loss_ours"], "loss_torch": rec["loss_torch"]}
-            )
-            out.append(
-                {
-                    "schedule": name,
-                    "v": v,
-                    "m": m,
-                    "ours_s": walls[0].tolist(),
-                    "torch_s": walls[1].tolist(),
-                    "ranks": gathered,
-                }
-            )
-            del impls
+    out = [run_schedule(cfg, dims, name, v, m) for name, v in cfg.schedules() for m in cfg.microbatches()]
     return out if dist.get_rank() == 0 else None
 
 
@@ -291,68 +302,15 @@ def analyse(cfg: Config, raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    out = []
-    for r in rows:
-        out.append(
-            [
-                r["schedule"],
-                r["v"],
-                r["m"],
-                f"{r['idle_measured']:.3f}",
-                f"{r['idle_theory']:.3f}",
-                f"{r['idle_sim']:.3f}",
-                f"{r['t_f_ms']:.2f}",
-                f"{r['t_b_ms']:.2f}",
-                f"{r['makespan_ms']:.1f}",
-                f"{r['sim_makespan_ms']:.1f}",
-                f"{r['ours_ms']:.1f}",
-                f"{r['torch_ms']:.1f}",
-                f"{r['ratio']:.3f}",
-            ]
-        )
-    headers = [
-        "schedule",
-        "v",
-        "m",
-        "idle meas.",
-        "idle theory",
-        "idle sim",
-        "t_f ms",
-        "t_b ms",
-        "makespan ms",
-        "sim makespan ms",
-        "ours ms",
-        "torch ms",
-        "ours / torch",
-    ]
-    return format_table(headers, out)
-
-
 # ---------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
-    p = bench_parser(Config, __doc__, "smaller model, few steps")
-    p.add_argument("--png", metavar="PATH", help="draw the measured timeline of 1F1B at m = 2p (median-idle step)")
-    a = p.parse_args(argv)
-    cfg = config_from(Config, a)
-    if a.quick:
-        cfg.d_model, cfg.seq, cfg.warmup, cfg.steps = 32, 16, 1, 2
-    if cfg.pp < 2:
-        p.error(f"--pp={cfg.pp}: a pipeline needs at least 2 ranks")
-    if cfg.layers % (cfg.pp * cfg.virtual_stages):
-        p.error(f"--layers={cfg.layers} must split evenly into pp x v = {cfg.pp * cfg.virtual_stages} stages")
-    if cfg.steps < 1 or cfg.warmup < 1 or min(cfg.m_factors) < 1:
-        p.error("--steps, --warmup and --m-factors must be >= 1 (torch's stages infer shapes on the first step)")
-    return cfg, a
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run every (schedule, m) on cfg.pp ranks, print the table; the results as --json writes them."""
-    cfg, args = parse_args(argv)
+    png = ("--png", {"metavar": "PATH", "help": "draw the measured timeline of 1F1B at m = 2p (median-idle step)"})
+    cfg, args = parse_config(Config, __doc__, argv, png)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     caveat = CAVEAT.format(world=cfg.pp, cores=cores)
     print_setup(cfg, cores, caveat)
@@ -361,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = [analyse(cfg, r) for r in raw]
     elapsed = time.perf_counter() - start
     print()
-    print(table(rows))
+    print(table(rows, COLUMNS))
     worst = max(r["loss_max_abs_diff"] for r in rows)
     print(
         f"\nlosses of ours and torch agree to {worst:.2e} (max |diff| over steps and rows; same weights, same batches)"
@@ -385,7 +343,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seconds": elapsed,
         "loadavg_end": list(load),
     }
-    return finish(results, nonfinite_rows(rows), args.json)
+    keys = ("idle_measured", "idle_sim", "ours_ms", "torch_ms", "ratio", "loss_max_abs_diff")
+    return finish(results, nonfinite({f"{r['schedule']} m={r['m']}": r for r in rows}, keys), args.json)
 
 
 def print_setup(cfg: Config, cores: int, caveat: str) -> None:
@@ -393,7 +352,7 @@ def print_setup(cfg: Config, cores: int, caveat: str) -> None:
     what the idle columns mean."""
     print(
         f"pipeline_bubble: GPT layers={cfg.layers} d_model={cfg.d_model} heads={cfg.heads} seq={cfg.seq} "
-        f"vocab={cfg.vocab} (fp32, {num_params(_model_config(cfg)):,} params), micro-batch {cfg.micro_batch}; "
+        f"vocab={cfg.vocab} (fp32, {num_params(cfg.gpt_config(vocab_multiple=64)):,} params), micro-batch {cfg.micro_batch}; "
         f"pp={cfg.pp}, interleaved v={cfg.virtual_stages}; forward+backward only"
     )
     print(
@@ -426,18 +385,6 @@ def draw_timeline(cfg: Config, rows: list[dict[str, Any]], path: str, cores: int
         f"(idle {row['idle_measured']:.2f}, theory {row['idle_theory']:.2f}; {cores}-core CPU, gloo)",
     )
     print(f"wrote {path}")
-
-
-def nonfinite_rows(rows: list[dict[str, Any]]) -> list[str]:
-    """ "schedule m=M" of every row with a NaN or infinite idle fraction, time, ratio or loss difference."""
-    return [
-        f"{r['schedule']} m={r['m']}"
-        for r in rows
-        if not all(
-            math.isfinite(r[k])
-            for k in ("idle_measured", "idle_sim", "ours_ms", "torch_ms", "ratio", "loss_max_abs_diff")
-        )
-    ]
 
 
 if __name__ == "__main__":

@@ -18,19 +18,23 @@ hosts on 4 × 1); pp 2 × dp 2 (the stages on different hosts).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from experiments.bench.common import format_table, median
+from experiments.bench import tables
+from experiments.bench.common import median
+from experiments.bench.config import Bench, parse_config
+from experiments.bench.results import write_json
 from experiments.plan import predict_one
 from research import costmodel
+from research.cli import arg
 from research.costmodel.hardware import load_system
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +48,28 @@ LAYOUTS: dict[str, list[str]] = {
     "pp2": ["--pp", "2", "--dp", "2", "--zero", "1"],
 }
 ONE_HOST_ONLY = {"hybrid": "its shard group would cross hosts", "zero++": "hpZ needs several processes a host"}
+COLUMNS: dict[str, tables.Cell] = {
+    "cluster": "topology",
+    "link": "link",
+    "layout": "layout",
+    "measured s": lambda r: format(r["measured_s"], ".3f") if "measured_s" in r else "failed",
+    "predicted s": "predicted_s:.3f",
+    "predicted / measured": "ratio:.2f",
+}
+
+
+@dataclass
+class Config(Bench):
+    topologies: tuple[str, ...] = arg(("2x2", "4x1"), "clusters, HOSTSxPROCS (hosts x processes per host)")
+    links: tuple[str, ...] = arg(("100mbit", "1gbit"), "link rates between hosts (tc)")
+    layouts: tuple[str, ...] = arg(tuple(LAYOUTS), "layouts to train", choices=tuple(LAYOUTS))
+    steps: int = arg(12, "training steps per run")
+    warmup: int = arg(3, "steps before the median step time")
+    keep: str | None = arg(None, "write the hardware files and runs here (None: a temporary folder)", metavar="DIR")
+
+    QUICK: ClassVar[dict[str, Any]] = {
+        "topologies": ("2x2",), "links": ("1gbit",), "layouts": ("zero3", "zero1"), "steps": 5, "warmup": 2
+    }  # fmt: skip
 
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -102,20 +128,7 @@ def compare(
 
 
 def table(rows: list[dict]) -> str:
-    body = [
-        [
-            r["topology"],
-            r["link"],
-            r["layout"],
-            f"{r['measured_s']:.3f}",
-            f"{r['predicted_s']:.3f}",
-            f"{r['ratio']:.2f}",
-        ]
-        if "measured_s" in r
-        else [r["topology"], r["link"], r["layout"], "failed", "-", "-"]
-        for r in rows
-    ]
-    return format_table(["cluster", "link", "layout", "measured s", "predicted s", "predicted / measured"], body)
+    return tables.table(rows, COLUMNS)
 
 
 def fastest(rows: list[dict]) -> list[str]:
@@ -129,37 +142,23 @@ def fastest(rows: list[dict]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--topologies", nargs="+", default=["2x2", "4x1"], help="HOSTSxPROCS")
-    p.add_argument("--links", nargs="+", default=["100mbit", "1gbit"])
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="2 × 2 at 1gbit, zero3 and zero1, 5 steps")
-    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    p.add_argument("--keep", metavar="DIR", help="write the hardware files and runs here (default: a temporary folder)")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.topologies, args.links, args.layouts, args.steps, args.warmup = (
-            ["2x2"],
-            ["1gbit"],
-            ["zero3", "zero1"],
-            5,
-            2,
-        )
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Every topology and link: calibrate, train the layouts, print the table so far; then the
+    fastest layouts; the rows as --json writes them."""
+    cfg, args = parse_config(Config, __doc__, argv)
     rows = []
     with contextlib.ExitStack() as stack:
-        work = Path(args.keep) if args.keep else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pvc-")))
+        work = Path(cfg.keep) if cfg.keep else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pvc-")))
         work.mkdir(parents=True, exist_ok=True)
-        for topology in args.topologies:
+        for topology in cfg.topologies:
             hosts, per_host = map(int, topology.split("x"))
-            for link in args.links:
-                rows += compare(hosts, per_host, link, args.layouts, args.steps, args.warmup, work)
+            for link in cfg.links:
+                rows += compare(hosts, per_host, link, list(cfg.layouts), cfg.steps, cfg.warmup, work)
                 print(table(rows), flush=True)
     print("\n".join(fastest(rows)))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_json(args.json, rows)
+    return rows
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from experiments.bench import fused_step_bandwidth, gpu_compile, gpu_mfu
 from experiments.bench.common import median, timed
 from experiments.bench.gpu_suite.runner import ROOT, Context
+from experiments.bench.results import goal
 from optim import ZeroOptimizer, fused
 from optim import quantize as quant
 from optim.fused import triton_runs_on
@@ -37,10 +38,9 @@ MiB = 2**20
 GiB = 2**30
 
 
-def _goal(value: float | None, op: str, target: float) -> dict[str, Any]:
-    """A goal `value op target` (op ">=" or "<="); met is None when value is unknown."""
-    met = None if value is None else (value >= target if op == ">=" else value <= target)
-    return {"value": value, "op": op, "target": target, "met": met}
+def _measured(ctx: Context, key: str) -> float | None:
+    """A number the environment part measured (None without it)."""
+    return ctx.earlier.get("environment", {}).get(key)
 
 
 def _single_process_group() -> None:
@@ -50,6 +50,16 @@ def _single_process_group() -> None:
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _run_config(ctx: Context, micro_batch: int, *flags: str) -> RunConfig:
+    """The training command's config of --config (gpu_mfu's tiny model on the CPU smoke run) on
+    one process, `micro_batch` sequences per step, then `flags`."""
+    mb = str(micro_batch)
+    quick = gpu_mfu.QUICK if ctx.smoke else []
+    return parse_run_args(
+        ["--config", ctx.config, *quick, "--micro-batch-size", mb, "--global-batch-size", mb, *flags], 1
+    )
 
 
 def _model_config(cfg: RunConfig) -> GPTConfig:
@@ -125,7 +135,10 @@ def _cpu_name() -> str:
 
 
 def environment(ctx: Context) -> dict[str, Any]:
-    """The machine, its software, and its copy bandwidth and matmul rate measured here."""
+    """Device, memory, torch / CUDA / triton / NCCL versions, and the machine's own ceilings
+    measured here: the copy bandwidth (a 2 GiB device-to-device copy, bytes read + written /
+    median time) and the bf16 matmul rate (8192³: 2n³ / median time), next to the datasheet's.
+    On the CPU: a 64 MiB copy, fp32 512³."""
     device = ctx.device
     info: dict[str, Any] = {
         "python": platform.python_version(),
@@ -188,8 +201,9 @@ def _text(output: str | bytes | None) -> str:
 
 
 def cuda_tests(ctx: Context) -> dict[str, Any]:
-    """`pytest -m cuda` in a subprocess stopped 10 s before the part's limit (the CPU smoke
-    run: tests/test_cuda.py alone, where every test skips, to check the part, not the tests)."""
+    """`python -m pytest -m cuda -q` in a subprocess stopped 10 s before the part's limit:
+    pass / fail / skip counts and the output's tail (skipped on a CPU; the CPU smoke run runs
+    tests/test_cuda.py alone, where every test skips, to check the part, not the tests)."""
     timeout = max(1.0, ctx.limit_s - 10)
     command = [*PYTEST, "tests/test_cuda.py"] if ctx.smoke else PYTEST
     try:
@@ -215,15 +229,15 @@ def cuda_tests(ctx: Context) -> dict[str, Any]:
 
 
 def fused_step(ctx: Context) -> dict[str, Any]:
-    """Effective bandwidth of the fused Adam step backends and AdamW(fused=True), against
-    the copy bandwidth `environment` measured."""
+    """`fused_step_bandwidth.measure` on a 1B-element shard (2e5 on the CPU): our fused Adam
+    step backends and AdamW(fused=True), effective GB/s as a fraction of the copy bandwidth
+    `environment` measured. Goal: >= 85 % for the backend ZeroOptimizer picks."""
     device = ctx.device
     n = 2 * 10**5 if ctx.smoke else 10**9
     rows = fused_step_bandwidth.measure(n, torch.bfloat16, device, 5 if ctx.smoke else 20)
-    copy = ctx.earlier.get("environment", {}).get("copy_gbs")
+    copy = _measured(ctx, "copy_gbs")
     for r in rows:
         r["of_copy"] = r["gbs"] / copy if copy else None
-        r["time_vs_adamw"] = r["seconds"] / rows[0]["seconds"]
     picked = fused.pick_backend(device)
     of_copy = next(r["of_copy"] for r in rows if r["backend"] == picked)
     return {
@@ -232,7 +246,7 @@ def fused_step(ctx: Context) -> dict[str, Any]:
         "copy_gbs": copy,
         "picked_backend": picked,
         "rows": rows,
-        "goal": _goal(of_copy, ">=", 0.85),
+        "goal": goal(of_copy, ">=", 0.85),
     }
 
 
@@ -240,16 +254,17 @@ QUANT_BLOCK = 2048  # ZeRO++'s block, the one the planner costs
 
 
 def quantize(ctx: Context) -> dict[str, Any]:
-    """ZeRO++'s block quantizer (`optim.quantize`) on a bf16 tensor, by each backend that runs
-    on the device (the one-pass Triton kernels that ZeroOptimizer picks on GPUs, and the torch
-    reference): median times of quantize and dequantize at int8 and int4, as GB/s of the bytes
-    each must move (bf16 in and q-bit values + fp32 scales out, or the reverse) and as a
-    fraction of the copy bandwidth `environment` measured: the planner costs them as passes
-    at that bandwidth. The goal is for the backend picked by default."""
+    """ZeRO++'s block quantizer (`optim.quantize`, blocks of 2048) on 2^28 bf16 elements (2^16
+    on the CPU), by each backend that runs on the device (the one-pass Triton kernels that
+    ZeroOptimizer picks on GPUs, and the torch reference): median times of quantize and
+    dequantize at int8 and int4, as GB/s of the bytes each must move (bf16 in and q-bit values
+    + fp32 scales out, or the reverse) and as a fraction of the copy bandwidth `environment`
+    measured: the planner costs them as passes at that bandwidth. Goal: >= 50 % for the
+    slowest of the backend picked by default."""
     device = ctx.device
     n = 2**16 if ctx.smoke else 2**28
     x = torch.randn(n, device=device).to(torch.bfloat16)
-    copy = ctx.earlier.get("environment", {}).get("copy_gbs")
+    copy = _measured(ctx, "copy_gbs")
     picked = quant.pick_backend(device)
     backends = [b for b in quant.BACKENDS if b == "torch" or triton_runs_on(device)]
     rows = []
@@ -282,34 +297,27 @@ def quantize(ctx: Context) -> dict[str, Any]:
         "copy_gbs": copy,
         "picked": picked,
         "rows": rows,
-        "goal": _goal(worst, ">=", 0.5),
+        "goal": goal(worst, ">=", 0.5),
     }
 
 
 def mfu(ctx: Context) -> dict[str, Any]:
-    """The training command (in bf16, and with float8 linear layers) and the plain loop
-    through `gpu_mfu.main`."""
-    argv = [
-        "--config",
-        ctx.config,
-        *(["--quick", "--steps", "2", "--warmup", "1"] if ctx.smoke else ["--steps", "10", "--warmup", "3"]),
-    ]
-    if ctx.data_cache:
-        argv += ["--data-cache", ctx.data_cache]
+    """`gpu_mfu.main`: the ~1.3B GPT of --config in bf16 through the training command (also
+    with float8 linear layers) next to the plain PyTorch loop (`--quick`'s tiny fp32 model on
+    the CPU): tokens/s, TFLOP/s, MFU against the datasheet peak and the fraction of the matmul
+    rate `environment` measured. Goals: MFU >= 50 %, step time ours / plain <= 1.03."""
+    steps = ["--quick", "--steps", "2", "--warmup", "1"] if ctx.smoke else ["--steps", "10", "--warmup", "3"]
+    argv = ["--config", ctx.config, *steps, *(["--data-cache", ctx.data_cache] if ctx.data_cache else [])]
     r = gpu_mfu.main(argv)
-    matmul = ctx.earlier.get("environment", {}).get("matmul_tflops")
-    rows = [
-        {"loop": name, **r[name], "of_matmul": r[name]["tflops_per_device"] / matmul if matmul else None}
-        for name in ("ours", "plain", "ours_fp8")
-        if name in r
-    ]
+    matmul = _measured(ctx, "matmul_tflops")
+    rows = [{**row, "of_matmul": row["tflops_per_device"] / matmul if matmul else None} for row in r["rows"]]
     return {
         "status": "ok",
         "argv": argv,
         "rows": rows,
         "fp8_speedup": r.get("fp8_speedup"),
         "matmul_tflops": matmul,
-        "goals": {"mfu": _goal(r["ours"]["mfu"], ">=", 0.5), "ours_vs_plain": _goal(r["ratio_step_time"], "<=", 1.03)},
+        "goals": {"mfu": goal(rows[0]["mfu"], ">=", 0.5), "ours_vs_plain": goal(r["ratio_step_time"], "<=", 1.03)},
     }
 
 
@@ -335,23 +343,20 @@ def _forward_backward_bytes(
 
 
 def memory(ctx: Context) -> dict[str, Any]:
-    """Measured model states and activations next to the planner's prediction."""
+    """The planner (`research.costmodel.predict_memory`) against the model built as the
+    Trainer builds it (GPT + ZeroOptimizer at the config's stage, bf16 compute copies, fp32
+    masters; the GPT of --config, micro-batch of one sequence of 1024 and of 2048 tokens),
+    recompute none / selective / full. Model states: CUDA bytes allocated after the first step
+    (which creates Adam's m and v) and the tensors of `memory_breakdown()`. Activations: the
+    CUDA peak allocated during one forward + backward minus what was allocated before it, and
+    the peak bytes saved for backward (`metrics.ActivationMeter`). Each next to the prediction,
+    as measured / predicted. On the CPU the CUDA columns stay empty."""
     device = ctx.device
-    base = [
-        "--config",
-        ctx.config,
-        *(gpu_mfu.QUICK if ctx.smoke else []),
-        "--micro-batch-size",
-        "1",
-        "--global-batch-size",
-        "1",
-    ]
     seq_lens = (32, 64) if ctx.smoke else (1024, 2048)
     _single_process_group()
     rows = []
     for recompute in RECOMPUTE:
-        argv = [*base, "--recompute", recompute]
-        cfg = parse_run_args(argv, 1)
+        cfg = _run_config(ctx, 1, "--recompute", recompute)
         baseline = _allocated(device)
         model, opt = _build_ours(cfg, device)
         opt.backward(model(*_tokens(cfg, 1, seq_lens[0], device)))  # the first step creates Adam's m and v
@@ -360,7 +365,7 @@ def memory(ctx: Context) -> dict[str, Any]:
         states_cuda = None if baseline is None else _allocated(device) - baseline
         states_tensors = sum(opt.memory_breakdown().values())
         for seq in seq_lens:
-            cfg_s = parse_run_args([*argv, "--seq-len", str(seq)], 1)
+            cfg_s = _run_config(ctx, 1, "--recompute", recompute, "--seq-len", str(seq))
             predicted = predict_memory(_model_config(cfg_s), Layout.from_run_config(cfg_s), seq)
             acts_cuda, acts_saved = _forward_backward_bytes(model, opt, _tokens(cfg, 1, seq, device), device)
             rows.append(
@@ -419,22 +424,16 @@ def _step_fns(method: str, cfg: RunConfig, device: torch.device) -> tuple[Callab
 
 
 def zero_stages(ctx: Context) -> dict[str, Any]:
-    """Step times of ZeroOptimizer stages 0-3 and of the plain loop at world size 1."""
+    """ZeroOptimizer stages 0-3 at world size 1 against the plain loop (fp32 parameters under
+    autocast + AdamW(fused=True)) on the same GPT, one micro-batch of 4 sequences per step:
+    median forward + backward and optimizer (clip, step, zero_grad) times, the cost of the
+    machinery without communication."""
     device = ctx.device
-    argv = [
-        "--config",
-        ctx.config,
-        *(gpu_mfu.QUICK if ctx.smoke else []),
-        "--micro-batch-size",
-        "4",
-        "--global-batch-size",
-        "4",
-    ]
     warmup, steps = (1, 2) if ctx.smoke else (2, 5)
     _single_process_group()
     rows = []
     for method in ("plain", "zero0", "zero1", "zero2", "zero3"):
-        cfg = parse_run_args(argv + ([] if method == "plain" else ["--zero", method[4:]]), 1)
+        cfg = _run_config(ctx, 4, *([] if method == "plain" else ["--zero", method[4:]]))
         forward_backward, step = _step_fns(method, cfg, device)
         batch = _tokens(cfg, cfg.train.micro_batch_size, cfg.data.seq_len, device)
         fb_s, step_s = [], []
@@ -470,9 +469,10 @@ def zero_stages(ctx: Context) -> dict[str, Any]:
 
 
 def compile_kernels(ctx: Context) -> dict[str, Any]:
-    """Every Triton kernel compiled ahead of time for the targets of `gpu_compile` (GPUs the
-    suite does not run on), one process per core (at most 8); on the CPU smoke run only for
-    sm_90 and gfx942. Failed if a specialization does not compile."""
+    """`gpu_compile`: every Triton kernel specialization compiled ahead of time for sm_80,
+    sm_90, sm_100, gfx90a and gfx942 (GPUs the suite does not run on; only sm_90 and gfx942 on
+    the CPU smoke run), one process per core (at most 8): registers, spills, shared memory and
+    vector widths. Needs no GPU. Failed if a specialization does not compile."""
     targets = ("sm_90", "gfx942") if ctx.smoke else tuple(gpu_compile.TARGETS)
     jobs = min(os.cpu_count() or 1, 8)
     start = time.perf_counter()

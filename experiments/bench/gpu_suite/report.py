@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from experiments.bench.common import format_table
+from experiments.bench.tables import Cell, format_table, millis, table
 from research.costmodel.memory import RESERVED_BYTES
 
 MiB = 2**20
@@ -19,24 +19,34 @@ def note(result: dict[str, Any]) -> str:
     return result.get("error") or result.get("reason") or ""
 
 
+SUMMARY: dict[str, Cell] = {
+    "part": "part",
+    "status": "status",
+    "seconds": lambda r: f"{r.get('seconds', 0):.1f}",
+    "limit s": "limit_s",
+    "note": note,
+}
+
+
 def _num(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def _mib(x: float | None) -> str:
-    return "-" if x is None else f"{x / MiB:,.1f}"
 
 
 def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}"
 
 
+def _mib(key: str) -> Cell:
+    """The cell of a record's bytes under `key` in MiB."""
+    return lambda x: "-" if x[key] is None else f"{x[key] / MiB:,.1f}"
+
+
+def _ratio_of(a: str, b: str) -> Cell:
+    return lambda x: _ratio(x[a], x[b])
+
+
 def _verdict(goal: dict[str, Any]) -> str:
-    target = _pct(goal["target"]) if goal["target"] < 1 else f"{goal['target']:g}"
+    target = f"{goal['target']:.1%}" if goal["target"] < 1 else f"{goal['target']:g}"
     met = {True: "met", False: "missed", None: "n/a"}[goal["met"]]
     return f"{goal['op'].replace('>=', '≥').replace('<=', '≤')} {target}: {met}"
 
@@ -62,125 +72,103 @@ def environment_md(r: dict[str, Any]) -> str:
 
 
 def cuda_tests_md(r: dict[str, Any]) -> str:
-    keys = ("passed", "failed", "skipped", "deselected", "errors")
-    row = [f"`{r['command']}`", *(r[k] for k in keys), r["returncode"]]
-    return format_table(["command", *keys, "exit code"], [row])
+    counts: dict[str, Cell] = {k: k for k in ("passed", "failed", "skipped", "deselected", "errors")}
+    return table([r], {"command": lambda x: f"`{x['command']}`", **counts, "exit code": "returncode"})
 
 
 def fused_step_md(r: dict[str, Any]) -> str:
-    rows = [
-        [
-            x["label"],
-            f"{1e3 * x['seconds']:.2f}",
-            x["bytes_per_element"],
-            f"{x['gbs']:.1f}",
-            _pct(x["of_copy"]),
-            f"{x['time_vs_adamw']:.3f}",
-            _verdict(r["goal"]) if x["backend"] == r["picked_backend"] else "-",
-        ]
-        for x in r["rows"]
-    ]
-    headers = ["step", "ms", "B/element", "GB/s", "of copy bandwidth", "time / AdamW(fused)", "goal"]
+    columns: dict[str, Cell] = {
+        "step": "label",
+        "ms": millis(".2f"),
+        "B/element": "bytes_per_element",
+        "GB/s": "gbs:.1f",
+        "of copy bandwidth": "of_copy:.1%",
+        "time / AdamW(fused)": "time_vs_adamw:.3f",
+        "goal": lambda x: _verdict(r["goal"]) if x["backend"] == r["picked_backend"] else "-",
+    }
     return (
         f"{r['numel']:,} elements, bf16 gradients and parameter copies; copy bandwidth "
         f"{_num(r['copy_gbs'], '.0f')} GB/s; ZeroOptimizer picks `{r['picked_backend']}`.\n\n"
-        + format_table(headers, rows)
+        + table(r["rows"], columns)
     )
 
 
+QUANTIZE: dict[str, Cell] = {
+    "backend": "backend",
+    "bits": lambda x: f"int{x['bits']}",
+    "op": "op",
+    "ms": millis(".3f"),
+    "GB/s": "gbs:.1f",
+    "of copy bandwidth": "of_copy:.1%",
+}
+
+
 def quantize_md(r: dict[str, Any]) -> str:
-    rows = [
-        [x["backend"], f"int{x['bits']}", x["op"], f"{1e3 * x['seconds']:.3f}", f"{x['gbs']:.1f}", _pct(x["of_copy"])]
-        for x in r["rows"]
-    ]
     return (
         f"{r['numel']:,} bf16 elements, blocks of {r['block']}; copy bandwidth {_num(r['copy_gbs'], '.0f')} GB/s; "
         f"goal for the slowest of `{r['picked']}` (picked by default): {_verdict(r['goal'])}.\n\n"
-        + format_table(["backend", "bits", "op", "ms", "GB/s", "of copy bandwidth"], rows)
+        + table(r["rows"], QUANTIZE)
     )
 
 
 def mfu_md(r: dict[str, Any]) -> str:
-    rows = [
-        [
-            x["loop"],
-            f"{x['step_time_s']:.4f}",
-            f"{x['tokens_per_s']:,.0f}",
-            f"{x['tflops_per_device']:.3g}",
-            _pct(x["mfu"]),
-            _pct(x["of_matmul"]),
-            _verdict(r["goals"]["mfu"]) if x["loop"] == "ours" else "-",
-        ]
-        for x in r["rows"]
-    ]
+    columns: dict[str, Cell] = {
+        "loop": "loop",
+        "step s": "step_time_s:.4f",
+        "tokens/s": "tokens_per_s:,.0f",
+        "TFLOP/s": "tflops_per_device:.3g",
+        "MFU": "mfu:.1%",
+        "of measured matmul": "of_matmul:.1%",
+        "goal (MFU)": lambda x: _verdict(r["goals"]["mfu"]) if x["loop"] == "ours" else "-",
+    }
     ratio = r["goals"]["ours_vs_plain"]
     return (
-        format_table(["loop", "step s", "tokens/s", "TFLOP/s", "MFU", "of measured matmul", "goal (MFU)"], rows)
+        table(r["rows"], columns)
         + f"\n\nStep time ours / plain: {ratio['value']:.3f} (goal {_verdict(ratio)}); "
         + (f"ours / ours_fp8: {r['fp8_speedup']:.3f}; " if r.get("fp8_speedup") else "")
         + f"`python -m experiments.bench.gpu_mfu {' '.join(r['argv'])}`."
     )
 
 
+MEMORY: list[tuple[str, Cell]] = [
+    ("seq", "seq_len"),
+    ("recompute", "recompute"),
+    ("states CUDA", _mib("states_cuda")),
+    ("states tensors", _mib("states_tensors")),
+    ("states planner", _mib("states_predicted")),
+    ("ratio", lambda x: _ratio(x["states_cuda"] or x["states_tensors"], x["states_predicted"])),
+    ("acts CUDA peak", _mib("activations_cuda")),
+    ("acts saved", _mib("activations_saved")),
+    ("acts planner", _mib("activations_predicted")),
+    ("ratio CUDA", _ratio_of("activations_cuda", "activations_predicted")),
+    ("ratio saved", _ratio_of("activations_saved", "activations_predicted")),
+    ("peak CUDA", _mib("peak_cuda")),
+    ("peak planner", _mib("peak_predicted")),
+    ("ratio", _ratio_of("peak_cuda", "peak_predicted")),
+]
+
+
 def memory_md(r: dict[str, Any]) -> str:
-    rows = [
-        [
-            x["seq_len"],
-            x["recompute"],
-            _mib(x["states_cuda"]),
-            _mib(x["states_tensors"]),
-            _mib(x["states_predicted"]),
-            _ratio(x["states_cuda"] or x["states_tensors"], x["states_predicted"]),
-            _mib(x["activations_cuda"]),
-            _mib(x["activations_saved"]),
-            _mib(x["activations_predicted"]),
-            _ratio(x["activations_cuda"], x["activations_predicted"]),
-            _ratio(x["activations_saved"], x["activations_predicted"]),
-            _mib(x["peak_cuda"]),
-            _mib(x["peak_predicted"]),
-            _ratio(x["peak_cuda"], x["peak_predicted"]),
-        ]
-        for x in r["rows"]
-    ]
-    headers = [
-        "seq",
-        "recompute",
-        "states CUDA",
-        "states tensors",
-        "states planner",
-        "ratio",
-        "acts CUDA peak",
-        "acts saved",
-        "acts planner",
-        "ratio CUDA",
-        "ratio saved",
-        "peak CUDA",
-        "peak planner",
-        "ratio",
-    ]
     return (
         f'{r["model"]}. MiB; ratios are measured / planner (states: CUDA, else tensors). "acts saved": '
         "the bytes saved for backward, which under full recompute leave out the layer recomputed in backward "
         f"(the planner counts it); the planner's peak leaves out its {RESERVED_BYTES / GiB:g} GiB reserve for "
-        "the CUDA context and workspaces.\n\n" + format_table(headers, rows)
+        "the CUDA context and workspaces.\n\n" + table(r["rows"], MEMORY)
     )
+
+
+ZERO_STAGES: dict[str, Cell] = {
+    "optimizer": "method",
+    "fwd+bwd ms": "fwd_bwd_ms:.2f",
+    "clip+step+zero_grad ms": "step_ms:.2f",
+    "total ms": "total_ms:.2f",
+    "total / plain": "total_vs_plain:.3f",
+    "step / plain": "step_vs_plain:.3f",
+}
 
 
 def zero_stages_md(r: dict[str, Any]) -> str:
-    rows = [
-        [
-            x["method"],
-            f"{x['fwd_bwd_ms']:.2f}",
-            f"{x['step_ms']:.2f}",
-            f"{x['total_ms']:.2f}",
-            f"{x['total_vs_plain']:.3f}",
-            f"{x['step_vs_plain']:.3f}",
-        ]
-        for x in r["rows"]
-    ]
-    return f"{r['model']}; medians of {r['steps']} steps after {r['warmup']}.\n\n" + format_table(
-        ["optimizer", "fwd+bwd ms", "clip+step+zero_grad ms", "total ms", "total / plain", "step / plain"], rows
-    )
+    return f"{r['model']}; medians of {r['steps']} steps after {r['warmup']}.\n\n" + table(r["rows"], ZERO_STAGES)
 
 
 def compile_md(r: dict[str, Any]) -> str:
@@ -228,19 +216,15 @@ def _header(results: dict[str, Any]) -> list[str]:
 def markdown(results: dict[str, Any], tables: dict[str, Callable[[dict[str, Any]], str]]) -> str:
     """The header, a summary table, then one section per part, in the order of `tables` (part
     name -> the markdown of its `ok` result), with that table when ok."""
-    summary = [
-        [name, r["status"], f"{r.get('seconds', 0):.1f}", r.get("limit_s", "-"), note(r)]
-        for name in tables
-        if (r := results["parts"].get(name))
-    ]
-    lines = [*_header(results), "", format_table(["part", "status", "seconds", "limit s", "note"], summary)]
-    for name, table in tables.items():
+    summary = [{"part": name, **r} for name in tables if (r := results["parts"].get(name))]
+    lines = [*_header(results), "", table(summary, SUMMARY)]
+    for name, part_md in tables.items():
         r = results["parts"].get(name)
         if r is None:
             continue
         lines += ["", f"#### {name}", ""]
         if r["status"] == "ok":
-            lines.append(table(r))
+            lines.append(part_md(r))
         else:
             lines.append(f"**{r['status']}**: {note(r)}")
             if r.get("traceback"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import json
 import multiprocessing as mp
 import os
 import signal
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from experiments.bench.gpu_suite.report import markdown, note
+from experiments.bench.results import write_json
 
 ROOT = Path(__file__).resolve().parents[3]
 GPU_BUDGET_S = 520.0  # the parts' budgets add up to this; --budget scales them
@@ -168,5 +168,5 @@ def _commit() -> str | None:
 
 
 def write_results(results: dict[str, Any], parts: list[Part], out: Path) -> None:
-    (out / "gpu_suite.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_json(out / "gpu_suite.json", results)
     (out / "gpu_suite.md").write_text(markdown(results, {p.name: p.table for p in parts}))
