@@ -6,9 +6,9 @@
 Takes the training command's flags (defaults here: `--steps 2`, `--out runs/trace`, `--wandb
 disabled`), builds the run as `experiments.train` does (one process without torchrun, any
 layout under it) and runs its steps under a `TorchDispatchMode` and the collective accounting
-(`parallel.comm.tracking`). Each operator is attributed to the innermost frame of this
+(`parallel.accounting.tracking`). Each operator is attributed to the innermost frame of this
 repository on the Python stack when it ran (`path/to/file.py:Class.function:line`; frames of
-`parallel/comm.py`, the collectives' wrappers, are skipped so that a collective is attributed
+`parallel/comm.py`, the collectives' wrappers, and their bookkeeping are skipped so that a collective is attributed
 to its caller) and to the innermost module running it, forward or backward
 (`torch.utils.module_tracker.ModuleTracker`). Collectives are the accounting's calls, as op
 `c10d.<name>` with the bytes this rank puts on the wire (`parallel.comm`'s table) and the
@@ -49,11 +49,12 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from torch.utils.module_tracker import ModuleTracker
 
 from experiments import train
-from parallel import comm, desync
+from parallel import accounting, comm, desync
 from research.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIPPED = {"parallel/comm.py", "experiments/trace.py"}  # wrappers: attribute to their caller
+# the collectives' wrappers and their bookkeeping, and this file: attribute to their caller
+SKIPPED = {"parallel/comm.py", "parallel/accounting.py", "parallel/flight.py", "experiments/trace.py"}
 DEFAULTS = {"--steps": "2", "--out": "runs/trace", "--wandb": "disabled"}
 COLUMNS = ("site", "module", "op", "calls", "flops", "bytes", "time_s")
 # torch's FLOP table lacks the CPU flash-attention kernels; they do the same matmuls as the GPU ones
@@ -128,7 +129,7 @@ class StepTracer(TorchDispatchMode):
         return out
 
     def on_collective(self, group: str, op: str, payload: int, wire: int) -> None:
-        """`comm.tracking`'s callback: one collective call, `wire` bytes sent by this rank."""
+        """`accounting.tracking`'s callback: one collective call, `wire` bytes sent by this rank."""
         seconds, self._c10d_s = self._c10d_s, 0.0
         self._count(f"c10d.{op}", Cost(1, 0, wire, seconds), leaf=True)
 
@@ -233,7 +234,7 @@ def trace(argv: list[str] | None = None) -> Path:
         activities += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
         with ModuleTracker() as modules, torch.profiler.profile(activities=activities) as profiler:
             tracer = StepTracer(modules)
-            with comm.tracking(tracer.on_collective), tracer:
+            with accounting.tracking(tracer.on_collective), tracer:
                 for step in range(cfg.train.steps):
                     trainer.step(step)
         comm.barrier()

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from experiments import launcher
-from parallel import comm, desync
+from parallel import desync
 from research.config import RunConfig, parse_args
 from research.errors import RunError, report
 from research.trainer import Trainer
@@ -116,7 +116,7 @@ def as_rank(job: Callable[[], object]) -> None:
         report(e)
         raise SystemExit(2) from None
     finally:
-        comm.unwatch()
+        desync.unwatch()
         if dist.is_initialized():
             dist.destroy_process_group()
 

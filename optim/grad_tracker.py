@@ -45,7 +45,7 @@ from optim.buffers import FlatBucket, GradState
 from optim.collectives import gather_flat
 from optim.grad_placeholder import GradPlaceholder
 from optim.integrations import WRAPPED_BY, wrapped_by
-from parallel import comm
+from parallel import comm, flight
 
 if TYPE_CHECKING:
     from optim.zero_state import ZeroState
@@ -156,7 +156,7 @@ class GradTracker:
         unscaled; cached until the gradients change."""
         if self._norm is None:
             self.finish()
-            with comm.doing("the global gradient norm"):
+            with flight.doing("the global gradient norm"):
                 self._norm = global_grad_norm(self.buckets, self.shared.norm_groups, self.shared.unscale)
         return self._norm
 
@@ -194,7 +194,7 @@ class GradTracker:
         shows each one's placeholder in `.grad`. A `.grad` assigned by hand (on any rank,
         when searching) raises on every rank that knows of it."""
         self.check_grads()
-        with comm.doing("the agreement on which parameters have a gradient"):
+        with flight.doing("the agreement on which parameters have a gradient"):
             searching = self.shared.communication.find_unused_parameters
             hand_set = self._agree_on_has_grad(tied) if searching else self._hand_set
         self._hand_set = 0

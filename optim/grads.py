@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from optim.buffers import FlatBucket
 from optim.quantize import reduce_scatter_quantized
-from parallel import comm
+from parallel import comm, flight
 
 if TYPE_CHECKING:
     from optim.grad_tracker import GradTracker
@@ -217,7 +217,7 @@ class GradReducer:
     def _launch(self, bucket: FlatBucket) -> None:
         self._retire(keep=MAX_IN_FLIGHT - 1 if bucket.sharding.gradients else len(self._works))
         steps = self._reduction(bucket)
-        with comm.doing("a gradient reduction inside backward"):
+        with flight.doing("a gradient reduction inside backward"):
             self._works.append((steps, next(steps), bucket))
 
     def _reduction(self, bucket: FlatBucket) -> Iterator[list[dist.Work | None]]:

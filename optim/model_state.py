@@ -33,7 +33,7 @@ import torch
 
 from optim.buffers import FlatBucket
 from optim.stage3 import MODEL_STATE_DICT, ParamGatherer
-from parallel import comm
+from parallel import comm, flight
 
 if TYPE_CHECKING:
     from optim.zero_state import ZeroState
@@ -105,7 +105,7 @@ class ModelStateHooks:
     def _gathered(self, bucket: FlatBucket) -> torch.Tensor:
         if id(bucket) not in self._full:
             full = torch.empty(bucket.numel, dtype=bucket.param_dtype, device=bucket.param_shard.device)
-            with comm.doing("model.state_dict() at stage 3 (a collective)"):
+            with flight.doing("model.state_dict() at stage 3 (a collective)"):
                 comm.all_gather_into_tensor(full, bucket.param_shard, group=bucket.group)
             self._full[id(bucket)] = full
         return self._full[id(bucket)]

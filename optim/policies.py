@@ -82,7 +82,7 @@ class Communication:
             as in torch. False: DDP's default promise that every trained parameter gets a
             gradient in every step on every rank; both all-reduces are skipped, and a
             parameter without a gradient raises on the rank that misses it.
-        timeout_s: the collective watchdog (`parallel.comm.watch`): a collective that waits
+        timeout_s: the collective watchdog (`parallel.desync.watch`): a collective that waits
             this long for a rank that never issued it (or issued another in its place) ends
             every rank with one sentence naming each rank and the call it is in. None: no
             watchdog.

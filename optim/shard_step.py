@@ -15,7 +15,7 @@ from optim import fused
 from optim.buffers import FlatBucket
 from optim.collectives import ShardGather, all_gather_shards
 from optim.stage3 import ParamGatherer
-from parallel import comm
+from parallel import flight
 
 if TYPE_CHECKING:
     from optim.zero_state import ZeroState
@@ -170,7 +170,7 @@ class ShardStep:
         """Bucket b's all-gather of the updated shards, left in flight (stages 1-2 and
         resident stage-3 units)."""
         if b.sharding.optimizer_state and not b.sharding.parameters:
-            with comm.doing("the parameter all-gather after step()"):
+            with flight.doing("the parameter all-gather after step()"):
                 self.gathers[b] = all_gather_shards(b.param_buffer, b.param_shard, b.group, self.qwz)
 
     def wait(self, buckets: list[FlatBucket] | None = None) -> None:

@@ -30,7 +30,7 @@ another rank's gathers of other units. So each root forward first checks in on a
 (`check_in`: every rank says whether it runs a training forward or one without gradients,
 and how many check-ins it made): ranks that differ raise on every rank, naming what each is
 in, before any parameter moves; a rank that never arrives leaves the others waiting for the
-collective watchdog (`parallel.comm.watch`), which names it.
+collective watchdog (`parallel.desync.watch`), which names it.
 
 Prefetch. The order in which units were first gathered in the previous forward and the
 previous backward is recorded; the first gather of unit u in a pass also starts the
@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten
 from optim.buffers import FlatBucket
 from optim.collectives import ShardGather, all_gather_shards
 from optim.quantize import QuantizedGather
-from parallel import comm
+from parallel import comm, flight
 
 # what a rank checks in for (`check_in`), as the sentence names it
 TRAINING_FORWARD, EVAL_FORWARD, MODEL_STATE_DICT = range(1, 4)
@@ -72,7 +72,7 @@ def check_in(side: dist.ProcessGroup, what: int, count: int) -> None:
     check-ins it made before; if they differ, raise OUT_OF_STEP on every rank."""
     world = dist.get_world_size(side)
     everyone = torch.empty(2 * world, dtype=torch.int64, device="cpu")  # `side` is a gloo group (host memory)
-    with comm.doing(f"the stage-3 check-in of {CHECK_INS[what]}"):
+    with flight.doing(f"the stage-3 check-in of {CHECK_INS[what]}"):
         comm.all_gather_into_tensor(everyone, torch.tensor([what, count], device="cpu"), group=side)
     said = [tuple(pair) for pair in everyone.view(world, 2).tolist()]
     if len(set(said)) > 1:
@@ -207,7 +207,7 @@ class ParamGatherer:
         if first_use:
             order.append(unit)
         without_grad = " without gradients" if phase == "forward" and not torch.is_grad_enabled() else ""
-        with comm.doing(f"a stage-3 parameter gather inside {phase}{without_grad}"):
+        with flight.doing(f"a stage-3 parameter gather inside {phase}{without_grad}"):
             self._unshard_now(unit, phase, first_use)
 
     def _unshard_now(self, unit: Unit, phase: str, first_use: bool) -> None:

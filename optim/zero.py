@@ -49,7 +49,7 @@ from optim.zero_setup import (
     validate,
 )
 from optim.zero_state import ZeroState
-from parallel import comm
+from parallel import comm, desync, flight
 from parallel.marks import NO_MARKS, ParamMarks, param_marks
 
 __all__ = ["ZeroOptimizer"]
@@ -160,7 +160,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False  # the last step() found an fp16 overflow and changed nothing
         self._register_hooks(units)
         if self.communication.timeout_s is not None and dist.get_world_size() > 1:
-            comm.watch(self.communication.timeout_s, OUT_OF_STEP_ADVICE)
+            desync.watch(self.communication.timeout_s, OUT_OF_STEP_ADVICE)
         self._end_step()
         self._grad_bytes = self.grad_peak_bytes = self.memory_breakdown()["grads"]
         self._constructed = True
@@ -244,7 +244,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.group,
                 zpp.qwz,
                 self.node_groups[0] if zpp.hpz else None,
-                comm.side_group(self.group) if self.world > 1 else None,
+                flight.side_group(self.group) if self.world > 1 else None,
             )
             if self.sharding.parameters
             else None

@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from parallel import comm, desync
+from parallel import accounting, desync
 from parallel.expert.groups import ExpertGroups
 
 __all__ = ["LayoutError", "ParallelDims"]
@@ -247,7 +247,7 @@ class ParallelDims:
         groups = {name: mesh.get_group(name) for name in MESH_DIMS} | self._cross_groups()
         for name, group in groups.items():
             if group is not None:
-                comm.set_group_name(group, name)
+                accounting.set_group_name(group, name)
         if timeout_s is not None:
             desync.set_timeout(timeout_s, [None, *(g for g in groups.values() if g is not None)])
 

@@ -12,7 +12,7 @@ peak FLOP/s:
 Memory is CUDA's ``max_memory_allocated`` on GPUs and the process's peak RSS on CPU.
 ``ActivationMeter`` measures the bytes autograd keeps saved for backward.
 Collectives used here (maxima and gathers over ranks) go through ``parallel.comm`` under
-``comm.untracked()``: the desync report sees them, the communication counts do not.
+``accounting.untracked()``: the desync report sees them, the communication counts do not.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel import comm
-from research.costmodel.datasheet import gpu_hbm_bandwidth, gpu_peak_flops
+from parallel import accounting, comm
+from research.costmodel.datasheet import gpu_peak_flops
 
 __all__ = [
     "ActivationMeter",
@@ -45,7 +45,6 @@ __all__ = [
     "WandbRun",
     "all_ranks",
     "comm_per_step",
-    "gpu_hbm_bandwidth",  # experiments/bench/fused_step_bandwidth.py reads the datasheet through here
     "over_ranks",
     "peak_flops",
     "peak_memory_bytes",
@@ -135,7 +134,7 @@ def over_ranks(values: list[float], device: torch.device) -> list[list[float]]:
         return [list(values)]
     mine = torch.tensor(values, dtype=torch.float64, device=device)
     out = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)
-    with comm.untracked():
+    with accounting.untracked():
         comm.all_gather_into_tensor(out, mine)
     return out.view(-1, len(values)).tolist()
 
@@ -144,7 +143,7 @@ def all_ranks(obj: Any) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order (``[obj]`` without torch.distributed)."""
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
-    with comm.untracked():
+    with accounting.untracked():
         return comm.all_gather_object(obj)
 
 
@@ -253,7 +252,7 @@ _COUNTS = ("calls", "bytes", "payload_bytes")
 def comm_per_step(
     log_dict: Mapping[str, Mapping[str, Mapping[str, int]]], steps: int, groups: Iterable[str] = ()
 ) -> dict[str, dict[str, Any]]:
-    """Per-step averages of ``parallel.comm.CommLog.as_dict()`` recorded over ``steps`` steps:
+    """Per-step averages of ``parallel.accounting.CommLog.as_dict()`` recorded over ``steps`` steps:
     ``{group: {"ops": {op: {"calls", "bytes", "payload_bytes"}}, "total": {...}}}``, each
     count divided by ``steps``; "total" sums the group's ops. Names in ``groups`` appear even
     when they made no call (all zeros)."""

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from optim import ZeroOptimizer
 from optim.policies import DTYPES, Communication, MixedPrecision, ZeroPlusPlus
-from parallel import comm
+from parallel import accounting, comm
 from parallel.dims import ParallelDims
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.random import seed_everything
@@ -439,7 +439,7 @@ class Trainer:
         metrics.reset_peak_memory(self.device)
         meter = metrics.ActivationMeter(self.model) if measure_activations else contextlib.nullcontext()
         t0 = time.perf_counter()
-        with comm.tracking() as log, meter:
+        with accounting.tracking() as log, meter:
             loss, norm, lr = self.step(step)
         loss_value = self._global_loss(loss)
         if self.device.type == "cuda":

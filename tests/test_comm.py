@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
-from parallel import comm
+from parallel import accounting, comm, desync
 from tests.dist_utils import forbid_collectives, run_distributed
 
 F32 = 24 * 4  # bytes of the fp32 test tensor (24 elements: divisible by every N used here)
@@ -33,11 +33,11 @@ def _exercise(dp: int, tp: int) -> dict:
     """Every wrapper once or twice on dp / tp / world; checks results and return types."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_group, tp_group, dp_ranks = _dp_tp_groups(dp, tp)
-    comm.set_group_name(dp_group, "dp")
-    comm.set_group_name(tp_group, "tp")
+    accounting.set_group_name(dp_group, "dp")
+    accounting.set_group_name(tp_group, "tp")
     x = torch.full((24,), float(rank))
 
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         y = x.clone()
         assert comm.all_reduce(y, group=dp_group) is None
         assert torch.equal(y, torch.full((24,), float(sum(dp_ranks))))
@@ -146,21 +146,21 @@ def test_accounting_matches_ring_formulas(dp: int, tp: int) -> None:
 def _tracking_semantics() -> dict:
     t = torch.ones(4)
     comm.all_reduce(t)  # no log active: nothing records it
-    with comm.tracking() as first:
+    with accounting.tracking() as first:
         comm.all_reduce(t)
-    with comm.tracking() as outer:
+    with accounting.tracking() as outer:
         comm.all_reduce(t)
-        with comm.tracking() as inner:
+        with accounting.tracking() as inner:
             comm.barrier()
         comm.all_reduce(t)
     comm.all_reduce(t)  # after both blocks: recorded nowhere
-    assert comm._log is None
+    assert not accounting.recording()
 
-    with pytest.raises(RuntimeError), comm.tracking():
+    with pytest.raises(RuntimeError), accounting.tracking():
         raise RuntimeError("an error inside a block still ends it")
-    assert comm._log is None
+    assert not accounting.recording()
 
-    with comm.tracking() as resettable:
+    with accounting.tracking() as resettable:
         comm.barrier()
         resettable.reset()
         assert resettable.as_dict() == {}
@@ -182,17 +182,17 @@ def _names() -> None:
     anon = dist.new_group([0, 1])
     described = dist.new_group([0, 1], group_desc="pipeline")
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
-    assert comm.group_name(None) == comm.group_name(dist.group.WORLD) == "world"
-    assert comm.group_name(anon) == "ranks[0,1]"
-    assert comm.group_name(described) == "pipeline"
-    assert comm.group_name(mesh.get_group("dp")) == "mesh_dp"
+    assert accounting.group_name(None) == accounting.group_name(dist.group.WORLD) == "world"
+    assert accounting.group_name(anon) == "ranks[0,1]"
+    assert accounting.group_name(described) == "pipeline"
+    assert accounting.group_name(mesh.get_group("dp")) == "mesh_dp"
     # A mesh dim spanning every rank is the world group itself (so at world size 1
     # all dims share one group, and one label).
     assert mesh.get_group("tp") is dist.group.WORLD
-    comm.set_group_name(anon, "dp")
-    comm.set_group_name(None, "everyone")
-    assert comm.group_name(anon) == "dp"
-    assert comm.group_name(dist.group.WORLD) == comm.group_name(mesh.get_group("tp")) == "everyone"
+    accounting.set_group_name(anon, "dp")
+    accounting.set_group_name(None, "everyone")
+    assert accounting.group_name(anon) == "dp"
+    assert accounting.group_name(dist.group.WORLD) == accounting.group_name(mesh.get_group("tp")) == "everyone"
 
 
 def test_group_names() -> None:
@@ -204,7 +204,7 @@ def _against_comm_debug_mode() -> None:
     t, shard = torch.ones(8), torch.empty(4)
     # CommDebugMode (a TorchDispatchMode) sees plain c10d collectives: their
     # ProcessGroup methods dispatch the c10d ops allreduce_, _reduce_scatter_base_, ...
-    with CommDebugMode() as seen, comm.tracking() as log:
+    with CommDebugMode() as seen, accounting.tracking() as log:
         comm.all_reduce(t)
         comm.all_reduce(t, async_op=True).wait()
         comm.reduce_scatter_tensor(shard, t)
@@ -224,7 +224,7 @@ def _against_comm_debug_mode() -> None:
     # What torch 2.13's CommDebugMode does not see: barrier (c10d.barrier is not in
     # its op set) and point-to-point ops. all_gather_object is two allgather_ to it
     # (the pickled sizes, then the padded bytes) and one call to us.
-    with CommDebugMode() as blind, comm.tracking() as log:
+    with CommDebugMode() as blind, accounting.tracking() as log:
         comm.barrier()
         if rank == 0:
             comm.send(t, dst=1)
@@ -246,7 +246,7 @@ def test_call_counts_match_comm_debug_mode() -> None:
 def _alone() -> dict:
     """Every wrapper on a group of one rank, with torch.distributed's collectives forbidden."""
     forbid_collectives()
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         t = torch.arange(4.0)
         assert comm.all_reduce(t) is None and torch.equal(t, torch.arange(4.0))
         work = comm.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
@@ -340,7 +340,7 @@ def _reduce_scatters() -> list[list[float]]:
     work.wait()
     inside = full.clone()
     comm.reduce_scatter_tensor(inside[4 * rank : 4 * rank + 4], inside, reuse_input=True)
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         comm.reduce_scatter_tensor(torch.empty(4), full.clone(), reuse_input=True)
     assert log.as_dict() == {"world": {"reduce_scatter_tensor": _entry(1, 16 * world, 16 * (world - 1))}}
     assert torch.equal(apart, plain) and torch.equal(inside[4 * rank : 4 * rank + 4], plain)
@@ -359,15 +359,15 @@ def watchdog_threads_after_unwatch() -> tuple[bool, bool]:
     import threading
 
     def running() -> bool:
-        return any(t.name == "zero3d-watchdog" and t.is_alive() for t in threading.enumerate())
+        return any(t.name == "zero3d-desync" and t.is_alive() for t in threading.enumerate())
 
-    comm.watch(60.0, "advice")
+    desync.watch(60.0, "advice")
     before = running()
-    comm.unwatch()
+    desync.unwatch()
     return before, running()
 
 
-def test_unwatch_stops_the_watchdog_thread_before_python_finalizes() -> None:
-    """The watchdog thread is joined by unwatch() (also registered at exit): a daemon thread
+def test_unwatch_stops_the_detector_thread_before_python_finalizes() -> None:
+    """The hang detector's thread is joined by unwatch() (also registered at exit): a daemon thread
     that finalization finds inside a store call aborts the process."""
     assert run_distributed(watchdog_threads_after_unwatch, 2) == [(True, False), (True, False)]

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from parallel import accounting
 from parallel.pipeline import simulate
 from research import costmodel
 from research.costmodel import GPU, GPUS, Cluster, Layout
@@ -869,7 +870,6 @@ def _calls_of_a_step(stage: int, micro_batches: int, unit_numel: int, qwz_block:
 
     from optim import ZeroOptimizer
     from optim.policies import Communication, ZeroPlusPlus
-    from parallel import comm
     from research.trainer import weight_decay_groups
 
     chunks = torch.nn.ModuleList(pipeline_chunks(TINY, 0, 1, 1))
@@ -883,7 +883,7 @@ def _calls_of_a_step(stage: int, micro_batches: int, unit_numel: int, qwz_block:
         zero_plus_plus=ZeroPlusPlus(qwz_block=qwz_block),
     )
     ids = torch.randint(0, TINY.vocab_size, (1, TINY.max_seq_len))
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         for i in range(micro_batches):
             with opt.no_sync() if i < micro_batches - 1 else contextlib.nullcontext():
                 opt.backward(chunks[0](ids, ids))
@@ -1576,14 +1576,13 @@ def _tp_all_reduces(tie: bool) -> tuple[float, float]:
     (no SP), from the calls and bytes parallel.comm counts."""
     import torch.distributed as dist
 
-    from parallel import comm
     from research.model import GPT
 
     config = dataclasses.replace(TINY, tie_embeddings=tie)
     model = GPT(config, tp_group=dist.new_group([0, 1]))
     b, s = 2, config.max_seq_len
     ids = torch.randint(0, config.vocab_size, (b, s))
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         model(ids, ids).backward()
     calls, payload = log.calls(op="all_reduce"), log.total_bytes(op="all_reduce") / (2 * (2 - 1) / 2)
     activation, token = 4 * s * b * config.d_model, 4 * s * b

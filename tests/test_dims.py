@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel import ParallelDims, comm
+from parallel import ParallelDims, accounting, comm
 from tests.dist_utils import run_distributed
 
 # (tp, pp, dp) on 8 ranks: 3D, pure DP, pure TP, TP × PP, PP × DP.
@@ -146,7 +146,7 @@ def _check_layout(tp: int, pp: int, dp: int) -> dict:
     assert len({id(g) for g in groups.values()}) == len(groups)
     assert all(g is not dist.group.WORLD for g in groups.values())
 
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         for name, group in groups.items():
             assert dist.get_process_group_ranks(group) == exp["members"][name], name
             onehot = torch.zeros(world)
@@ -172,7 +172,7 @@ def _check_layout(tp: int, pp: int, dp: int) -> dict:
 
 def _check_layouts(layouts: list[tuple[int, int, int]]) -> list[dict]:
     out = [_check_layout(*layout) for layout in layouts]
-    assert comm.group_name(None) == "world"  # no dimension relabelled WORLD
+    assert accounting.group_name(None) == "world"  # no dimension relabelled WORLD
     return out
 
 
@@ -192,7 +192,7 @@ def _world_one() -> dict:
         ParallelDims(tp=2, world_size=2).build("cpu")
     mismatch = str(info.value)
     out = _check_layout(1, 1, 1)
-    assert comm.group_name(None) == "world"
+    assert accounting.group_name(None) == "world"
     return {"mismatch": mismatch, **out}
 
 
@@ -212,7 +212,7 @@ def _hybrid_groups(tp: int, pp: int, dp_shard: int) -> dict:
         "coords": dims.coords_of(dist.get_rank()),
         "shard": dist.get_process_group_ranks(shard),
         "replicate": dist.get_process_group_ranks(replicate),
-        "labels": (comm.group_name(shard), comm.group_name(replicate)),
+        "labels": (accounting.group_name(shard), accounting.group_name(replicate)),
         "crosses": (
             dims.crosses_nodes(dist.get_process_group_ranks(shard)),
             dims.crosses_nodes(dist.get_process_group_ranks(replicate)),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel import comm, desync
+from parallel import comm, desync, flight
 from research.errors import NonFiniteLossError
 from tests.conftest import TINY_RUN
 from tests.dist_utils import run_distributed
@@ -43,7 +43,7 @@ def test_the_report_names_the_rank_behind_and_what_it_issued_last() -> None:
         3: {"last": [_entry("all_reduce", "dp", "0,1,2,3", 7)], "issued": {"0,1,2,3": 7}},
         2: {"last": [_entry("broadcast", "tp", "2,3", 4, t=90.0)], "issued": {"0,1,2,3": 6, "2,3": 4}},
     }
-    entry, behind = comm.missing_ranks(records[0], records)
+    entry, behind = flight.missing_ranks(records[0], records)
     assert entry["seq"] == 7 and behind == [2]
     text = desync.report(0, records, 4, 5.0, now=105.0)
     head = text.splitlines()[0]
@@ -101,7 +101,7 @@ def _group_timeouts() -> list[float]:
 
     desync.set_timeout(7.0, [None])
     group = __import__("torch.distributed", fromlist=["new_group"]).new_group([0, 1])
-    side = comm.side_group(group)
+    side = flight.side_group(group)
     cpu = torch.device("cpu")
     out = [g._get_backend(cpu).options._timeout / timedelta(seconds=1) for g in (group, side)]
     return out
@@ -116,7 +116,7 @@ def test_groups_made_later_take_the_run_timeout() -> None:
 
 def test_a_rank_that_never_published_is_reported_missing() -> None:
     records = {0: {"last": [_entry("barrier", "world", "0,1", 1)], "issued": {"0,1": 1}}}
-    _, behind = comm.missing_ranks(records[0], records)
+    _, behind = flight.missing_ranks(records[0], records)
     assert behind == [1]
     assert "rank 1 never reported" in desync.report(0, records, 2, None)
     assert "  rank 1: nothing published" in desync.report(0, records, 2, None)
@@ -127,13 +127,13 @@ def test_p2p_pairs_are_matched_by_direction() -> None:
         0: {"last": [_entry("isend", "pp", "0->1", 3)], "issued": {"0->1": 3}},
         1: {"last": [_entry("irecv", "pp", "0->1", 2)], "issued": {"0->1": 2, "1->0": 5}},
     }
-    entry, behind = comm.missing_ranks(records[0], records)
+    entry, behind = flight.missing_ranks(records[0], records)
     assert entry["op"] == "isend" and behind == [1]
 
 
 def test_when_every_rank_arrived_the_report_says_the_order_differs() -> None:
     records = {r: {"last": [_entry("all_reduce", "dp", "0,1", 2)], "issued": {"0,1": 2}} for r in (0, 1)}
-    assert comm.missing_ranks(records[0], records) == (None, [])
+    assert flight.missing_ranks(records[0], records) == (None, [])
     assert "waiting in different collectives" in desync.report(0, records, 2, 3.0)
 
 
@@ -141,7 +141,7 @@ def _record_some_collectives() -> dict:
     import torch
     import torch.distributed as dist
 
-    comm.reset_flight()
+    flight.reset()
     comm.all_reduce(torch.ones(2))
     comm.barrier()
     peer = 1 - dist.get_rank()
@@ -149,7 +149,7 @@ def _record_some_collectives() -> dict:
         [dist.P2POp(dist.isend, torch.ones(1), peer), dist.P2POp(dist.irecv, torch.empty(1), peer)]
     ):
         work.wait()
-    return comm.recent()
+    return flight.recent()
 
 
 def test_the_flight_recorder_numbers_collectives_per_channel() -> None:

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from optim import ZeroOptimizer
 from optim.integrations import accelerate as zero_accelerate
 from optim.policies import Communication
-from parallel import comm
+from parallel import accounting
 from tests.dist_utils import run_distributed
 from tests.models import make_model, no_decay_groups
 
@@ -91,7 +91,7 @@ def train(method: str, root: Path, stage: int = 0, resume_from: Path | None = No
         acc.load_state(str(resume_from))
         out["loaded"] = _snapshot(model, opt, sched)
         first = 1
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         for epoch in range(first, EPOCHS):
             loader.set_epoch(epoch)
             for ids, idx, tgt in loader:

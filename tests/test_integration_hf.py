@@ -22,7 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from optim.integrations.hf import ZERO_OPTIMIZER_DIR, ZeroTrainer
 from optim.policies import Communication, MixedPrecision
-from parallel import comm
+from parallel import accounting
 from tests.dist_utils import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -112,7 +112,7 @@ def train(stage: int, output_dir: str, resume: str | None = None, **overrides) -
         zero_kwargs=ZERO_KWARGS,
     )
     trainer.seen = []
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         trainer.train(resume_from_checkpoint=resume)
     return {
         "seen": trainer.seen,

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from optim import ZeroOptimizer
 from optim.policies import Communication, MixedPrecision
-from parallel import comm
+from parallel import accounting
 from tests.dist_utils import run_distributed
 from tests.models import make_model, no_decay_groups
 
@@ -187,7 +187,7 @@ def train_everything(root: Path) -> dict[str, Any]:
             enable_checkpointing=bool(ckpt),
             **({"gradient_clip_val": None, "accumulate_grad_batches": 1} if name == "manual" else {}),
         )
-        with warnings.catch_warnings(record=True) as caught, comm.tracking() as log:
+        with warnings.catch_warnings(record=True) as caught, accounting.tracking() as log:
             warnings.simplefilter("always")
             trainer.fit(module)
         if name == 2:

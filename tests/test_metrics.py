@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from parallel import comm
+from parallel import accounting, comm
 from research.metrics import (
     ActivationMeter,
     Console,
@@ -143,7 +143,7 @@ def test_helpers_without_torch_distributed() -> None:
 
 def _on_two_ranks(out_dir: str) -> dict:
     rank = dist.get_rank()
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         comm.all_reduce(torch.ones(4))  # 16 B payload, 16 B on the wire at N = 2
         mem = over_ranks([100 + rank, rank / 2], CPU)
         per_rank = all_ranks({"rank": rank})

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel import comm
+from parallel import accounting
 from parallel.marks import NO_MARKS, param_marks
 from parallel.random import seed_everything
 from research.model import GPT, GPTConfig
@@ -103,7 +103,7 @@ def collectives_per_layer(sequence_parallel: bool, recompute: str) -> dict:
         config = dataclasses.replace(BASE, n_layers=n_layers, recompute=recompute)
         seed_everything(0)
         model = GPT(config, tp_group=dist.group.WORLD, sequence_parallel=sequence_parallel)
-        with comm.tracking() as log:
+        with accounting.tracking() as log:
             model(*batch()).backward()
         counts.append(
             {op: log.calls(op=op) for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")}

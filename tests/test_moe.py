@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parallel import ParallelDims
+from parallel import ParallelDims, accounting
 from parallel.expert import TokenDispatcher, grouped_mm
 from research.moe import MoE, MoEConfig
 from tests.conftest import slow_except
@@ -296,7 +296,7 @@ def _bytes_of_a_layer(capacity: float | None) -> dict:
     layer = MoE(cfg, dims.tp_group, False, dims.expert_groups)
     x = torch.randn(SEQ, BATCH, CFG.d_model, generator=torch.Generator().manual_seed(dist.get_rank()))
     x.requires_grad_()  # as inside a model: the dispatch's backward sends the input gradients back
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         y, aux = layer(x)
         (y.sum() + aux).backward()
     chosen = F.linear(x.detach().reshape(-1, CFG.d_model), layer.router.weight).topk(CFG.top_k, -1).indices

@@ -17,7 +17,7 @@ from optim.quantize import (
     reduce_scatter_quantized,
     unpack_rows,
 )
-from parallel import comm
+from parallel import accounting
 from tests.dist_utils import run_distributed
 from tests.interpreted import run_interpreted
 
@@ -70,7 +70,7 @@ def _reduce_scatter(bits: int, two_level: bool) -> dict:
     dist.reduce_scatter_tensor(exact, full.reshape(-1).clone())
     out = torch.empty(shard)
     groups = (intra, inter) if two_level else (None, None)
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         steps = reduce_scatter_quantized(full.reshape(-1), out, *groups, bits, BLOCK_QGZ)
         for works in steps:
             for w in works:

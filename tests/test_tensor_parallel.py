@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parallel import comm
+from parallel import accounting
 from parallel.marks import param_marks
 from parallel.tensor import (
     ColumnParallelLinear,
@@ -52,7 +52,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
 
 
-def _ops(log: comm.CommLog) -> dict[str, int]:
+def _ops(log: accounting.CommLog) -> dict[str, int]:
     return {op: e["calls"] for op, e in log.as_dict().get("tp", {}).items()}
 
 
@@ -101,10 +101,10 @@ def _check_mappings(group) -> dict[str, tuple[dict, dict]]:
     for name, (fn, xs, ds, y_expected, dx_expected) in cases.items():
         x = xs[r].clone().requires_grad_()
         dy = ds[r].clone()
-        with comm.tracking() as fwd:
+        with accounting.tracking() as fwd:
             y = fn(x, group)
         _close(y, y_expected, f"{name} forward")
-        with comm.tracking() as bwd:
+        with accounting.tracking() as bwd:
             y.backward(dy)
         _close(x.grad, dx_expected, f"{name} backward")
         assert torch.equal(x.detach(), xs[r]) and torch.equal(dy, ds[r]), f"{name} wrote its input"
@@ -203,9 +203,9 @@ def _check_layers(group) -> dict:
         fc1 = ColumnParallelLinear(H, 2 * H, group=group, sequence_parallel=sp)
         fc2 = RowParallelLinear(2 * H, H, group=group, sequence_parallel=sp)
         x = _rand((S // tp if sp else S, B, H), 16).requires_grad_()
-        with comm.tracking() as fwd:
+        with accounting.tracking() as fwd:
             y = fc2(F.gelu(fc1(x)))
-        with comm.tracking() as bwd:
+        with accounting.tracking() as bwd:
             y.sum().backward()
         counts[sp] = (_ops(fwd), _ops(bwd))
 
@@ -228,7 +228,7 @@ def _check_sp_grad_sync(group) -> dict[str, int]:
     sequence_parallel_grad_sync(owner, "weight", group)  # idempotent
     assert any(g is group for g in param_marks(owner)[p].replicated)
     xs = [_rand((S, B, H), 17), _rand((S, B, H), 18)]
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         for x in xs:
             (_chunk(x, 0, group) * p).sum().backward()
     full = [x.sum((0, 1)) for x in xs]
@@ -251,9 +251,9 @@ def _check_cross_entropy(group) -> dict:
         loss_ref.view(S, B).backward(dloss)
 
         local = _chunk(logits_full, -1, group).clone().requires_grad_()
-        with comm.tracking() as fwd:
+        with accounting.tracking() as fwd:
             loss = vocab_parallel_cross_entropy(local, targets, group, vocab_size=vocab)
-        with comm.tracking() as bwd:
+        with accounting.tracking() as bwd:
             loss.backward(dloss)
         assert loss.dtype == torch.float32 and loss.shape == (S, B)
         _close(loss, loss_ref.view(S, B), f"loss v={v_pad} vocab={vocab}")
@@ -287,7 +287,7 @@ def _suite(tp: int) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = [dist.new_group(list(range(i, i + tp))) for i in range(0, world, tp)]
     group = groups[rank // tp]
-    comm.set_group_name(group, "tp")
+    accounting.set_group_name(group, "tp")
     return {
         "mappings": _check_mappings(group),
         "layers": _check_layers(group),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from parallel import accounting
 from tests.dist_utils import run_distributed
 
 ARGV = ["--config", "experiments/configs/tiny.yaml", "--steps", "1", "--zero", "3", "--unit-numel", "20000"]
@@ -18,15 +19,14 @@ ARGV = ["--config", "experiments/configs/tiny.yaml", "--steps", "1", "--zero", "
 
 def _trace_then_account(out: str) -> dict:
     """Trace one stage-3 step (units small enough that the model has several), then run the
-    same step untraced under `comm.tracking`: what the accounting counts per op."""
+    same step untraced under `accounting.tracking`: what the accounting counts per op."""
     from experiments import train
     from experiments.trace import trace
-    from parallel import comm
     from research.trainer import Trainer
 
     folder = trace([*ARGV, "--out", out])
     trainer = Trainer(train.join([*ARGV, "--out", out]))
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         trainer.step(0)
     wire: Counter = Counter()
     for ops in log.as_dict().values():

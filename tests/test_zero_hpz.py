@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from optim import ZeroOptimizer
 from optim.policies import Communication, ZeroPlusPlus
-from parallel import ParallelDims, comm
+from parallel import ParallelDims, accounting
 from tests.dist_utils import run_distributed
 from tests.models import reference_run
 from tests.test_zero_memory_comm import mlp
@@ -59,7 +59,7 @@ def _one_step(hpz: bool) -> dict:
     )
     x = torch.randn(2, 4, 31)
     before = opt.memory_breakdown()["params"]
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         with opt.no_sync():
             opt.backward(model(x[0]).pow(2).mean())
         opt.backward(model(x[1]).pow(2).mean())

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from optim import ZeroOptimizer
 from optim.policies import Communication
-from parallel import ParallelDims, comm
+from parallel import ParallelDims, accounting
 from tests.dist_utils import run_distributed
 from tests.models import reference_run
 from tests.test_zero_memory_comm import mlp, one_step
@@ -46,7 +46,7 @@ def test_two_replicas_of_two_shards_match_torch(stage: int, use_no_sync: bool) -
 
 
 def _bytes_and_memory(stage: int) -> dict:
-    """A step of the 2 × 2 hybrid run under `comm.tracking()` (after one that records stage
+    """A step of the 2 × 2 hybrid run under `accounting.tracking()` (after one that records stage
     3's prefetch order), the bucket sizes, and the memory of the hybrid optimizer and of
     plain ZeRO over the shard group alone."""
     dims = ParallelDims(dp_shard=2, ranks_per_node=2).build()
@@ -56,7 +56,7 @@ def _bytes_and_memory(stage: int) -> dict:
     groups = {"process_group": dims.dp_shard_group, "replicate_group": dims.dp_replicate_group}
     opt = ZeroOptimizer(model, torch.optim.AdamW, **groups, **kwargs)
     one_step(model, opt, torch.float32)
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         one_step(model, opt, torch.float32)
     plain.state_dict()  # creates its optimizer state, as a step would
     return {

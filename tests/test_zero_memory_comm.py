@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from optim import ZeroOptimizer
 from optim.policies import Communication, MixedPrecision
-from parallel import comm
+from parallel import accounting
 from tests.dist_utils import run_distributed
 from tests.models import make_model
 
@@ -73,7 +73,7 @@ def measure_comm(stage: int) -> dict:
         communication=Communication(bucket_numel=4000, unit_numel=1000, resident_numel=0),
     )
     one_step(model, opt, torch.float32)  # the first step records the order stage 3 prefetches in
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         one_step(model, opt, torch.float32)
     return {
         "padded": sum(b.numel for b in opt.buckets),
@@ -113,7 +113,7 @@ def measure_tied_stage3_comm() -> dict:
     )
     idx = torch.randint(0, 37, (4, 8))
     for _ in range(2):  # the second step runs with the prefetch order recorded by the first
-        with comm.tracking() as log:
+        with accounting.tracking() as log:
             opt.backward(model(idx, idx))
             opt.step()
             opt.zero_grad()

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from optim import ZeroOptimizer
 from optim.policies import Communication, MixedPrecision
-from parallel import comm
+from parallel import accounting
 from tests.dist_utils import run_distributed
 from tests.models import make_model, no_decay_groups
 
@@ -203,7 +203,7 @@ def reductions_per_iteration(stage: int, flag: bool) -> int:
     opt = ZeroOptimizer(
         model, torch.optim.AdamW, stage=stage, communication=dataclasses.replace(UNITS, find_unused_parameters=False)
     )
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         for micro_step in range(ACCUM):
             if flag:
                 model.require_backward_grad_sync = micro_step == ACCUM - 1
@@ -236,8 +236,12 @@ def stalled(err_dir: str) -> None:
 
 
 def test_the_watchdog_names_a_rank_that_never_arrives(tmp_path: Path) -> None:
+    """Both ranks end within seconds, rank 0 with the sentence. Which end the harness sees
+    first depends on the machine's load: rank 1's exit (stopped by the watchdog), or rank 0's
+    main thread, whose collective loses its peer while its watchdog lingers for rank 1 to read
+    the sentence from the store that rank 0 hosts."""
     start = time.monotonic()
-    with pytest.raises(AssertionError, match="exited with code 1"):
+    with pytest.raises(AssertionError, match=r"exited with code 1|Connection closed by peer"):
         run_distributed(stalled, 2, str(tmp_path), timeout=50)
     assert time.monotonic() - start < 20
     said = {r: (tmp_path / f"rank{r}.err").read_text() for r in range(2)}

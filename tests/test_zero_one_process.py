@@ -11,7 +11,7 @@ import torch
 
 from optim import ZeroOptimizer
 from optim.policies import Communication, ZeroPlusPlus
-from parallel import comm
+from parallel import accounting
 from tests.dist_utils import forbid_collectives, run_distributed
 from tests.models import batches, make_model, micro_slices, no_decay_groups, reference_run
 
@@ -38,7 +38,7 @@ def train_alone(stage: int, **zero_kwargs: Any) -> tuple[list[float], dict[str, 
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     losses = []
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         for idx, tgt in batches(STEPS, BATCH):
             total = 0.0
             for sl in micro_slices(BATCH, 1, 0, MICRO):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from optim import ZeroOptimizer
 from optim.grads import MAX_IN_FLIGHT
 from optim.policies import Communication
-from parallel import comm
+from parallel import accounting, comm
 from tests.dist_utils import run_distributed
 from tests.models import make_model
 
@@ -33,7 +33,7 @@ def collectives_before_last_gradient(stage: int) -> tuple[int, int]:
         communication=Communication(bucket_numel=1500, unit_numel=500, resident_numel=0),
     )
     idx = torch.randint(0, 37, (4, 8))
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         opt.backward(model(idx, idx))
     return seen[0], log.calls(op=op)
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 from optim import ZeroOptimizer
 from optim.buffers import assign_buckets
 from optim.policies import Communication
-from parallel import comm
+from parallel import accounting
 from tests.dist_utils import run_distributed
 
 WIDTH, MICRO, STEPS, ROWS = 16, 3, 4, 4  # ROWS per micro-batch per rank
@@ -63,7 +63,7 @@ def train(stage: int) -> dict:
         eps=1e-6,
     )
     chunk_buckets = [sum(any(p in set(c.parameters()) for p in b.params) for b in opt.buckets) for c in model]
-    with comm.tracking() as log:
+    with accounting.tracking() as log:
         for step in range(STEPS):
             for micro in range(MICRO):
                 chunked_backward(opt, model, batch(step, micro, slice(rank * ROWS, (rank + 1) * ROWS)), "chunk")

@@ -19,7 +19,7 @@ from torch import nn
 
 from optim import ZeroOptimizer
 from optim.policies import Communication
-from parallel import comm
+from parallel import accounting
 from tests.conftest import slow_except
 from tests.dist_utils import run_distributed
 
@@ -217,7 +217,7 @@ def promised(stage: int) -> dict:
         model = dense()
         communication = dataclasses.replace(SMALL["communication"], find_unused_parameters=find)
         opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, communication=communication, lr=1e-2)
-        with comm.tracking() as log:
+        with accounting.tracking() as log:
             for step in range(3):
                 x, y = batch(step, rank)
                 F.cross_entropy(model(x), y).backward()

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from optim import ZeroOptimizer
 from optim.policies import MixedPrecision
-from parallel import ParallelDims, comm
+from parallel import ParallelDims, accounting
 from tests.models import batches, make_model, micro_slices, no_decay_groups
 
 
@@ -113,12 +113,12 @@ def construction_error(stage: int, **zero_kwargs: Any) -> str:
 
 def tracked_steps(model: nn.Module, opt: ZeroOptimizer, steps: int, batch: int = 8) -> tuple[list[float], list[dict]]:
     """`steps` plain steps (each rank on its slice of the global batch, no accumulation): the
-    global mean loss of each, and each step's `comm.CommLog.as_dict()` (forward, backward, step)."""
+    global mean loss of each, and each step's `accounting.CommLog.as_dict()` (forward, backward, step)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     losses, logs = [], []
     for idx, tgt in batches(steps, batch):
         mine = slice(rank * batch // world, (rank + 1) * batch // world)
-        with comm.tracking() as log:
+        with accounting.tracking() as log:
             loss = model(idx[mine], tgt[mine])
             loss.backward()
             opt.step()

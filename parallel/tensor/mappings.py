@@ -25,7 +25,7 @@ model. Forward / backward pairs:
 under sequence parallelism, Korthikanti et al. Fig. 5.)
 
 With tp == 1 every function is the identity and issues no collective. Collectives go
-through ``parallel.comm`` (so ``comm.tracking()`` sees them) and never write into an
+through ``parallel.comm`` (so ``accounting.tracking()`` sees them) and never write into an
 autograd input or incoming gradient: autograd may share those tensors (a residual
 branch hands the same gradient to both summands).
 
