@@ -31,7 +31,7 @@ def arm(moment: str, at: int) -> None:
     from research import checkpoint, trainer
 
     now = {"step": -1}
-    take_step = trainer.Trainer._step
+    take_step = trainer.Trainer.step
 
     def step(self: trainer.Trainer, s: int) -> object:
         now["step"] = s
@@ -41,7 +41,7 @@ def arm(moment: str, at: int) -> None:
             next(p for p in self.model.parameters() if p.requires_grad).register_hook(lambda g: _die())
         return take_step(self, s)
 
-    trainer.Trainer._step = step
+    trainer.Trainer.step = step
     optimizer_step = ZeroOptimizer.step
 
     def zero_step(self: ZeroOptimizer, *args: object) -> object:

@@ -18,6 +18,7 @@ import pytest
 
 from experiments.bench.zero_vs_torch import PAIRINGS, TORCH_METHODS
 from tests.conftest import run_bench
+from tests.timing import allow
 
 pytestmark = pytest.mark.bench
 
@@ -61,7 +62,7 @@ def test_zero_vs_torch_quick(tmp_path: Path) -> None:
     mem = {m: sum(e["memory_rank0"].values()) for m, e in world["methods"].items()}
     assert mem["zero3"] < mem["zero2"] < mem["zero1"] < mem["zero0"]
     assert abs(mem["zero0"] - mem["ddp"]) < 0.01 * mem["ddp"]  # both replicate everything (step counters differ)
-    assert elapsed < 120, f"the smoke run took {elapsed:.0f} s"
+    assert elapsed < allow(120), f"the smoke run took {elapsed:.0f} s"
 
 
 @pytest.mark.timeout(150)

@@ -28,6 +28,7 @@ from research import costmodel
 from research.costmodel import Cluster
 from research.costmodel.hardware import GPUS
 from tests.conftest import read_run
+from tests.timing import allow
 
 ROOT = Path(__file__).resolve().parents[1]
 UNAVAILABLE = why_unavailable() if sys.platform == "linux" else "network namespaces are Linux only"
@@ -154,7 +155,7 @@ def test_a_cut_link_ends_every_rank_naming_the_lost_ones(faulty) -> None:
     """Every rank on both hosts exits within --comm-timeout + 60 s of the cut, non-zero; host
     0's report names ranks 2 and 3, each rank of host 1 names ranks 0 and 1."""
     code, seconds, output, _ = faulty
-    assert code != 0 and seconds < COMM_TIMEOUT_S + 60, (code, seconds)
+    assert code != 0 and seconds < COMM_TIMEOUT_S + allow(60), (code, seconds)
     said = [line for line in output.splitlines() if "error: " in line]
     assert any(line.startswith("[host 0]") and "rank(s) 2, 3" in line for line in said), said
     # by its collective's timeout, or by the store's silence if that came first (a store call blocks)
@@ -291,7 +292,7 @@ def test_a_shaped_link_passes_messages_at_its_rate_not_faster() -> None:
     seconds = {int(w[-2]): float(w[-1]) for w in (line.split() for line in done.stdout.splitlines()) if "probe" in w}
     for nbytes, took in seconds.items():
         at_rate = nbytes * 8 / rate_bits("100mbit")
-        assert 0.8 * at_rate < took < 1.3 * at_rate + 0.005, (nbytes, took, at_rate)
+        assert 0.8 * at_rate < took < allow(1.3 * at_rate + 0.005), (nbytes, took, at_rate)
     assert len(seconds) == 2, done.stdout[-2000:]
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.timing import allow
 
 
 def _describe(offset: int, *, scale: int) -> dict:
@@ -54,7 +55,7 @@ def test_exception_names_rank_and_carries_traceback() -> None:
     assert "Traceback (most recent call last)" in message
     assert "in _rank1_raises" in message
     assert "ValueError: boom from rank one" in message
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < allow(30)
 
 
 def _rank1_hangs() -> int:
@@ -67,7 +68,7 @@ def test_hanging_rank_times_out() -> None:
     start = time.monotonic()
     with pytest.raises(AssertionError, match=r"distributed test timed out after 3s on ranks \[1\]"):
         run_distributed(_rank1_hangs, 2, timeout=3)
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < allow(15)
 
 
 def _rank0_dies() -> None:

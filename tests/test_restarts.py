@@ -17,6 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.conftest import TINY_RUN
+from tests.timing import allow
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +106,7 @@ def test_a_job_that_fails_alike_on_every_attempt_says_why_each_time(jobs: dict, 
     assert text.count(f"{shard.name} is damaged") == 2, text  # attempt 0, then the one restart
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_a_worker_whose_peers_never_join_ends_within_the_timeout_with_a_sentence(tmp_path: Path) -> None:
     """Under torchrun's agent store, rank 0 of 2 whose peer never comes ends after
     --comm-timeout with the sentence and a non-zero exit, instead of waiting in the rendezvous."""
@@ -115,9 +116,9 @@ def test_a_worker_whose_peers_never_join_ends_within_the_timeout_with_a_sentence
     job = [*JOB, "--comm-timeout", "5", "--out", str(tmp_path / "run"), "--resume", str(tmp_path / "ckpt")]
     cmd = [sys.executable, "-m", "experiments.train", *job, "--data-cache", str(tmp_path / "cache")]
     start = time.monotonic()
-    done = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    done = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=allow(100))
     elapsed = time.monotonic() - start
     assert done.returncode == 2, done.stdout + done.stderr
     assert "rank 0 of 2 could not join its process group (torchrun attempt 1) within 5 s" in done.stderr, done.stderr
     assert "raise --comm-timeout" in done.stderr and "Traceback" not in done.stderr, done.stderr
-    assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert elapsed < allow(60), f"took {elapsed:.0f} s"

@@ -28,6 +28,7 @@ from optim.policies import Communication, MixedPrecision
 from parallel import accounting
 from tests.dist_utils import run_distributed
 from tests.models import make_model, no_decay_groups
+from tests.timing import allow
 
 ITERS, ACCUM, MICRO, EVAL_INTERVAL, EVAL_ITERS = 6, 2, 2, 3, 2
 UNITS = Communication(bucket_numel=800, unit_numel=700, resident_numel=0)  # 4 blocks: several stage-3 units
@@ -141,7 +142,7 @@ def test_the_script_as_written_matches_ddp(stage: int, ddp: list[dict], tmp_path
 def test_stage3_master_only_eval_or_save_stops_every_rank_with_the_sentence(everywhere: dict, tmp_path: Path) -> None:
     start = time.monotonic()
     out = run_distributed(run_script, 2, "zero3", str(tmp_path / "ckpt.pt"), **everywhere)
-    assert time.monotonic() - start < 25  # at once, not after the watchdog's 30 s
+    assert time.monotonic() - start < allow(25)  # at once, not after the watchdog's 30 s (on an idle machine)
     what = "model.state_dict()" if everywhere else "a forward without gradients (an evaluation)"
     for rank in range(2):
         assert OUT_OF_STEP in out[rank]["error"]
@@ -242,8 +243,8 @@ def test_the_watchdog_names_a_rank_that_never_arrives(tmp_path: Path) -> None:
     the sentence from the store that rank 0 hosts."""
     start = time.monotonic()
     with pytest.raises(AssertionError, match=r"exited with code 1|Connection closed by peer"):
-        run_distributed(stalled, 2, str(tmp_path), timeout=50)
-    assert time.monotonic() - start < 20
+        run_distributed(stalled, 2, str(tmp_path), timeout=allow(50))
+    assert time.monotonic() - start < allow(20)
     said = {r: (tmp_path / f"rank{r}.err").read_text() for r in range(2)}
     sentence = "collectives out of step for 3 s: rank 0 waits in the stage-3 check-in of model.state_dict()"
     assert sentence in said[0], said
