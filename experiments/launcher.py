@@ -86,6 +86,10 @@ def launch(argv: list[str]) -> int:
     for name in ("torch.distributed.run", "torch.distributed.elastic"):  # the workers speak for themselves
         logging.getLogger(name).setLevel(logging.CRITICAL)
     nproc = _parser().parse_known_args(argv)[0].nproc_per_node
+    # A store of its own for each rendezvous round: with the store shared across rounds, a host
+    # joining a later round waits for an address its rank-0 agent wrote only in the first, and
+    # the agents' rank assignment times out after 60 s (docs/training.md, "A lost host").
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     print(f"launch: the configuration is valid; starting {nproc} workers on this node", flush=True)
     try:
         elastic.run(elastic.parse_args(args))

@@ -213,7 +213,8 @@ def test_a_lost_host_leaves_the_job_running_on_the_rest(tmp_path: Path) -> None:
     finishes with exit 0, every step once, on the uninterrupted run's loss curve (fp32;
     only the reduction order changed)."""
     port, rdzv_id = free_port(), f"zero3d-lost-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1"}
+    # as docs/training.md says for torchrun on several hosts: a fresh store per round
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     out, ckpt, cache = tmp_path / "job", tmp_path / "job" / "ckpt", tmp_path / "cache"
     agent = torchrun(
         *("--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "1"),
@@ -243,10 +244,9 @@ def test_a_lost_host_leaves_the_job_running_on_the_rest(tmp_path: Path) -> None:
                 procs[name] = subprocess.Popen(agent, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
             time.sleep(2 if name == "a" else 0)
         # B is lost once both hosts train together: on a busy machine B's agent may reach the
-        # rendezvous after A has started alone (its last call over), and then joins at A's next
-        # round; the host is lost mid-run, not mid-rendezvous
+        # rendezvous after A has started alone (its last call over) and join at A's next round
         deadline = time.monotonic() + JOB_TIMEOUT_S
-        while not _steps_on_both_hosts(logs["a"].read_text(), 2):
+        while not _steps_on_both_hosts(logs["a"].read_text(), 5):  # past a save (every 2 steps)
             assert time.monotonic() < deadline and procs["a"].poll() is None, logs["a"].read_text()[-3000:]
             time.sleep(0.2)
         kill_tree(procs["b"])
