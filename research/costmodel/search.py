@@ -376,12 +376,9 @@ def plan(
         if variants:
             fitting.append(variants)
     result.fits = len(fitting)
-    if top is not None:
-        floors = [step_time_floor(model, [v for v, _ in f], seq_len, cluster) for f in fitting]
-        fitting = [f for _, f in sorted(zip(floors, fitting), key=lambda pair: pair[0])]
-        floors.sort()
-    for i, variants in enumerate(fitting):
-        if top is not None and floors[i] > result.step_time_of(top):
+    floors = [step_time_floor(model, [v for v, _ in f], seq_len, cluster) if top is not None else 0.0 for f in fitting]
+    for floor, variants in sorted(zip(floors, fitting), key=lambda pair: pair[0]):
+        if top is not None and floor > result.step_time_of(top):
             break
         bisect.insort(result.ranked, _fastest(model, variants, seq_len, cluster), key=_estimate_key)
     return result
