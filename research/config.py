@@ -113,6 +113,19 @@ class ParallelConfig:
         "tokens exchanged by all-to-all; ZeRO shards each expert over the dp/ep ranks holding it",
         rule=AT_LEAST_1,
     )
+    cp: int = arg(
+        1,
+        "context parallelism: each sequence split over this many ranks (2·cp load-balanced chunks under the ring); "
+        "world = tp × cp × pp × dp, and ZeRO shards over dp × cp",
+        rule=AT_LEAST_1,
+    )
+    cp_mode: str = arg(
+        "ring",
+        "context-parallel attention: ring (keys/values passed around the cp ranks), all-to-all (Ulysses: heads "
+        "split over cp), hybrid (all-to-all inside groups of --cp-a2a ranks, ring across them)",
+        rule=one_of("ring", "all-to-all", "hybrid"),
+    )
+    cp_a2a: int | None = arg(None, "--cp-mode hybrid: ranks of each all-to-all group (it divides cp)", rule=AT_LEAST_1)
     zero: int = arg(
         1, "ZeRO stage 0-3 over the dp group (over each dp_shard group with --dp-shard)", rule=one_of(0, 1, 2, 3)
     )
