@@ -84,9 +84,7 @@ def canonical_state(model: nn.ModuleList, opt: ZeroOptimizer, dims: ParallelDims
         dim = m.partition_dim
         if dim is None or dims.tp == 1 or not hasattr(value, "local_shards"):
             return value
-        return tile_sharded_tensor(
-            value, dim, dims.tp, dims.tp_rank, lambda r, t: dims.rank_of(*dims.coords_of(r)[:2], t)
-        )
+        return tile_sharded_tensor(value, dim, dims.tp, dims.tp_rank, dims.with_tp_rank)
 
     out: dict[str, Any] = {"model": {}, "optim": {}}
     for name, master in sd["params"].items():

@@ -187,6 +187,25 @@ class ParallelConfig:
         rule=POSITIVE,
     )
 
+    @property
+    def a2a_ranks(self) -> int:
+        """Ranks of each all-to-all group inside a cp group: 1 for the ring, cp for
+        all-to-all, --cp-a2a for hybrid."""
+        return {"ring": 1, "all-to-all": self.cp, "hybrid": self.cp_a2a or 1}[self.cp_mode]
+
+    def dims(self, world_size: int | None = None) -> ParallelDims:
+        """The layout these degrees make (validated; no process group yet)."""
+        return ParallelDims(
+            self.tp,
+            self.pp,
+            self.dp,
+            world_size,
+            self.dp_shard,
+            ep=self.ep,
+            cp=self.cp,
+            cp_a2a=self.a2a_ranks,
+        )
+
 
 @dataclass
 class TrainConfig:
@@ -505,7 +524,7 @@ def resolve_batch(cfg: RunConfig, world_size: int, given_cli: set[str], given_fi
     the one batch size not given (see the module docstring)."""
     par, tr = cfg.parallel, cfg.train
     try:
-        par.dp = ParallelDims(par.tp, par.pp, par.dp, world_size, par.dp_shard, ep=par.ep).dp
+        par.dp = par.dims(world_size).dp
     except LayoutError as e:
         raise ConfigError(e.worded(lambda size: cli.flag_name(size) if size in field_specs() else size)) from None
     order = [k for k in BATCH_KEYS if k in given_cli] + [k for k in BATCH_KEYS if k in given_file - given_cli]
@@ -575,6 +594,46 @@ def validate_moe(m: GPTConfig, par: ParallelConfig) -> None:
         )
 
 
+def validate_context(m: GPTConfig, par: ParallelConfig, seq_len: int) -> None:
+    """--cp and its mode against the sequence, the heads and the attention (cp dividing the
+    world is `parallel.dims.ParallelDims`' check)."""
+    mode, cp, a2a = par.cp_mode, par.cp, par.cp_a2a
+    if mode == "hybrid" and not (a2a and 1 < a2a < cp and cp % a2a == 0):
+        raise ConfigError(
+            f"--cp-mode hybrid needs --cp-a2a between 2 and --cp={cp} that divides it (got {a2a}): "
+            "all-to-all inside groups of that many ranks, the ring across them"
+        )
+    if a2a is not None and mode != "hybrid":
+        raise ConfigError(f"--cp-a2a={a2a} sizes the all-to-all groups of --cp-mode hybrid, not {mode}")
+    if cp == 1:
+        return
+    ring = mode != "all-to-all"
+    pieces = 2 * cp if ring else cp
+    if seq_len % pieces:
+        raise ConfigError(
+            f"--seq-len={seq_len} is not divisible by {'2 × ' if ring else ''}--cp={cp} = {pieces}: "
+            + ("the ring splits each sequence into 2·cp equal chunks" if ring else "each cp rank holds an equal share")
+        )
+    heads = m.n_heads // par.tp
+    split = par.a2a_ranks
+    if split > 1 and heads % split:
+        by = "--cp" if mode == "all-to-all" else "--cp-a2a"
+        raise ConfigError(
+            f"--cp-mode {mode} splits each rank's {heads} attention heads (--n-heads={m.n_heads} / --tp={par.tp}) "
+            f"over {by}={split} ranks, which does not divide them"
+        )
+    if ring and m.dropout:
+        raise ConfigError(
+            f"--cp-mode {mode} cannot drop attention weights (--dropout={m.dropout}): use --cp-mode all-to-all, "
+            "or --dropout 0"
+        )
+    if par.sequence_parallel and (seq_len // cp) % par.tp:
+        raise ConfigError(
+            f"--sequence-parallel splits each cp rank's {seq_len // cp} tokens (--seq-len={seq_len} / --cp={cp}) "
+            f"over --tp={par.tp}, which does not divide them"
+        )
+
+
 def validate_fp8(m: GPTConfig, par: ParallelConfig, precision: str, tokens: int = 16) -> None:
     """--fp8 needs bf16 compute, a CUDA (not ROCm) build, and matmul sizes `torch._scaled_mm`
     takes: the local widths and the `tokens` of a micro-batch (seq_len × micro-batch size)
@@ -623,7 +682,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"--virtual-stages={par.virtual_stages} needs --pp > 1")
     validate_zero_options(par)
     validate_moe(m, par)
-    validate_fp8(m, par, tr.precision, data.seq_len * (tr.micro_batch_size or 1))
+    validate_context(m, par, data.seq_len)
+    validate_fp8(m, par, tr.precision, data.seq_len // par.cp * (tr.micro_batch_size or 1))
     try:  # heads and widths; the vocabulary padded here to a multiple of tp, as `check_vocab` checks the real one
         dataclasses.replace(m, vocab_multiple=m.vocab_multiple * par.tp).validate_tp(par.tp)
     except ValueError as e:

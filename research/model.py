@@ -11,6 +11,13 @@ layer's output g (all-reduce / identity): 2 all-reduces forward, 2 backward per 
 With SP (Korthikanti et al. 2022) these become all-gather / reduce-scatter pairs and the
 norms, dropout and residual adds run on sequence shards.
 
+Under context parallelism (`parallel.context`) each rank holds s/cp tokens of every sequence
+(ids and labels both, the labels shifted before the split), at its true positions (learned
+and rotary ones alike); attention alone mixes tokens and runs across the cp ranks, and SP
+shards the rank's s/cp tokens further. The loss of a cp rank is cp · (its tokens' summed
+cross-entropy) / (the valid tokens of the whole sequences), so that the mean over the cp
+ranks, which the optimizer takes with the data-parallel mean, is one process's loss.
+
 Fused weights are laid out so that any contiguous chunk of rows is a whole unit:
 QKV rows as (head, {q,k,v}, d) and the SwiGLU input rows as (f, {gate, up}). So every
 TP rank's row slice of the tp=1 weight holds whole heads / matched gate-up pairs.
@@ -32,7 +39,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
-from parallel import marks
+from parallel import comm, marks
+from parallel.context import ContextGroups
 from parallel.expert.aux_loss import attach as attach_aux_loss
 from parallel.expert.groups import ExpertGroups
 from parallel.pipeline.partition import layer_ranges
@@ -275,11 +283,18 @@ def _dropout(x: torch.Tensor, p: float, training: bool, per_tp_rank: bool) -> to
 
 
 class Attention(nn.Module):
-    """Causal self-attention, heads split across TP ranks."""
+    """Causal self-attention, heads split across TP ranks; across the cp ranks of `context`
+    when it has them."""
 
-    def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        config: GPTConfig,
+        group: dist.ProcessGroup | None,
+        sequence_parallel: bool,
+        context: ContextGroups | None = None,
+    ) -> None:
         super().__init__()
-        h, self.config = config.d_model, config
+        h, self.config, self.context = config.d_model, config, context
         self.heads = config.n_heads // tp_size(group)
         self.qkv = ColumnParallelLinear(
             h, 3 * h, group=group, bias=config.qkv_bias, sequence_parallel=sequence_parallel, fp8=config.fp8
@@ -294,6 +309,20 @@ class Attention(nn.Module):
         if cos is not None:
             qkv_sbX = apply_rope(qkv_sbX, cos, sin, self.heads)
         q, k, v = rearrange(qkv_sbX, "s b (H three d) -> three b H s d", H=self.heads, three=3)
+        if self.context is None:
+            out = self._local(q, k, v)
+        else:
+            if self.context.ring is not None and c.dropout and self.training:
+                raise ValueError(
+                    f"--cp-mode {self.context.mode} cannot drop attention weights (--dropout={c.dropout}): "
+                    "use --cp-mode all-to-all, or --dropout 0"
+                )
+            out = self.context.attention(q, k, v, c.sliding_window, self._local)
+        return rearrange(out, "b H s d -> s b (H d)")
+
+    def _local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q kᵀ/√d + mask) v on whole sequences [b, H, s, d], with dropout."""
+        c = self.config
         drop = c.dropout if self.training else 0.0
         if c.sliding_window is None:
             with get_rng_tracker().fork() if drop else contextlib.nullcontext():
@@ -304,7 +333,7 @@ class Attention(nn.Module):
             allowed = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < c.sliding_window)
             with get_rng_tracker().fork() if drop else contextlib.nullcontext():
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=drop)
-        return rearrange(out, "b H s d -> s b (H d)")
+        return out
 
     def forward(self, x_sbh: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
         qkv = self.qkv(x_sbh)
@@ -350,11 +379,12 @@ class Block(nn.Module):
         group: dist.ProcessGroup | None,
         sequence_parallel: bool,
         moe: ExpertGroups | None = None,
+        context: ContextGroups | None = None,
     ) -> None:
         super().__init__()
         self.config, self.sp = config, sequence_parallel
         self.norm1 = Norm(config, group, sequence_parallel)
-        self.attn = Attention(config, group, sequence_parallel)
+        self.attn = Attention(config, group, sequence_parallel, context)
         self.norm2 = Norm(config, group, sequence_parallel)
         self.is_moe = moe is not None
         if moe is None:
@@ -400,7 +430,9 @@ class GPT(nn.Module):
     (a scalar, the same on every TP rank; labels equal to -100 are ignored) plus the
     auxiliary losses of its MoE blocks (`research.moe`); `model(input_ids_bs)` returns logits
     [b, s, v/tp] (this rank's vocabulary shard). With `expert_groups`
-    (`ParallelDims.expert_groups`) the MoE blocks split their experts over its ep ranks.
+    (`ParallelDims.expert_groups`) the MoE blocks split their experts over its ep ranks; with
+    `context` (`ParallelDims.context`) inputs and labels are this rank's tokens of each
+    sequence (`ContextGroups.shard`) and the loss is its share (see the module docstring).
 
     A pipeline stage builds only `layers` (global block indices; parameter names keep
     them: `blocks.5.attn.qkv.weight`), plus the embedding when `pre` and the final norm and
@@ -423,10 +455,12 @@ class GPT(nn.Module):
         pre: bool = True,
         post: bool = True,
         expert_groups: ExpertGroups | None = None,
+        context: ContextGroups | None = None,
     ) -> None:
         super().__init__()
         config.validate_tp(tp_size(tp_group))
         self.config, self.group = config, tp_group
+        self.context = context if context is not None and context.size > 1 else None
         self.sp = sequence_parallel and tp_size(tp_group) > 1
         self.pre, self.post = pre, post
         h = config.d_model
@@ -448,7 +482,7 @@ class GPT(nn.Module):
         for i in layers if layers is not None else range(config.n_layers):
             with _part_rng(config, f"block{i}"):
                 moe = (expert_groups or ExpertGroups()) if config.is_moe(i) else None
-                self.blocks[str(i)] = Block(config, tp_group, self.sp, moe)
+                self.blocks[str(i)] = Block(config, tp_group, self.sp, moe, self.context)
         self.norm = self.head = None
         if post:
             self.norm = Norm(config, tp_group, self.sp)
@@ -464,21 +498,24 @@ class GPT(nn.Module):
         """`inputs`: token ids [b, s] when this module holds the embedding (pre), else the
         hidden states x_sbh of the previous pipeline stage. Returns the loss (post, with
         labels), logits [b, s, v/tp] (post), or the hidden states for the next stage."""
+        cp = self.context.size if self.context is not None else 1
         if self.pre:
-            s = inputs.shape[1]
+            s = inputs.shape[1] * cp
             if s > self.config.max_seq_len:
                 raise ValueError(f"sequence length {s} exceeds max_seq_len={self.config.max_seq_len}")
+            where = self._positions(s, inputs.device)
             x = self.embed(inputs.t())
             if self.pos is not None:
-                pos = self.pos[:s, None, :]
+                pos = self.pos[where, None, :]
                 x = x + (shard_of(pos, 0, self.group) if self.sp else pos).to(x.dtype)
             x = _dropout(x, self.config.dropout, self.training, self.sp)
         else:
             x = inputs
-            s = x.shape[0] * (tp_size(self.group) if self.sp else 1)
+            s = x.shape[0] * (tp_size(self.group) if self.sp else 1) * cp
+            where = self._positions(s, x.device)
         cos = sin = None
         if self.config.position == "rope":
-            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+            cos, sin = self.rope_cos[where], self.rope_sin[where]
         aux = []
         for block in self.blocks.values():
             x, block_aux = block(x, cos, sin)
@@ -491,6 +528,13 @@ class GPT(nn.Module):
         loss = self.loss(logits_sbv, labels_bs.t())
         return loss + sum(aux) if aux else loss
 
+    def _positions(self, seq_len: int, device: torch.device) -> slice | torch.Tensor:
+        """The positions of this rank's tokens in sequences of `seq_len`: all of them, or its
+        context-parallel share."""
+        if self.context is None:
+            return slice(0, seq_len)
+        return self.context.positions(seq_len, device)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary shard of the logits, [s, b, v/tp], from the (SP-sharded)
         final hidden states."""
@@ -498,12 +542,17 @@ class GPT(nn.Module):
 
     def loss(self, logits_sbv: torch.Tensor, labels_sb: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over tokens whose label is not -100 (padding of the
-        vocabulary excluded)."""
+        vocabulary excluded); under context parallelism this rank's share × cp, the count
+        summed over the cp ranks."""
         valid = labels_sb != IGNORE_INDEX
         ce = vocab_parallel_cross_entropy(
             logits_sbv, labels_sb.where(valid, 0), self.group, vocab_size=self.config.vocab_size
         )
-        return (ce * valid).sum() / valid.sum()
+        if self.context is None:
+            return (ce * valid).sum() / valid.sum()
+        count = valid.sum().to(ce.dtype)
+        comm.all_reduce(count, group=self.context.cp)
+        return (ce * valid).sum() * self.context.size / count
 
 
 def pipeline_chunks(
@@ -516,6 +565,7 @@ def pipeline_chunks(
     sequence_parallel: bool = False,
     allow_uneven: bool = False,
     expert_groups: ExpertGroups | None = None,
+    context: ContextGroups | None = None,
 ) -> list[GPT]:
     """This pipeline rank's model chunks: chunk c is virtual stage c·pp + pp_rank of the
     layers split by `layer_ranges`; the first stage holds the embedding, the last the final
@@ -535,6 +585,7 @@ def pipeline_chunks(
                 pre=stage == 0,
                 post=stage == stages - 1,
                 expert_groups=expert_groups,
+                context=context,
             )
         )
     if config.tie_embeddings and stages > 1:

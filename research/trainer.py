@@ -1,11 +1,13 @@
 """The training loop: one optimizer step = one global batch through the pipeline schedule.
 
 Per step, data-parallel rank d takes rows [d·B/dp, (d+1)·B/dp) of global batch `step`
-(B = global batch size), split into m micro-batches; the `PipelineExecutor` runs them
+(B = global batch size), split into m micro-batches (under context parallelism each cp rank
+keeps its share of every sequence, `ContextGroups.shard`); the `PipelineExecutor` runs them
 through this rank's model chunks (pp = 1 is the one-stage pipeline: forward and backward
 per micro-batch, gradient reduction deferred to the last backward); then the ZeroOptimizer
 clips by the global norm and steps. The logged loss is the mean over the global batch:
-(1/dp) Σ_d (1/m) Σ_i loss(d, i), every micro-batch holding the same number of tokens.
+(1/dp) Σ_d (1/m) Σ_i loss(d, i), every micro-batch holding the same number of tokens (a cp
+rank's loss is its share × cp, so the mean over dp × cp is the same number).
 
 LR: linear warm-up to `lr` over `warmup_steps`, then cosine decay to `min_lr` at step
 `lr_decay_steps` (default: the last step) and `min_lr` after it (or constant). Weight decay applies to matrices, not to norms and biases.
@@ -30,7 +32,6 @@ import torch.nn as nn
 from optim import ZeroOptimizer
 from optim.policies import DTYPES, Communication, MixedPrecision, ZeroPlusPlus
 from parallel import accounting, comm
-from parallel.dims import ParallelDims
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.random import seed_everything
 from research import checkpoint, costmodel, data, metrics, moe
@@ -137,12 +138,11 @@ class Trainer:
         par, tr = cfg.parallel, cfg.train
         self._created = started = time.perf_counter()
         self.device = _device()
-        self.dims = d = ParallelDims(tp=par.tp, pp=par.pp, dp=par.dp, dp_shard=par.dp_shard, ep=par.ep).build(
-            timeout_s=par.comm_timeout
-        )
+        self.dims = d = par.dims().build(timeout_s=par.comm_timeout)
         self.rank = dist.get_rank()
         seed_everything(tr.seed, d.tp_rank, d.pp_rank)
-        layout = f"tp {d.tp} × pp {d.pp} × dp {d.dp}" + (f" (ep {d.ep})" if d.ep > 1 else "")
+        context = f" × cp {d.cp} ({par.cp_mode})" if d.cp > 1 else ""
+        layout = f"tp {d.tp}{context} × pp {d.pp} × dp {d.dp}" + (f" (ep {d.ep})" if d.ep > 1 else "")
         metrics.say(f"start-up: process groups, {layout} ({time.perf_counter() - started:.1f} s)")
         started = time.perf_counter()
         cfg.model, self.batches = load_data(cfg)
@@ -174,6 +174,7 @@ class Trainer:
             dims.embedding_group,
             par.sequence_parallel,
             expert_groups=dims.expert_groups,
+            context=dims.context,
         )
         self.model = nn.ModuleList(chunks).to(self.device)
         self.param_dtype = DTYPES[tr.precision]
@@ -189,7 +190,7 @@ class Trainer:
             optimizer=self.opt,
             grad_sync=par.grad_sync,
         )
-        seq = cfg.data.seq_len // (dims.tp if par.sequence_parallel and dims.tp > 1 else 1)
+        seq = cfg.data.seq_len // dims.cp // (dims.tp if par.sequence_parallel and dims.tp > 1 else 1)
         self.activation_shape = (seq, tr.micro_batch_size, cfg.model.d_model)
 
     # ---- checkpoints ----------------------------------------------------------------------
@@ -277,6 +278,8 @@ class Trainer:
                 "dp": self.dims.dp,
                 "dp_shard": self.dims.dp_shard,
                 "ep": self.dims.ep,
+                "cp": self.dims.cp,
+                "cp_mode": cfg.parallel.cp_mode,
                 "zero": cfg.parallel.zero,
                 "schedule": cfg.parallel.schedule,
                 "virtual_stages": cfg.parallel.virtual_stages,
@@ -292,6 +295,9 @@ class Trainer:
         None, global grad norm, the lr used)."""
         inputs, labels = self.batches.batch(step)
         micro = data.local_micro_batches(inputs, labels, self.dims.dp_rank, self.dims.dp, self.cfg.train.micro_batches)
+        context = self.dims.context
+        if context.size > 1:  # labels were shifted with the whole sequence: each token keeps its target
+            micro = [(context.shard(x), context.shard(y)) for x, y in micro]
         ids = [x.to(self.device) for x, _ in micro]
         targets = [y.to(self.device) for _, y in micro]
         return self._train_on(ids, targets)
@@ -315,8 +321,8 @@ class Trainer:
         """Mean loss over the global batch, on every rank (only last-stage ranks hold one)."""
         value = torch.tensor([float(loss) if loss is not None else 0.0], dtype=torch.float64, device=self.device)
         comm.all_reduce(value, group=self.dims.pp_group)
-        comm.all_reduce(value, group=self.dims.dp_group)
-        return value.item() / self.dims.dp
+        comm.all_reduce(value, group=self.dims.dp_cp_group)
+        return value.item() / (self.dims.dp * self.dims.cp)
 
     # ---- the run --------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -484,7 +490,7 @@ class Trainer:
         states = memory["params"] + memory["master"] + memory["optimizer"]
         mine = {
             "rank": self.rank,
-            "coords": dict(zip(("pp", "dp", "tp"), self.dims.coords_of(self.rank))),
+            "coords": dict(zip(("pp", "dp", "cp", "tp"), self.dims.coords_of(self.rank))),
             "node": self.rank // self.dims.ranks_per_node,
             "memory_bytes": {
                 "params": memory["params"],
@@ -495,7 +501,9 @@ class Trainer:
             "grads_peak_bytes": self.opt.grad_peak_bytes,
             # each part at its own peak: an upper bound of what the rank held at once
             "peak_bytes": states + self.opt.grad_peak_bytes + activation_peak,
-            "comm_per_step": metrics.comm_per_step(comm_total, max(1, len(rows)), groups=("tp", "pp", "dp", "ep")),
+            "comm_per_step": metrics.comm_per_step(
+                comm_total, max(1, len(rows)), groups=("tp", "pp", "dp", "ep", *(("cp",) if self.dims.cp > 1 else ()))
+            ),
         }
         ranks = metrics.all_ranks(mine)
         return {
