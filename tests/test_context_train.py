@@ -96,6 +96,29 @@ def test_a_cp_layout_follows_the_single_process_run(quick) -> None:
         _check(base, rows, layout)
 
 
+def _resumed(base: str) -> list[dict]:
+    """cp2 ZeRO-3 for steps 1-2, its checkpoint loaded as cp4 ZeRO-1 for steps 3-4, then as
+    one process for 5-6 (each run's metrics.jsonl holds the steps it ran)."""
+    decay = ["--lr-decay-steps", str(STEPS)]
+    ckpt = lambda name: os.path.join(base, name, "ckpt")  # noqa: E731
+    stages = [
+        (4, "resume-cp2", ["--steps", "2", "--cp", "2", "--zero", "3", *UNITS]),
+        (4, "resume-cp4", ["--steps", "4", "--cp", "4", "--zero", "1", "--load", ckpt("resume-cp2")]),
+        (1, "resume-single", ["--steps", str(STEPS), "--load", ckpt("resume-cp4")]),
+    ]
+    rows = []
+    for world, name, argv in stages:
+        rows += run_distributed(launch, world, base, {name: [*decay, *argv]}, timeout=600)[0][name]
+    return rows
+
+
+@pytest.mark.slow
+def test_a_cp2_checkpoint_resumes_as_cp4_and_as_one_process(every) -> None:
+    base, rows = every
+    resumed = _resumed(base)
+    torch.testing.assert_close(_column(resumed, "loss"), _column(rows["single"], "loss"), rtol=1e-5, atol=0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - QUICK))
 def test_every_cp_layout_follows_the_single_process_run(every, layout: str) -> None:
