@@ -548,3 +548,58 @@ def test_resume_finds_the_latest_complete_checkpoint_or_none(tmp_path) -> None:
         (root / f"step_{step:08d}").mkdir()
         (root / f"step_{step:08d}" / checkpoint.META).write_text("{}")
     assert checkpoint.latest(str(root)) == str(root / "step_00000010")
+
+
+CP_ERRORS = [
+    (["--cp", "3"], 4, "--tp=1 × --cp=3 × --pp=1 = 3 does not divide the world size 4"),
+    (
+        ["--cp", "2", "--seq-len", "66", "--max-seq-len", "128"],
+        2,
+        "--seq-len=66 is not divisible by 2 × --cp=2 = 4: the ring splits each sequence into 2·cp equal chunks",
+    ),
+    (
+        ["--cp", "4", "--cp-mode", "all-to-all", "--seq-len", "66", "--max-seq-len", "128"],
+        4,
+        "--seq-len=66 is not divisible by --cp=4 = 4: each cp rank holds an equal share",
+    ),
+    (
+        ["--cp", "4", "--cp-mode", "all-to-all", "--n-heads", "2", "--d-model", "32"],
+        4,
+        "--cp-mode all-to-all splits each rank's 2 attention heads (--n-heads=2 / --tp=1) over --cp=4 ranks, "
+        "which does not divide them",
+    ),
+    (
+        ["--cp", "4", "--cp-mode", "hybrid", "--cp-a2a", "4"],
+        4,
+        "--cp-mode hybrid needs --cp-a2a between 2 and --cp=4 that divides it (got 4): all-to-all inside groups "
+        "of that many ranks, the ring across them",
+    ),
+    (["--cp", "2", "--cp-a2a", "2"], 2, "--cp-a2a=2 sizes the all-to-all groups of --cp-mode hybrid, not ring"),
+    (
+        ["--cp", "2", "--dropout", "0.1"],
+        2,
+        "--cp-mode ring cannot drop attention weights (--dropout=0.1): use --cp-mode all-to-all, or --dropout 0",
+    ),
+    (
+        ["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "12", "--max-seq-len", "128"],
+        8,
+        "--sequence-parallel splits each cp rank's 6 tokens (--seq-len=12 / --cp=2) over --tp=4, which does not "
+        "divide them",
+    ),
+]
+
+
+@pytest.mark.parametrize("argv, world, message", CP_ERRORS, ids=[" ".join(a) for a, _, _ in CP_ERRORS])
+def test_a_cp_layout_that_cannot_run_is_one_sentence(argv: list[str], world: int, message: str) -> None:
+    """Before any process group: the sequence, the heads, the world and the attention."""
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv, world)
+    assert str(info.value) == message
+
+
+def test_cp_mode_sets_the_all_to_all_groups() -> None:
+    cfgs = {mode: parse_args(["--cp", "4", "--cp-mode", mode, *extra], 8) for mode, extra in (
+        ("ring", []), ("all-to-all", []), ("hybrid", ["--cp-a2a", "2"]))}
+    assert {mode: cfg.parallel.a2a_ranks for mode, cfg in cfgs.items()} == {"ring": 1, "all-to-all": 4, "hybrid": 2}
+    assert {cfg.parallel.dp for cfg in cfgs.values()} == {2}
+    assert str(cfgs["hybrid"].parallel.dims(8)) == "tp=1 cp=4 (all-to-all 2) pp=1 dp=2 (world 8)"
