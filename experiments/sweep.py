@@ -245,16 +245,18 @@ def _point_overrides(
 def _point_nproc(
     own: dict[str, Any], overrides: dict[str, Any], setting: dict[str, Any], sweep_nproc: int | None
 ) -> int | None:
-    """A point's process count: its own `nproc`, else tp·pp·dp when it sets dp, else the
+    """A point's process count: its own `nproc`, else tp·cp·pp·dp when it sets dp, else the
     sweep's `nproc` (None when there is none)."""
-    return own.get("nproc") or (setting["tp"] * setting["pp"] * setting["dp"] if overrides.get("dp") else sweep_nproc)
+    if own.get("nproc") or not overrides.get("dp"):
+        return own.get("nproc") or sweep_nproc
+    return setting["tp"] * setting.get("cp", 1) * setting["pp"] * setting["dp"]
 
 
 def _requested(setting: dict[str, Any], nproc: int) -> dict[str, Any]:
-    """The CONFIG_COLUMNS a point asks for, and its process count; dp = nproc / (tp·pp)
+    """The CONFIG_COLUMNS a point asks for, and its process count; dp = nproc / (tp·cp·pp)
     when the config leaves dp to the world size."""
     requested = {**{k: setting.get(k) for k in CONFIG_COLUMNS}, "nproc": int(nproc)}
-    model_parallel = setting["tp"] * setting["pp"]
+    model_parallel = setting["tp"] * setting.get("cp", 1) * setting["pp"]
     if requested["dp"] is None and nproc % model_parallel == 0:
         requested["dp"] = nproc // model_parallel
     return requested

@@ -7,6 +7,9 @@ CONFIG_COLUMNS = (
     "pp",
     "dp",
     "ep",
+    "cp",
+    "cp_mode",
+    "seq_len",
     "zero",
     "schedule",
     "virtual_stages",
@@ -36,6 +39,7 @@ RESULT_COLUMNS = (
     "comm_pp_bytes",
     "comm_dp_bytes",
     "comm_ep_bytes",
+    "comm_cp_bytes",
     "comm_total_bytes",
     "model_states_predicted_error",
     "final_loss",
@@ -43,6 +47,13 @@ RESULT_COLUMNS = (
     "wall_time_s",
 )
 COLUMNS = ("name", "status", *CONFIG_COLUMNS, *RESULT_COLUMNS, "error")
-# the process groups whose bytes per step get a column (comm_<group>_bytes): the all-to-all
-# of expert parallelism runs on "ep"
-COMM_GROUPS = ("tp", "pp", "dp", "ep")
+# the columns of bytes per step (comm_<column>_bytes) and the process groups each sums: the
+# all-to-all of expert parallelism runs on "ep"; data-parallel reductions over dp × cp on
+# "dp_cp"; context parallelism's ring and all-to-all on "cp" (a hybrid's on its two subgroups)
+COMM_GROUPS = {
+    "tp": ("tp",),
+    "pp": ("pp",),
+    "dp": ("dp", "dp_cp"),
+    "ep": ("ep",),
+    "cp": ("cp", "cp_a2a", "cp_ring"),
+}

@@ -43,11 +43,12 @@ def point_row(summary: dict[str, Any], name: str, status: str) -> dict[str, Any]
     cfg = summary["config"]
     ranks = summary["ranks"]
     row: dict[str, Any] = {"name": name, "status": status, "nproc": len(ranks)}
-    for section in ("parallel", "train", "model"):
+    for section in ("parallel", "train", "model", "data"):
         row.update({k: v for k, v in cfg[section].items() if k in CONFIG_COLUMNS})
 
-    def comm(rank: dict[str, Any], group: str) -> int:
-        return round(rank["comm_per_step"].get(group, {}).get("total", {}).get("bytes", 0))
+    def comm(rank: dict[str, Any], column: str) -> int:
+        per_group = rank["comm_per_step"]
+        return round(sum(per_group.get(g, {}).get("total", {}).get("bytes", 0) for g in COMM_GROUPS[column]))
 
     worst = max(ranks, key=lambda r: r["peak_bytes"])
     row["mem_per_rank_bytes"] = worst["peak_bytes"]
@@ -56,7 +57,7 @@ def point_row(summary: dict[str, Any], name: str, status: str) -> dict[str, Any]
     row["mem_grads_peak_bytes"] = worst["grads_peak_bytes"]
     busiest = max(ranks, key=lambda r: sum(comm(r, g) for g in COMM_GROUPS))
     row.update({f"comm_{g}_bytes": comm(busiest, g) for g in COMM_GROUPS})
-    row["comm_total_bytes"] = sum(comm(busiest, g) for g in busiest["comm_per_step"])
+    row["comm_total_bytes"] = sum(round(g["total"]["bytes"]) for g in busiest["comm_per_step"].values())
     row["model_states_predicted_error"] = planner_error(summary)
     row.update(
         tokens_per_s=summary.get("median_tokens_per_s"),
@@ -136,6 +137,7 @@ MD_HEADERS = {
     "comm_pp_bytes": "comm pp",
     "comm_dp_bytes": "comm dp",
     "comm_ep_bytes": "comm ep",
+    "comm_cp_bytes": "comm cp",
     "model_states_predicted_error": "planner err",
     "final_loss": "loss",
     "final_loss_mean": f"loss (last {LAST_STEPS})",
