@@ -20,7 +20,7 @@ from tests.dist_utils import run_distributed
 
 def _reference(q, k, v, window):
     s = q.shape[-2]
-    i = torch.arange(s)
+    i = torch.arange(s, device=q.device)
     allowed = i[None, :] <= i[:, None]
     if window is not None:
         allowed &= i[:, None] - i[None, :] < window
@@ -132,3 +132,55 @@ def test_context_parallel_attention_equals_one_device(world: int, a2a: int, wind
     """Ring (a2a 1), all-to-all (a2a = world) and hybrid: output and q, k, v gradients equal
     full attention on the whole sequence at this rank's positions (fp64 inputs; blocks in fp32)."""
     run_distributed(_attention_on_ranks, world, a2a, window, 64)
+
+
+def _ring_in_one_process(q, k, v, dout, ring: int, window: int | None):
+    """Every ring member's hops (`hop_forward`, `hop_backward`) in one process: the whole
+    sequence's output and q, k, v gradients, as the ring computes them."""
+    from parallel.context.ring import hop_backward, hop_forward
+
+    s = q.shape[-2]
+    where = [positions(s, ring, g) for g in range(ring)]
+    kv = torch.stack((k, v))
+    acc = kernels.accumulator(q.dtype)
+    out, dq, dkv = torch.empty_like(q), torch.zeros_like(q, dtype=acc), torch.zeros_like(kv, dtype=acc)
+    for g in range(ring):
+        saved, merged = kernels.Saved(), [(None, None), (None, None)]
+        for src in range(ring):
+            hop_forward(q[..., where[g], :], kv[..., where[src], :], g, src, ring, window, merged, saved)
+        mine = torch.cat([o for o, _ in merged], dim=-2).to(q.dtype)
+        lse = torch.cat([lse for _, lse in merged], dim=-1)
+        out[..., where[g], :] = mine
+        dq_g = torch.zeros_like(q[..., where[g], :], dtype=acc)
+        for src in range(ring):
+            dkv_src = torch.zeros_like(kv[..., where[src], :], dtype=acc)
+            hop_backward(
+                dout[..., where[g], :], q[..., where[g], :], kv[..., where[src], :], mine, lse, g, src, ring, window,
+                dq_g, dkv_src, saved,
+            )
+            dkv[..., where[src], :] += dkv_src
+        dq[..., where[g], :] = dq_g
+    return out, dq, dkv[0], dkv[1]
+
+
+CUDA = pytest.mark.skipif("not torch.cuda.is_available()", reason="needs CUDA")
+
+
+@pytest.mark.parametrize(
+    "device, dtype, tolerance",
+    [("cpu", torch.float64, 1e-10), pytest.param("cuda", torch.bfloat16, 3e-2, marks=(pytest.mark.cuda, CUDA))],
+)
+@pytest.mark.parametrize("window", [None, 40])
+def test_the_ring_blocks_on_the_device_kernels_equal_causal_attention(device, dtype, tolerance, window) -> None:
+    """On CUDA in bf16 the blocks run on the fused flash / memory-efficient kernels (the
+    window's edge on the efficient kernel's mask), on the CPU on the fp64 math: either way
+    the ring's output and gradients are causal attention's (bf16: within its rounding)."""
+    torch.manual_seed(0)
+    shape = (1, 2, 256, 64)
+    q, k, v, dout = (torch.randn(shape, dtype=torch.float64).to(device, dtype) for _ in range(4))
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected = _reference(*leaves, window)
+    expected.backward(dout.double())
+    got = _ring_in_one_process(q, k, v, dout, 4, window)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, (expected, *(x.grad for x in leaves))):
+        torch.testing.assert_close(a.double(), b, rtol=tolerance, atol=tolerance, msg=lambda m, n=name: f"{n}: {m}")

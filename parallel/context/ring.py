@@ -13,6 +13,8 @@ passing them on, and after the last hop the sums reach their owner.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -41,9 +43,9 @@ class _Exchange:
         return self.received
 
 
-def _blocks(g: int, src: int, r: int, c: int, window: int | None):
+def blocks(g: int, src: int, r: int, c: int, window: int | None) -> Iterator[tuple[int, int, Block, int, int]]:
     """(query half, key half, kind, q chunk, k chunk) of member g's queries against the keys
-    of member src, skipped blocks left out."""
+    of member src (chunks of c tokens), skipped blocks left out."""
     for qi, q_chunk in enumerate(ring_chunks(r, g)):
         for ki, k_chunk in enumerate(ring_chunks(r, src)):
             kind = block_kind(q_chunk, k_chunk, c, window)
@@ -56,21 +58,58 @@ def _half(x: torch.Tensor, i: int) -> torch.Tensor:
     return x[..., i * c : (i + 1) * c, :]
 
 
+Merged = list[tuple[torch.Tensor | None, torch.Tensor | None]]
+
+
+def hop_forward(
+    q: torch.Tensor, kv: torch.Tensor, g: int, src: int, r: int, window: int | None, merged: Merged, saved: kernels.Saved
+) -> None:
+    """Member g's queries q [b, H, 2c, d] against member src's keys and values kv [2, b, H,
+    2c, d]: each block computed and merged into `merged` (per query half: out, lse)."""
+    c = q.shape[-2] // 2
+    for qi, ki, kind, q_chunk, k_chunk in blocks(g, src, r, c, window):
+        mask = block_mask(q_chunk, k_chunk, c, window, q.device) if kind is Block.MASKED else None
+        out, lse = kernels.forward(_half(q, qi), _half(kv[0], ki), _half(kv[1], ki), kind, mask, saved)
+        merged[qi] = kernels.merge(*merged[qi], out, lse)
+
+
+def hop_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    g: int,
+    src: int,
+    r: int,
+    window: int | None,
+    dq: torch.Tensor,
+    dkv: torch.Tensor,
+    saved: kernels.Saved,
+) -> None:
+    """The gradients of `hop_forward`'s blocks, given the merged `out` and `lse`: added to dq
+    and to dkv (src's keys and values)."""
+    c = q.shape[-2] // 2
+    for qi, ki, kind, q_chunk, k_chunk in blocks(g, src, r, c, window):
+        mask = block_mask(q_chunk, k_chunk, c, window, q.device) if kind is Block.MASKED else None
+        halves = (_half(dout, qi), _half(q, qi), _half(kv[0], ki), _half(kv[1], ki), _half(out, qi))
+        dq_, dk_, dv_ = kernels.backward(*halves, lse.chunk(2, dim=-1)[qi], kind, mask, saved)
+        _half(dq, qi).add_(dq_)
+        _half(dkv[0], ki).add_(dk_)
+        _half(dkv[1], ki).add_(dv_)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, window):  # type: ignore[override]
         r, g = dist.get_world_size(group), dist.get_rank(group)
-        c = q.shape[-2] // 2
         kv = torch.stack((k, v)).contiguous()
         saved = kernels.Saved()
-        merged: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None), (None, None)]
+        merged: Merged = [(None, None), (None, None)]
         for hop in range(r):
             src = (g - hop) % r
             exchange = _Exchange(kv, group) if hop < r - 1 else None
-            for qi, ki, kind, q_chunk, k_chunk in _blocks(g, src, r, c, window):
-                mask = block_mask(q_chunk, k_chunk, c, window, q.device) if kind is Block.MASKED else None
-                out, lse = kernels.forward(_half(q, qi), _half(kv[0], ki), _half(kv[1], ki), kind, mask, saved)
-                merged[qi] = kernels.merge(*merged[qi], out, lse)
+            hop_forward(q, kv, g, src, r, window, merged, saved)
             if exchange is not None:
                 kv = exchange.wait()
         out = torch.cat([o for o, _ in merged], dim=-2).to(q.dtype)
@@ -84,7 +123,6 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, window = ctx.group, ctx.window
         r, g = dist.get_world_size(group), dist.get_rank(group)
-        c = q.shape[-2] // 2
         dout = dout.contiguous()
         acc = kernels.accumulator(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -94,22 +132,7 @@ class _RingAttention(torch.autograd.Function):
             src = (g - hop) % r
             exchange = _Exchange(kv, group) if hop < r - 1 else None
             dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-            for qi, ki, kind, q_chunk, k_chunk in _blocks(g, src, r, c, window):
-                mask = block_mask(q_chunk, k_chunk, c, window, q.device) if kind is Block.MASKED else None
-                dq_, dk_, dv_ = kernels.backward(
-                    _half(dout, qi),
-                    _half(q, qi),
-                    _half(kv[0], ki),
-                    _half(kv[1], ki),
-                    _half(out, qi),
-                    lse.chunk(2, dim=-1)[qi],
-                    kind,
-                    mask,
-                    ctx.saved,
-                )
-                _half(dq, qi).add_(dq_)
-                _half(dkv[0], ki).add_(dk_)
-                _half(dkv[1], ki).add_(dv_)
+            hop_backward(dout, q, kv, out, lse, g, src, r, window, dq, dkv, ctx.saved)
             if sums is not None:
                 dkv += sums.wait()
             if r > 1:

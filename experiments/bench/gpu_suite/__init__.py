@@ -42,10 +42,11 @@ PARTS = [
     Part("cuda_tests", parts.cuda_tests, 120, report.cuda_tests_md),
     Part("fused_step", parts.fused_step, 60, report.fused_step_md),
     Part("quantize", parts.quantize, 20, report.quantize_md),
-    Part("mfu", parts.mfu, 150, report.mfu_md),
+    Part("mfu", parts.mfu, 110, report.mfu_md),
     Part("memory", parts.memory, 60, report.memory_md),
     Part("zero_stages", parts.zero_stages, 60, report.zero_stages_md),
     Part("compile", parts.compile_kernels, 20, report.compile_md),
+    Part("context", parts.context, 40, report.context_md),
 ]
 NAMES = tuple(p.name for p in PARTS)
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from experiments.bench import fused_step_bandwidth, gpu_compile, gpu_mfu
+from experiments.bench import context_parallel, fused_step_bandwidth, gpu_compile, gpu_mfu
 from experiments.bench.common import median, timed
 from experiments.bench.gpu_suite.runner import ROOT, Context
 from experiments.bench.results import goal
@@ -496,3 +496,53 @@ def compile_kernels(ctx: Context) -> dict[str, Any]:
     if failed:
         result["reason"] = f"{len(failed)} of {len(rows)} did not compile; first: {failed[0].error}"
     return result
+
+
+CONTEXT_GOAL = 1.15
+
+
+def context(ctx: Context) -> dict[str, Any]:
+    """Context parallelism's ring on one GPU: every member's work at cp 8 (its two zigzag query
+    chunks against each key chunk in turn, merged by log-sum-exp, forward + backward, on the
+    fused kernels; `context_parallel.zigzag_member`, no communication) against one fused causal
+    SDPA call over the whole sequence, for the 1.31B GPT's heads (16 × 128) in bf16 at 32K and
+    128K tokens (1K and 2K, 2 heads of 16, fp32 on the CPU). Per length: the members' mean time
+    over the fused call's / 8 (goal ≤ 1.15 at each length) and the slowest member over the mean."""
+    device, cp = ctx.device, 8
+    heads, head_dim, dtype = (2, 16, torch.float32) if ctx.smoke else (16, 128, torch.bfloat16)
+    rows = []
+    for seq in (1024, 2048) if ctx.smoke else (32 * 1024, 128 * 1024):
+        gen = torch.Generator(device).manual_seed(0)
+        q, k, v, dout = (
+            torch.randn(1, heads, seq, head_dim, device=device, generator=gen, dtype=dtype) for _ in range(4)
+        )
+        leaves = [x.requires_grad_() for x in (q.clone(), k.clone(), v.clone())]
+
+        def fused_call() -> None:
+            torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).backward(dout)
+
+        repeats = 2 if ctx.smoke else 5
+        whole = timed(fused_call, device, repeats)
+        members = [timed(lambda g=g: context_parallel.zigzag_member(q, k, v, dout, cp, g), device, repeats) for g in range(cp)]
+        mean = sum(members) / cp
+        rows.append(
+            {
+                "seq": seq,
+                "fused_s": whole,
+                "member_mean_s": mean,
+                "slowest_over_mean": max(members) / mean,
+                "ratio": mean / (whole / cp),
+            }
+        )
+        del q, k, v, dout, leaves
+        _free(device)
+    worst = max(r["ratio"] for r in rows)
+    return {
+        "status": "ok",
+        "cp": cp,
+        "heads": heads,
+        "head_dim": head_dim,
+        "dtype": str(dtype).removeprefix("torch."),
+        "rows": rows,
+        "goal": goal(worst, "<=", CONTEXT_GOAL),
+    }

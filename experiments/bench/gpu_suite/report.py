@@ -230,3 +230,19 @@ def markdown(results: dict[str, Any], tables: dict[str, Callable[[dict[str, Any]
             if r.get("traceback"):
                 lines += ["", "```", *r["traceback"], "```"]
     return "\n".join(lines) + "\n"
+
+
+CONTEXT: dict[str, Cell] = {
+    "tokens": "seq:,",
+    "fused causal SDPA ms": lambda x: f"{1e3 * x['fused_s']:.2f}",
+    "ring member ms (mean)": lambda x: f"{1e3 * x['member_mean_s']:.2f}",
+    "member / (fused / cp)": "ratio:.3f",
+    "slowest / mean member": "slowest_over_mean:.3f",
+}
+
+
+def context_md(r: dict[str, Any]) -> str:
+    return (
+        f"cp {r['cp']}, {r['heads']} heads of {r['head_dim']}, {r['dtype']}, forward + backward; goal for the "
+        f"worst length: {_verdict(r['goal'])}.\n\n" + table(r["rows"], CONTEXT)
+    )
