@@ -1,5 +1,5 @@
-"""Plan a training layout: every (tp, pp, dp, v, ZeRO stage, micro-batch size, recompute,
-SP) of a model on a cluster, each with its fastest data-parallel communication (hybrid
+"""Plan a training layout: every (tp, cp, pp, dp, v, ZeRO stage, micro-batch size, recompute,
+SP; with long sequences context parallelism's cp and mode) of a model on a cluster, each with its fastest data-parallel communication (hybrid
 sharding, ZeRO++ qwZ / hpZ / qgZ), ranked by predicted step time, where the bytes go (NVLink
 or network), and why the others are out.
 
@@ -7,6 +7,7 @@ or network), and why the others are out.
     python -m experiments.plan --config experiments/configs/tiny.yaml --gpus 8 --gpu h100
     python -m experiments.plan --model gpt-70b --gpus 512 --gpu h100 --inter-node-gbps 400
     python -m experiments.plan --scale-table   # ZeRO-3 / hybrid / ZeRO++ for 7B-175B on H100s
+    python -m experiments.plan --config experiments/configs/gpt-1.3b.yaml --gpus 64 --gpu h100 --seq-len 131072
 
 The model is a preset (the GPT models of Narayanan et al. 2021, Table 1: vocabulary 51,200,
 sequence 2048, their global batch and GPU count as defaults; and GPT 7B / 70B / 175B of the
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from research import costmodel
 from research.costmodel import Cluster, Collective, Estimate, GiB, Layout, Plan
 from research.costmodel.hardware import NETWORK_STEP_LATENCY, NVLINK_STEP_LATENCY, SYSTEMS, load_system
+from research.costmodel.search import CP_MIN_TOKENS, CP_MODES
 from research.model import GPTConfig
 
 
@@ -87,6 +89,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: 2048 or the config's)")
     p.add_argument("--top", type=int, default=10, help="layouts to show")
     p.add_argument(
+        "--cp",
+        type=int,
+        help="pin context parallelism to this many ranks per sequence (default: searched where each rank keeps at "
+        f"least {CP_MIN_TOKENS} tokens of a sequence)",
+    )
+    p.add_argument("--cp-mode", choices=CP_MODES, help="pin how context-parallel ranks attend (default: searched)")
+    p.add_argument("--cp-a2a", type=int, help="pin --cp-mode hybrid's all-to-all group size (default: searched)")
+    p.add_argument(
         "--comm",
         choices=list(costmodel.COMM_SCHEMES),
         default="exact",
@@ -143,6 +153,9 @@ def _one_layout_args(p: argparse.ArgumentParser) -> None:
 # --layout's keys -> (Layout field, type); micro-batches follow from the global batch
 LAYOUT_KEYS = {
     "tp": ("tp", int),
+    "cp": ("cp", int),
+    "cp_mode": ("cp_mode", str),
+    "cp_a2a": ("cp_a2a", int),
     "pp": ("pp", int),
     "dp": ("dp", int),
     "zero": ("zero", int),
@@ -183,7 +196,10 @@ def predict_one(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster
     """One layout's prediction: step time, memory per GPU and its parts, throughput, and
     whether it fits (`error`: why it cannot run or fit, else None)."""
     if layout.gpus != cluster.gpus:
-        return {"layout": layout.describe(), "error": f"tp × pp × dp = {layout.gpus} is not --gpus={cluster.gpus}"}
+        return {
+            "layout": layout.describe(),
+            "error": f"tp × cp × pp × dp = {layout.gpus} is not --gpus={cluster.gpus}",
+        }
     problem = costmodel.layout_problem(model, layout, seq_len)
     if problem is not None:
         return {"layout": layout.describe(), "error": problem}
@@ -268,8 +284,9 @@ def report(
     rejected = sum(count for count, _ in plan.rejected.values())
     lines.append(f"{plan.fits + rejected} layouts: {plan.fits} fit, {rejected} do not")
     if plan.ranked:
-        table = _ranked_table(plan, top, experts=bool(model.moe_experts))
-        lines += ["", *table, "", *_best_breakdown(plan.ranked[0], cluster)]
+        context = any(e.layout.cp > 1 for e in plan.ranked)
+        table = _ranked_table(plan, top, bool(model.moe_experts), context)
+        lines += ["", *table, "", *_best_breakdown(plan.ranked[0], cluster, context)]
     else:
         lines += ["", "No layout fits."]
     if plan.rejected:
@@ -297,6 +314,14 @@ def _zeropp(layout: Layout) -> str:
     return "+".join(parts) or "-"
 
 
+def _cp(layout: Layout) -> str:
+    """The context parallelism of a layout: cp ranks per sequence, with /a2a (all-to-all) or
+    /hA (hybrid: all-to-all in groups of A, ring across them); a ring is cp alone."""
+    if layout.cp == 1 or layout.cp_mode == "ring":
+        return str(layout.cp)
+    return f"{layout.cp}/" + ("a2a" if layout.cp_mode == "all-to-all" else f"h{layout.cp_a2a}")
+
+
 def _network_bytes(e: Estimate) -> float:
     return sum(c.inter_bytes for c in e.time.collectives)
 
@@ -304,6 +329,7 @@ def _network_bytes(e: Estimate) -> float:
 # The layout columns of the table: header -> (width, cell).
 LAYOUT_COLUMNS: dict[str, tuple[int, Callable[[Layout], object]]] = {
     "tp": (3, lambda lo: lo.tp),
+    "cp": (6, _cp),
     "pp": (4, lambda lo: lo.pp),
     "dp": (5, lambda lo: lo.dp),
     "shard": (5, lambda lo: lo.shard),
@@ -324,11 +350,13 @@ def _differences(row: Layout, other: Layout) -> str:
     return " ".join(f"{name}={theirs}" for name, ours, theirs in cells if ours != theirs)
 
 
-def _ranked_table(plan: Plan, top: int, experts: bool = False) -> list[str]:
+def _ranked_table(plan: Plan, top: int, experts: bool = False, context: bool = False) -> list[str]:
     """The header and one row per distinct prediction of the `top` fastest (`Plan.alike`):
     the first layout's, and in `same prediction` how the others differ from it (with
-    `experts`, an ep column: the ranks that split each MoE layer's experts)."""
-    columns = {k: c for k, c in LAYOUT_COLUMNS.items() if experts or k != "ep"}
+    `experts`, an ep column: the ranks that split each MoE layer's experts; with `context`,
+    a cp column: the ranks that split each sequence, and how they attend)."""
+    shown = {"ep": experts, "cp": context}
+    columns = {k: c for k, c in LAYOUT_COLUMNS.items() if shown.get(k, True)}
     lines = [
         f"{'#':>3} "
         + " ".join(f"{name:>{width}}" for name, (width, _) in columns.items())
@@ -343,12 +371,20 @@ def _ranked_table(plan: Plan, top: int, experts: bool = False) -> list[str]:
     return [line.rstrip() for line in lines]
 
 
-def _best_breakdown(best: Estimate, cluster: Cluster) -> list[str]:
-    """What the columns mean, and the best layout's memory, step time and DP bytes by part."""
+CP_LEGEND = (
+    "cp: ranks that split each sequence, attending by ring (cp alone), all-to-all (/a2a) or hybrid "
+    "(/hA: all-to-all in groups of A, ring across them); shard counts them: dp_shard × cp."
+)
+
+
+def _best_breakdown(best: Estimate, cluster: Cluster, context: bool = False) -> list[str]:
+    """What the columns mean (with `context`, the cp column too), and the best layout's memory,
+    step time and DP bytes by part."""
     mem, t = best.memory, best.time
     return [
         "shard: ranks ZeRO shards over (dp_shard; dp / shard replicas); net GB: data-parallel (and tied-embedding) "
         "bytes each GPU sends across nodes per step.",
+        *([CP_LEGEND] if context else []),
         "TFLOP/s/GPU: model FLOPs (no recomputation) per second per GPU, as the trainer reports; MFU = that / peak.",
         (
             f"#1 memory (pipeline rank {mem.pp_rank}): model states {_gib(mem.model_states.total)} + "
@@ -356,7 +392,8 @@ def _best_breakdown(best: Estimate, cluster: Cluster) -> list[str]:
         ),
         (
             f"#1 step: {t.pipeline:.3g} s pipeline (bubble {t.bubble:.3g}, TP comm {t.tp_comm:.3g}, "
-            f"PP comm {t.pp_comm:.3g}{f', EP all-to-all {t.ep_comm:.3g}' if t.ep_comm else ''}) + "
+            f"PP comm {t.pp_comm:.3g}{f', EP all-to-all {t.ep_comm:.3g}' if t.ep_comm else ''}"
+            f"{f', CP comm {t.cp_comm:.3g}' if best.layout.cp > 1 else ''}) + "
             f"{t.dp_comm:.3g} s exposed DP comm + {t.optimizer:.3g} s optimizer"
         ),
         *_where_the_bytes_go(t.collectives, cluster),
@@ -447,8 +484,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         model, seq_len, batch = from_config(args.config)
         seq_len, gpus, name = args.seq_len or seq_len, None, args.config
-        if seq_len > model.max_seq_len:
-            sys.exit(f"error: --seq-len={seq_len} exceeds the config's max_seq_len={model.max_seq_len}")
+        # a longer sequence plans the model as a run with --max-seq-len raised to it would have it
+        model = dataclasses.replace(model, max_seq_len=max(model.max_seq_len, seq_len))
     batch = args.global_batch_size or batch
     gpus = args.gpus or gpus
     if gpus is None:
@@ -462,7 +499,8 @@ def main(argv: list[str] | None = None) -> None:
         if one["error"]:
             sys.exit(1)
         return
-    result = costmodel.plan(model, cluster, batch, seq_len, args.comm, top=args.top, fp8=model.fp8 != "none")
+    pins = {k: v for k, v in (("cp", args.cp), ("cp_mode", args.cp_mode), ("cp_a2a", args.cp_a2a)) if v is not None}
+    result = costmodel.plan(model, cluster, batch, seq_len, args.comm, top=args.top, fp8=model.fp8 != "none", **pins)
     print(report(result, name, model, cluster, batch, seq_len, args.top))
 
 

@@ -557,8 +557,13 @@ def test_groups_inside_a_node_use_nvlink() -> None:
     assert cluster.ring_bandwidth(16, 2) == 4 * GPUS["h100"].inter_node_bandwidth  # 4 per node, 4 rings
 
 
-@pytest.mark.parametrize("gbps", [1600, 100])  # DP communication hidden / exposed: a tight and a loose floor
-def test_plan_top_estimates_only_what_can_rank(gbps: int) -> None:
+@pytest.mark.parametrize(
+    "gbps, seq_len",
+    # DP communication hidden / exposed: a tight and a loose floor; at 16K tokens cp 1, 2 and
+    # 4 in every mode are searched too (and reach the table)
+    [(1600, 2048), (100, 2048), (1600, 16384)],
+)
+def test_plan_top_estimates_only_what_can_rank(gbps: int, seq_len: int) -> None:
     """`plan(top=k)` estimates layouts in order of their step-time floor and stops once the
     floor passes the k-th distinct prediction: its first k groups of equal predictions, the
     fitting count and the rejections equal those of estimating every layout, with far fewer
@@ -566,25 +571,32 @@ def test_plan_top_estimates_only_what_can_rank(gbps: int) -> None:
     for several layouts names how the others differ."""
     from experiments.plan import PRESETS, report
 
-    model, cluster = PRESETS["gpt-1.7b"].model(), Cluster(GPUS["h100"], 32, 8, gbps)
-    full = costmodel.plan(model, cluster, 512, 2048, recompute="none")
-    top = costmodel.plan(model, cluster, 512, 2048, top=8, recompute="none")
+    model = dataclasses.replace(PRESETS["gpt-1.7b"].model(), max_seq_len=seq_len)
+    cluster = Cluster(GPUS["h100"], 32, 8, gbps)
+    full = costmodel.plan(model, cluster, 512, seq_len, recompute="none")
+    top = costmodel.plan(model, cluster, 512, seq_len, top=8, recompute="none")
     assert [[e.layout for e in g] for g in top.alike()[:8]] == [[e.layout for e in g] for g in full.alike()[:8]]
     assert top.fits == full.fits == len(full.ranked) and top.rejected == full.rejected
     assert len(top.ranked) < len(full.ranked) / 4
-    rows = report(top, "gpt-1.7b", model, cluster, 512, 2048, 8).split("\n\n")[1].splitlines()[1:]
+    header, *rows = report(top, "gpt-1.7b", model, cluster, 512, seq_len, 8).split("\n\n")[1].splitlines()
     assert len(rows) == 8
-    predictions = [tuple(row.split()[12:15]) for row in rows]  # memory, network bytes, step time
+    at = header.split().index("mem")  # memory, network bytes, step time
+    predictions = [tuple(row.split()[at : at + 3]) for row in rows]
     assert len(set(predictions)) == len(predictions)
+    fields = {"cp": "cp", "pp": "pp", "dp": "dp", "shard": "shard", "zero": "zero", "mbs": "micro_batch_size"}
     for row, (first, *twins) in zip(rows, top.alike()):
         same = "; ".join(
-            " ".join(f"{k}={getattr(t.layout, f)}" for k, f in (("zero", "zero"), ("mbs", "micro_batch_size"))
+            " ".join(f"{k}={getattr(t.layout, f)}" for k, f in fields.items()
                      if getattr(t.layout, f) != getattr(first.layout, f))
             for t in twins
         )  # fmt: skip
         assert row.endswith(f"%  {same}" if twins else "%"), row
     if gbps == 1600:
         assert any(twins for _, *twins in top.alike()[:8])  # ZeRO-1 and ZeRO-2 twins, in one row
+    cps = {e.layout.cp for e in full.ranked}
+    assert cps == ({1, 2, 4} if seq_len == 16384 else {1})
+    if seq_len == 16384:
+        assert header.split()[:3] == ["#", "tp", "cp"] and {e.layout.cp for e in top.ranked[:8]} > {1}
 
 
 def test_plan_ranks_and_explains(capsys: pytest.CaptureFixture[str]) -> None:
@@ -735,6 +747,9 @@ def test_layout_of_a_run_config() -> None:
         1,
         "fused",
         False,
+        1,
+        "ring",
+        None,
     )
     assert dataclasses.astuple(layout) == expected
 

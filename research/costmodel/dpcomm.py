@@ -1,8 +1,10 @@
 """Data-parallel communication of a step: what each collective sends and where, what it
 costs, and how much of it compute hides. Legend in `research.costmodel`.
 
-Bytes per collective and rank on Ψ parameters (`dp_traffic`); N = dp_shard ranks per shard
-group (k of them per node, over n = ⌈N/k⌉ nodes), R = dp/N replicas, B = qwZ block,
+Bytes per collective and rank on Ψ parameters (`dp_traffic`); N = dp_shard × cp ranks per
+shard group (`Layout.shard`: context-parallel ranks hold the same parameters, so ZeRO shards
+and reduces over dp × cp; the group's ranks are tp apart in the (pp, dp, cp, tp) order; k of
+them per node, over n = ⌈N/k⌉ nodes), R = dp/dp_shard replicas, B = qwZ block,
 q = qgZ bits/8 + 4/2048 (the fp32 scales):
 
     family         | when         | bytes per collective                            | passes per step
@@ -326,11 +328,12 @@ def _schedule(layout: Layout, streams: dict[str, _Stream], fwd: float, bwd: floa
 
 def expert_layout(layout: Layout) -> Layout:
     """The data-parallel groups of MoE expert parameters: each expert is sharded over the N/ep
-    ranks holding it, ep·t apart (and replicated as the dense parameters are)."""
-    ep = layout.ep
+    ranks holding it, ep·t apart (and replicated as the dense parameters are); ep borrows
+    ranks of dp × cp."""
+    ep, ranks = layout.ep, layout.dp * layout.cp
     shard = layout.shard // ep
     return dataclasses.replace(
-        layout, tp=layout.tp * ep, dp=layout.dp // ep, dp_shard=None if shard == layout.dp // ep else shard, ep=1
+        layout, tp=layout.tp * ep, dp=ranks // ep, dp_shard=None if shard == ranks // ep else shard, ep=1, cp=1
     )
 
 
@@ -365,7 +368,7 @@ def _collective(name: str, row: list[float], cluster: Cluster, exchange: bool = 
 
 def tied_embedding(model: GPTConfig, layout: Layout, cluster: Cluster) -> Collective | None:
     """The all-reduce of the tied embedding's gradient between the first and last pipeline
-    stage ((p-1)·dp·t ranks apart) after the last backward: exposed whole. It sums what each
+    stage ((p-1)·dp·cp·t ranks apart) after the last backward: exposed whole. It sums what each
     rank holds of the reduced gradient: GVh/t bytes, or its 1/N shard where ZeRO shards the
     optimizer state (`optim.grad_tracker`: the tie groups' all-reduce of `grad_shard`)."""
     if layout.pp == 1 or not model.tie_embeddings:
@@ -373,6 +376,6 @@ def tied_embedding(model: GPTConfig, layout: Layout, cluster: Cluster) -> Collec
     volume = DTYPE_BYTES[layout.reduce_dtype] * model.padded_vocab / layout.tp * model.d_model
     if layout.sharding.optimizer_state:
         volume /= layout.shard
-    x = ring(cluster, 2, (layout.pp - 1) * layout.dp * layout.tp, volume, rounds=2)
+    x = ring(cluster, 2, (layout.pp - 1) * layout.dp * layout.cp * layout.tp, volume, rounds=2)
     busy = x.seconds(cluster)
     return _collective("tied_embedding", [x.intra, x.inter, x.latency(cluster), 0.0, busy, busy], cluster)

@@ -1,5 +1,5 @@
-"""A training layout (tp, pp, dp, v, ZeRO stage, micro-batching, recompute, SP, precision,
-when gradients are reduced, hybrid sharding and the ZeRO++ switches)."""
+"""A training layout (tp, cp, pp, dp, v, ZeRO stage, micro-batching, recompute, SP, precision,
+when gradients are reduced, hybrid sharding, the ZeRO++ switches and context parallelism)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from research.config import RunConfig
 
 Recompute = Literal["none", "selective", "full"]
+CPMode = Literal["ring", "all-to-all", "hybrid"]
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
@@ -32,7 +33,14 @@ class Layout:
     `attention`: the kernel of the attention core, "fused" as the model runs it (torch's
     scaled_dot_product_attention keeps no s x s scores), or "unfused" to predict a system
     that materializes scores and softmax, as Megatron-LM's kernels of 2021 did. `fp8`: the
-    attention and MLP linear layers in float8 (`--fp8 tensorwise`)."""
+    attention and MLP linear layers in float8 (`--fp8 tensorwise`).
+
+    Context parallelism: `cp` ranks split each sequence (each holds s/cp of its tokens and
+    the same parameters; ranks are laid out (pp, dp, cp, tp), tp innermost, then cp), and
+    attend by `cp_mode`: "ring" (K/V blocks passed around the cp ranks, 2·cp zigzag chunks),
+    "all-to-all" (Ulysses: heads split over cp) or "hybrid" (all-to-all inside groups of
+    `cp_a2a` consecutive cp ranks, ring across the cp/cp_a2a groups). ZeRO shards and
+    reduces gradients over dp × cp: the shard group is dp_shard × cp ranks."""
 
     tp: int = 1
     pp: int = 1
@@ -55,6 +63,16 @@ class Layout:
     ep: int = 1
     attention: Literal["fused", "unfused"] = "fused"
     fp8: bool = False
+    cp: int = 1
+    cp_mode: CPMode = "ring"
+    cp_a2a: int | None = None
+
+    def but(self, **changes: Any) -> Layout:
+        """This layout with `changes` to its fields: `dataclasses.replace` without the checks
+        that make it slow (the planner makes one per variant of every layout it tries)."""
+        new = object.__new__(Layout)
+        new.__dict__.update(self.__dict__, **changes)
+        return new
 
     @property
     def sharding(self) -> Sharding:
@@ -63,7 +81,7 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def global_batch_size(self) -> int:
@@ -71,13 +89,35 @@ class Layout:
 
     @property
     def shard(self) -> int:
-        """N: the ranks ZeRO shards over (a replica's shard group)."""
-        return self.dp_shard or self.dp
+        """N: the ranks ZeRO shards over (a replica's shard group): dp_shard (None: all dp) × cp."""
+        return (self.dp_shard or self.dp) * self.cp
 
     @property
     def replicas(self) -> int:
-        """R = dp / N."""
-        return self.dp // self.shard
+        """R = dp / dp_shard = dp·cp / N."""
+        return self.dp // (self.dp_shard or self.dp)
+
+    @property
+    def cp_a2a_size(self) -> int:
+        """Ranks of each all-to-all group of the context-parallel attention: cp (all-to-all),
+        cp_a2a (hybrid), 1 (ring)."""
+        return {"all-to-all": self.cp, "hybrid": self.cp_a2a or 1}.get(self.cp_mode, 1) if self.cp > 1 else 1
+
+    @property
+    def cp_ring_size(self) -> int:
+        """Ranks of each ring of the context-parallel attention: cp / `cp_a2a_size`."""
+        return self.cp // self.cp_a2a_size
+
+    def tokens(self, seq_len: int) -> float:
+        """T: tokens of a micro-batch that one rank holds, b·s/cp."""
+        return seq_len * self.micro_batch_size / self.cp
+
+    def describe_cp(self) -> str:
+        """The context parallelism, e.g. cp=2 (ring), cp=4 all-to-all, cp=8 hybrid/2; "" at cp = 1."""
+        if self.cp == 1:
+            return ""
+        mode = {"ring": "", "all-to-all": " all-to-all", "hybrid": f" hybrid/{self.cp_a2a}"}.get(self.cp_mode)
+        return f"cp={self.cp}" + (f" {self.cp_mode}" if mode is None else mode)
 
     @property
     def sp(self) -> bool:
@@ -98,8 +138,11 @@ class Layout:
             + (" hpz" if self.hpz else "")
             + (f" qgz_bits={self.qgz_bits}" if self.qgz_bits is not None else "")
             + (f" ep={self.ep}" if self.ep > 1 else "")
+            + (f" {self.describe_cp()}" if self.cp > 1 else "")
             + (" fp8" if self.fp8 else "")
         )
+
+    __str__ = describe
 
 
 def run_spec(config: Mapping[str, Mapping[str, Any]]) -> tuple[GPTConfig, Layout, int]:
@@ -127,5 +170,8 @@ def run_spec(config: Mapping[str, Mapping[str, Any]]) -> tuple[GPTConfig, Layout
         qgz_bits=par.get("qgz_bits"),
         ep=par.get("ep", 1),
         fp8=config["model"].get("fp8", "none") != "none",
+        cp=par.get("cp", 1),
+        cp_mode=par.get("cp_mode", "ring"),
+        cp_a2a=par.get("cp_a2a"),
     )
     return GPTConfig(**config["model"]), layout, config["data"]["seq_len"]

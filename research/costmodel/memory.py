@@ -12,7 +12,8 @@ Model states, counted as `ZeroOptimizer.memory_breakdown` counts them (Rajbhanda
       3   | P(Ψ_res + Ψ_sh/N)  | GΨ/N   | 4Ψ/N                | 8Ψ/N
 
 N = the shard group's size: dp, or `dp_shard` under hybrid sharding (each replica holds the
-same shards).
+same shards), times cp (context-parallel ranks hold the same parameters: ZeRO shards over
+dp × cp).
 
 In fp32 the master is the parameter itself. At stage 3 a unit (`optim.stage3.stage3_units`)
 smaller than `optim.policies.default_resident_numel(layout.unit_numel)` stays whole on every rank
@@ -21,7 +22,8 @@ device (`research.costmodel.params`). Each parameter is aligned to `optim.buffer
 elements; bucket padding is ignored.
 
 Activations per layer per micro-batch, read off what the model's layer saves for backward
-(`Layout.attention` "fused", the default), with T = sb tokens, T_r the residual stream's
+(`Layout.attention` "fused", the default), with T = sb/c tokens (c = cp: a rank holds s/c
+of each sequence's tokens; at c = 1 T = sb), T_r the residual stream's
 tokens on a rank (T/t under SP, else T), f the MLP width, A the bytes of an activation:
 
     saved for backward                                      | by                  | bytes
@@ -81,7 +83,15 @@ bytes on the saved tensors).
 A pipeline rank keeps them for its peak number of (micro-batch, chunk) pairs in flight,
 read off the repo's own schedule (`parallel.pipeline`): p - r for 1F1B on rank r, p·v + p - 1
 for interleaved 1F1B on rank 0, m for GPipe; each chunk holds L/(p·v) layers. The last
-stage adds the output layer, 4sbh/t·(1 + V/h) (fp32 logits), per micro-batch at the head.
+stage adds the output layer, 4Th/t·(1 + V/h) (fp32 logits), per micro-batch at the head.
+
+Context parallelism (`Layout.cp` = c): every count above is of the rank's T = sb/c tokens
+(activations and logits ÷ c; the attention's saved q, k, v, output and log-sum-exp are the
+same bytes in every mode: ring and hybrid keep the rank's s/c queries and keys, all-to-all
+all s tokens of h/(t·c) of the width). A ring (and hybrid's ring) holds, while a layer's
+attention runs, the K/V block it computes on and the one arriving: 2 × 2A·T·h/t
+(`ring_kv_bytes`), once per rank. All-to-all's send and receive buffers are transient and
+not counted.
 
 Buffers: at stages 2-3 with m > 1 and `grad_sync` last the full gradient buckets live through
 the step (every backward but the last runs under `no_sync`), G(Ψ_held − Ψ/N) (GΨ(1 − 1/N)
@@ -157,7 +167,7 @@ def _model_layer_bytes(model: GPTConfig, seq_len: int, layout: Layout, recompute
     + 2A·h·T_r (QKV, MLP-up inputs) + 4A·h·T/t (q, k, v, attention output) + 4a·T/t
     (log-sum-exp, recompute none) + 2h·T_r (masks, p > 0) + 2A·f·T/t (GELU) or 4A·f·T/t
     (SwiGLU); A·h·T_r under full recompute."""
-    T, h, t, A = seq_len * layout.micro_batch_size, model.d_model, layout.tp, DTYPE_BYTES[layout.precision]
+    T, h, t, A = layout.tokens(seq_len), model.d_model, layout.tp, DTYPE_BYTES[layout.precision]
     T_r = T / t if layout.sp else T
     if recompute == "full":
         return A * h * T_r
@@ -177,17 +187,17 @@ def _hidden_bytes(model: GPTConfig, tokens: int, layout: Layout) -> float:
 
 def _paper_layer_bytes(model: GPTConfig, seq_len: int, layout: Layout, recompute: Recompute) -> float:
     """Korthikanti et al. 2022's layer, the second table of the module docstring."""
-    s, b, h, a, t = seq_len, layout.micro_batch_size, model.d_model, model.n_heads, layout.tp
-    sbh = s * b * h * DTYPE_BYTES[layout.precision] / 2
+    s, h, a, t = seq_len, model.d_model, model.n_heads, layout.tp
+    sbh = layout.tokens(s) * h * DTYPE_BYTES[layout.precision] / 2  # the rank's s/cp queries
     if recompute == "full":
         return 2 * sbh / (t if layout.sp else 1)
-    scores = 5 * a * s / (h * t) if recompute == "none" else 0.0
+    scores = 5 * a * s / (h * t) if recompute == "none" else 0.0  # against all s keys
     return sbh * ((34 / t if layout.sp else 10 + 24 / t) + scores)
 
 
 def _dense_mlp_bytes(model: GPTConfig, seq_len: int, layout: Layout, paper: bool) -> float:
     """What an MoE layer keeps in place of the dense MLP's: its input and hidden tensors."""
-    T, h, t, A = seq_len * layout.micro_batch_size, model.d_model, layout.tp, DTYPE_BYTES[layout.precision]
+    T, h, t, A = layout.tokens(seq_len), model.d_model, layout.tp, DTYPE_BYTES[layout.precision]
     T_r = T / t if layout.sp else T
     return A * h * (T_r + 8 * T / t) if paper else A * h * T_r + _hidden_bytes(model, T, layout)
 
@@ -198,7 +208,7 @@ def fp8_bytes(model: GPTConfig, seq_len: int, layout: Layout, moe: bool = False)
     SP), the MLP-down input (f wide) in 1 byte too, the projection's input in 1 byte once more
     (recompute none: the attention core keeps its own copy) or in place of the A-byte one
     (selective); an MoE layer's experts stay in bf16."""
-    T, h, t, A = seq_len * layout.micro_batch_size, model.d_model, layout.tp, DTYPE_BYTES[layout.precision]
+    T, h, t, A = layout.tokens(seq_len), model.d_model, layout.tp, DTYPE_BYTES[layout.precision]
     column = T * h * (1 - A * (1 / t if layout.sp else 1))
     projection = T * h / t * (1 if layout.recompute == "none" else 1 - A)
     mlp = column - (A - 1) * T * model.ffn_dim / t
@@ -210,7 +220,7 @@ def moe_mlp_bytes(model: GPTConfig, seq_len: int, layout: Layout) -> float:
     docstring's router, experts and shared experts)."""
     moe, A, t = model.moe, DTYPE_BYTES[layout.precision], layout.tp
     h, G, capped = model.d_model, 2 if moe.swiglu else 1, moe.capacity_factor is not None
-    tokens = seq_len * layout.micro_batch_size
+    tokens = layout.tokens(seq_len)
     routed = tokens / t if layout.sp else tokens
     slots = tokens * moe.top_k
     rows = slots * (moe.capacity_factor or 1)
@@ -219,6 +229,20 @@ def moe_mlp_bytes(model: GPTConfig, seq_len: int, layout: Layout) -> float:
     indices = (32 if capped else 24) * slots
     shared = (2 * G * A * tokens * moe.shared_d_ff / t + A * h * routed * (A < 4)) if moe.shared_d_ff else 0.0
     return router + experts + indices + shared
+
+
+def kv_block_bytes(model: GPTConfig, seq_len: int, layout: Layout) -> float:
+    """Bytes of one K/V block that a context-parallel ring passes on per step: the keys and
+    values of a rank's s/cp tokens for its h/t of the model width, 2A·b·(s/cp)·h/t (hybrid:
+    s/(cp/cp_a2a) tokens of h/(t·cp_a2a), the same bytes)."""
+    return 2 * DTYPE_BYTES[layout.precision] * layout.tokens(seq_len) * model.d_model / layout.tp
+
+
+def ring_kv_bytes(model: GPTConfig, seq_len: int, layout: Layout) -> float:
+    """What a context-parallel ring holds beyond the saved activations while a layer's
+    attention runs: the K/V block it computes on and the one arriving, 2 × `kv_block_bytes`
+    (0 without a ring)."""
+    return 2 * kv_block_bytes(model, seq_len, layout) if layout.cp_ring_size > 1 else 0.0
 
 
 def chunk_activation_bytes(model: GPTConfig, seq_len: int, layout: Layout, recompute: Recompute | None = None) -> float:
@@ -252,17 +276,26 @@ class Memory:
     def total(self) -> float:
         return self.model_states.total + self.activations + self.buffers
 
+    def plus(self, activations: float) -> Memory:
+        """This memory with `activations` bytes more (less, when negative) held in flight."""
+        return (
+            Memory(self.pp_rank, self.model_states, self.activations + activations, self.buffers)
+            if activations
+            else self
+        )
+
 
 def _rank_memory(model: GPTConfig, layout: Layout, seq_len: int, pp_rank: int, gpus_per_node: int) -> Memory:
-    s, b, h, t = seq_len, layout.micro_batch_size, model.d_model, layout.tp
+    T, h, t = layout.tokens(seq_len), model.d_model, layout.tp
     p, v, m = layout.pp, layout.virtual_stages, layout.micro_batches
     states = predict_model_states(model, layout, pp_rank)
-    acts = in_flight(layout.schedule, p, pp_rank, m, v) * chunk_activation_bytes(model, s, layout)
+    acts = in_flight(layout.schedule, p, pp_rank, m, v) * chunk_activation_bytes(model, seq_len, layout)
     if layout.recompute == "full":
-        acts += layer_activation_bytes(model, s, layout, "none", moe=bool(model.moe_experts))
+        acts += layer_activation_bytes(model, seq_len, layout, "none", moe=bool(model.moe_experts))
+    acts += ring_kv_bytes(model, seq_len, layout)
     if pp_rank == p - 1:
         at_head = m if layout.schedule == "gpipe" else 1
-        acts += at_head * 4 * s * b * h / t * (1 + model.padded_vocab / h)
+        acts += at_head * 4 * T * h / t * (1 + model.padded_vocab / h)
     buffers = float(RESERVED_BYTES)
     rank = rank_params(model, t, p, v, pp_rank, layout.unit_numel, layout.ep)
     if layout.sharding.gradients and m > 1 and layout.grad_sync == "last":

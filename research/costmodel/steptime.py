@@ -2,10 +2,10 @@
 
 Step time, per micro-batch on the slowest pipeline rank (the last: L/p layers + the head):
 
-    t_f = W_f/(η·peak) + M_f/HBM + C_f + X_f + E_f          t_b likewise for the backward
+    t_f = W_f/(η·peak) + M_f/HBM + C_f + X_f + E_f + K_f      t_b likewise for the backward
 
 - W: matmul FLOPs, `GPTConfig.forward_flops_per_token` (forward; backward 2×; full
-  recompute adds a forward of the layers, selective its attention core), s·b tokens / t;
+  recompute adds a forward of the layers, selective its attention core), s·b/cp tokens / t;
   an MoE layer adds `GPTConfig.moe_layer_extra_flops` (router, k experts and the shared
   ones in place of the dense MLP).
 - M: memory traffic of the element-wise work (norms, softmax, GELU, dropout, residuals):
@@ -25,6 +25,22 @@ Step time, per micro-batch on the slowest pipeline rank (the last: L/p layers + 
 - E: expert parallelism (ep > 1): per MoE layer two all-to-alls of the rows in F (dispatch,
   combine), two in B (four with full recompute), each A·h·R·(ep − 1)/ep bytes per rank
   (`expert_all_to_all_bytes`; R = s·b·k rows, balanced routing assumed).
+- K: context parallelism (cp = c > 1, `Layout.cp_mode`): every term above is of the rank's
+  T = s·b/c tokens, the attention core's FLOPs per token staying those of the whole sequence
+  (the zigzag chunks balance the causal work over the ranks). A ring of r ranks (r = c; hybrid
+  r = c/cp_a2a) runs r steps per layer, step 0 on the local block while the first K/V block
+  is in flight (`ring_attention_seconds`):
+
+      t_ring = t_0 + Σ_{j=1}^{r−1} max(t_j, t_kv)
+
+  t_j = W_core/r, the rank's attention core cut into r blocks; t_kv one K/V block,
+  2A·T·h/t bytes (`memory.kv_block_bytes`) with one α, over NVLink while the t·c ranks share
+  a node, else the network. K adds t_ring − Σ t_j = (r−1)·max(0, t_kv − t_j); the backward
+  likewise with blocks 2t_j and K/V plus dK/dV (2t_kv); recompute (selective or full) runs the
+  forward ring again in backward. All-to-all (a = c ranks; hybrid: a = cp_a2a, the inner
+  ranks of the cp group, tp apart): 4 per layer forward (q, k, v in, the output back), 4 in
+  backward (8 with full recompute), each A·T·(h/t)·(a − 1)/a bytes per rank
+  (`cp_all_to_all_bytes`), not overlapped, costed as E's.
 - η (`MATMUL_EFFICIENCY`): the one calibrated constant, see there. With float8 linear
   layers (`Layout.fp8`) their FLOPs run at the GPU's float8 peak, the rest at its 16-bit one.
 
@@ -53,7 +69,7 @@ share.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -63,7 +79,7 @@ from parallel.pipeline.schedules import stage_of
 from research.costmodel.dpcomm import Collective, dp_collectives, tied_embedding
 from research.costmodel.hardware import GPU, Cluster, ranks_per_node
 from research.costmodel.layout import DTYPE_BYTES, Layout
-from research.costmodel.memory import layer_activation_bytes
+from research.costmodel.memory import kv_block_bytes, layer_activation_bytes
 from research.costmodel.params import RankParams, rank_params
 from research.costmodel.sharing import shared_makespan
 from research.model import GPTConfig
@@ -95,6 +111,7 @@ class StepTime:
     optimizer: float
     collectives: tuple[Collective, ...] = ()  # the data-parallel families and the tied embedding (`dpcomm`)
     ep_comm: float = 0.0  # part of pipeline: the MoE layers' all-to-alls of all micro-batches
+    cp_comm: float = 0.0  # part of pipeline: context parallelism's exposed K/V ring and all-to-alls
 
     @property
     def total(self) -> float:
@@ -110,38 +127,56 @@ def pipeline_bubble(schedule_name: str, pp: int, virtual_stages: int, t_forward:
 
 
 def _micro_batch(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster) -> tuple[float, ...]:
-    """(compute_f, compute_b, TP comm f, TP comm b, EP comm f, EP comm b, p2p) seconds of one
-    micro-batch on the last pipeline rank (the module docstring's t_f, t_b terms)."""
-    gpu, s, b, h = cluster.gpu, seq_len, layout.micro_batch_size, model.d_model
+    """(compute_f, compute_b, TP comm f, TP comm b, EP comm f, EP comm b, CP comm f, CP comm b,
+    p2p) seconds of one micro-batch on the last pipeline rank (the module docstring's t_f, t_b
+    terms); a rank holds T = s·b/cp of its tokens."""
+    gpu, s, T, h = cluster.gpu, seq_len, layout.tokens(seq_len), model.d_model
     t, p, full = layout.tp, layout.pp, layout.recompute == "full"
-    layers, tokens = model.n_layers // p, s * b / t
+    layers = model.n_layers // p
     moe = moe_layers_of_rank(model, layout, p - 1)
-    layer, core, head = model.forward_flops_per_token(s)
-    extra = moe * model.moe_layer_extra_flops() if moe else 0.0
-    recompute = {"none": 0.0, "selective": layers * core, "full": layers * layer + extra}[layout.recompute]
-    flops_f = (layers * layer + extra + head) * tokens
-    flops_b = 2 * flops_f + recompute * tokens
+    flops_f, flops_b = _flops(model, layout, s, layers, moe)
     # element-wise traffic: 2 bytes moved per activation byte per forward-equivalent pass
     act, redo = _layer_traffic(model, layout, s, moe, layers)
-    head_act = 4 * s * b * h / t * (1 + model.padded_vocab / h)
+    head_act = 4 * T * h / t * (1 + model.padded_vocab / h)
     mem_f = 2 * (act + head_act)
     mem_b = 2 * (2 * act + 2 * head_act + redo)
     rate = _matmul_rate(model, layout, gpu, s, layers, moe)
     compute_f = flops_f / rate + mem_f / gpu.hbm_bandwidth
     compute_b = flops_b / rate + mem_b / gpu.hbm_bandwidth
-    msg = s * b * h * DTYPE_BYTES[layout.precision]
+    msg = T * h * DTYPE_BYTES[layout.precision]
     regather = layout.sp and t > 1 and not layout.fp8  # the column linears' inputs, gathered again
     ends_f, ends_b = _tp_ends(model, layout)
-    # vocabulary-parallel cross entropy: the max, the target logit and Σ exp over s·b tokens
-    loss = 3 * _tp_all_reduce(4 * s * b, t, cluster) if t > 1 else 0.0
+    # vocabulary-parallel cross entropy: the max, the target logit and Σ exp over the T tokens
+    loss = 3 * _tp_all_reduce(4 * T, t, cluster) if t > 1 else 0.0
     # the calls of a pass share its compute: each waits for the drift of its share (`Cluster.wait`)
     share_f, share_b = cluster.compute_share * compute_f, cluster.compute_share * compute_b
     all_reduce, a2a = partial(_tp_all_reduce, msg, t, cluster), partial(expert_all_to_all, model, layout, s, cluster)
     tp_f = _calls(2 * layers + ends_f, share_f, all_reduce) + loss
     tp_b = _calls((2 + full + regather) * layers + ends_b, share_b, all_reduce)
     ep_f, ep_b = _calls(2 * moe, share_f, a2a), _calls((2 + 2 * full) * moe, share_b, a2a)
+    cp_f, cp_b = context_parallel_seconds(model, layout, s, cluster, layers, share_f, share_b)
     p2p = _p2p(layout, msg / (t if layout.sp else 1), cluster)
-    return compute_f, compute_b, tp_f, tp_b, ep_f, ep_b, p2p
+    return compute_f, compute_b, tp_f, tp_b, ep_f, ep_b, cp_f, cp_b, p2p
+
+
+def _flops(model: GPTConfig, layout: Layout, seq_len: int, layers: int, moe: int) -> tuple[float, float]:
+    """(forward, backward) matmul FLOPs of one micro-batch on a rank of `layers` layers, `moe`
+    of them MoE layers, and the head: the W term, s·b/cp tokens / t."""
+    tokens = layout.tokens(seq_len) / layout.tp
+    layer, core, head = model.forward_flops_per_token(seq_len)
+    extra = moe * model.moe_layer_extra_flops() if moe else 0.0
+    recompute = {"none": 0.0, "selective": layers * core, "full": layers * layer + extra}[layout.recompute]
+    flops_f = (layers * layer + extra + head) * tokens
+    return flops_f, 2 * flops_f + recompute * tokens
+
+
+def step_time_bound(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster) -> float:
+    """A quick lower bound of `step_time_floor`: the matmuls of the step's m micro-batches on the
+    last pipeline rank alone, m(W_f + W_b)/(η·peak) (every other term is ≥ 0, and shared cores
+    only slow compute down)."""
+    layers, moe = model.n_layers // layout.pp, moe_layers_of_rank(model, layout, layout.pp - 1)
+    rate = _matmul_rate(model, layout, cluster.gpu, seq_len, layers, moe)
+    return layout.micro_batches * sum(_flops(model, layout, seq_len, layers, moe)) / rate
 
 
 def _calls(calls: float, compute: float, seconds: Callable[[float], float]) -> float:
@@ -203,17 +238,19 @@ def _layer_traffic(model: GPTConfig, layout: Layout, seq_len: int, moe: int, lay
 
 def moe_layers_of_rank(model: GPTConfig, layout: Layout, pp_rank: int) -> int:
     """MoE layers among the chunks of pipeline rank `pp_rank`."""
+    if not model.moe_experts:
+        return 0
     ranges = layer_ranges(model.n_layers, layout.pp * layout.virtual_stages)
     stages = (stage_of(pp_rank, c, layout.pp) for c in range(layout.virtual_stages))
-    return sum(model.is_moe(i) for stage in stages for i in ranges[stage]) if model.moe_experts else 0
+    return sum(model.is_moe(i) for stage in stages for i in ranges[stage])
 
 
 def expert_all_to_all_bytes(model: GPTConfig, layout: Layout, seq_len: int) -> float:
-    """Bytes one rank sends in one all-to-all of an MoE layer's rows: A·h·R·(ep − 1)/ep, R = s·b·k
-    rows (balanced routing), or with a capacity c the E·⌈c·s·b·k/E⌉ slots it pads to (every
-    TP rank of the group sends the group's s·b tokens)."""
+    """Bytes one rank sends in one all-to-all of an MoE layer's rows: A·h·R·(ep − 1)/ep, R = T·k
+    rows (balanced routing; T = s·b/cp, the rank's tokens), or with a capacity c the
+    E·⌈c·T·k/E⌉ slots it pads to (every TP rank of the group sends the group's T tokens)."""
     moe, ep = model.moe, layout.ep
-    slots = seq_len * layout.micro_batch_size * moe.top_k
+    slots = layout.tokens(seq_len) * moe.top_k
     rows = slots if moe.capacity_factor is None else moe.experts * math.ceil(moe.capacity_factor * slots / moe.experts)
     return DTYPE_BYTES[layout.precision] * model.d_model * rows * (ep - 1) / ep
 
@@ -222,15 +259,90 @@ def expert_all_to_all(model: GPTConfig, layout: Layout, seq_len: int, cluster: C
     """Seconds of one all-to-all of an MoE layer's rows (`expert_all_to_all_bytes`), sent to
     the ep − 1 peers at once: NVLink to those on the node, the network to the rest, one α
     each (the ep ranks are tp apart), after `before` seconds of compute (`Cluster.wait`)."""
-    ep = layout.ep
-    if ep == 1:
+    if layout.ep == 1:
         return 0.0
-    per_peer = expert_all_to_all_bytes(model, layout, seq_len) / (ep - 1)
-    near = ranks_per_node(ep, layout.tp, cluster.gpus_per_node)
-    intra, inter = cluster.seconds(per_peer * (near - 1), per_peer * (ep - near))
+    return all_to_all_seconds(cluster, expert_all_to_all_bytes(model, layout, seq_len), layout.ep, layout.tp, before)
+
+
+def all_to_all_seconds(cluster: Cluster, nbytes: float, size: int, stride: int, before: float = 0.0) -> float:
+    """Seconds of one all-to-all in which each of `size` ranks `stride` apart sends `nbytes` in
+    all, 1/(size − 1) of it to each peer at once: NVLink to those on its node, the network to
+    the rest, one α each, after `before` seconds of compute (`Cluster.wait`)."""
+    if size == 1:
+        return 0.0
+    per_peer = nbytes / (size - 1)
+    near = ranks_per_node(size, stride, cluster.gpus_per_node)
+    intra, inter = cluster.seconds(per_peer * (near - 1), per_peer * (size - near))
     return (
-        max(intra, inter) + cluster.latency(int(near > 1), int(ep > near)) + cluster.wait(ep > near, ep == 2, 1, before)
+        max(intra, inter)
+        + cluster.latency(int(near > 1), int(size > near))
+        + cluster.wait(size > near, size == 2, 1, before)
     )
+
+
+def cp_all_to_all_bytes(model: GPTConfig, layout: Layout, seq_len: int) -> float:
+    """Bytes one rank sends in one all-to-all of context-parallel attention (q, k or v in, or the
+    output back): A·T·(h/t)·(a − 1)/a over a group of a = `Layout.cp_a2a_size` ranks (cp for
+    all-to-all, cp_a2a for hybrid; 0 for a ring), T = s·b/cp."""
+    a = layout.cp_a2a_size
+    return DTYPE_BYTES[layout.precision] * layout.tokens(seq_len) * model.d_model / layout.tp * (a - 1) / a
+
+
+def ring_attention_seconds(blocks: Sequence[float], transfer: float) -> float:
+    """Seconds of ring attention over len(blocks) steps: step 0 computes the local block while
+    the first K/V transfer is in flight, and each later step j waits for its block to arrive,
+
+        t_ring = t_block_0 + Σ_{j=1}^{n−1} max(t_block_j, t_transfer)
+
+    (compute-bound: Σ t_block; bandwidth-bound: t_block_0 + (n − 1)·t_transfer)."""
+    return blocks[0] + sum(max(block, transfer) for block in blocks[1:])
+
+
+def ring_exposed_seconds(blocks: Sequence[float], transfer: float) -> float:
+    """What ring attention adds to its blocks' compute: `ring_attention_seconds` − Σ t_block
+    = Σ_{j=1}^{n−1} max(0, t_transfer − t_block_j)."""
+    return sum(max(0.0, transfer - block) for block in blocks[1:])
+
+
+def kv_transfer_seconds(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster) -> float:
+    """Seconds of one ring step's K/V transfer (`memory.kv_block_bytes`) to the next rank of the
+    ring (cp/cp_a2a ranks tp·cp_a2a apart, inside tp's node placement): NVLink and α_intra while
+    the tp·cp ranks share a node, else the GPU's network share and α_inter (the ranks at a node's
+    edge send across it)."""
+    nbytes = kv_block_bytes(model, seq_len, layout)
+    if layout.tp * layout.cp <= cluster.gpus_per_node:
+        return nbytes / cluster.gpu.intra_node_bandwidth + cluster.latency(1, 0)
+    return nbytes / cluster.inter_node_bandwidth + cluster.latency(0, 1)
+
+
+def context_parallel_seconds(
+    model: GPTConfig,
+    layout: Layout,
+    seq_len: int,
+    cluster: Cluster,
+    layers: int,
+    compute_f: float = 0.0,
+    compute_b: float = 0.0,
+) -> tuple[float, float]:
+    """(forward, backward) seconds that context parallelism adds to one micro-batch of `layers`
+    layers beyond their compute (already ÷ cp), per the module docstring's K term; the
+    all-to-alls' waits spread over `compute_f` / `compute_b` (`_calls`)."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    ring_f = ring_b = 0.0
+    r = layout.cp_ring_size
+    if r > 1:
+        core = model.forward_flops_per_token(seq_len)[1] * layout.tokens(seq_len) / layout.tp
+        rate = (cluster.gpu.matmul_efficiency or MATMUL_EFFICIENCY) * cluster.gpu.peak_flops
+        block, kv = cluster.compute_share * core / rate / r, kv_transfer_seconds(model, layout, seq_len, cluster)
+        ring_f = ring_exposed_seconds([block] * r, kv)
+        ring_b = ring_exposed_seconds([2 * block] * r, 2 * kv)  # K/V and dK/dV
+        ring_b += ring_f if layout.recompute != "none" else 0.0  # the recomputed core runs the ring again
+    a = layout.cp_a2a_size
+    one = partial(all_to_all_seconds, cluster, cp_all_to_all_bytes(model, layout, seq_len), a, layout.tp)
+    a2a_f = _calls(4 * layers, compute_f, one) if a > 1 else 0.0
+    a2a_b = _calls(4 * (1 + (layout.recompute == "full")) * layers, compute_b, one) if a > 1 else 0.0
+    return layers * ring_f + a2a_f, layers * ring_b + a2a_b
 
 
 def exposed_p2p(
@@ -263,7 +375,7 @@ def _p2p(layout: Layout, msg: float, cluster: Cluster) -> float:
     per chunk, one step each, over NVLink when the pipeline fits in a node, else the network."""
     if layout.pp == 1:
         return 0.0
-    if layout.tp * layout.dp * layout.pp <= cluster.gpus_per_node:
+    if layout.gpus <= cluster.gpus_per_node:
         return layout.virtual_stages * (msg / cluster.gpu.intra_node_bandwidth + cluster.latency(1, 0))
     return layout.virtual_stages * (msg / cluster.inter_node_bandwidth + cluster.latency(0, 1))
 
@@ -276,9 +388,10 @@ def _pipeline(
     the ranks get (the module docstring's "Shared compute")."""
     p, v, m, share = layout.pp, layout.virtual_stages, layout.micro_batches, cluster.compute_share
     (compute_f, compute_b), (calls_f, calls_b) = compute, calls
-    # The ranks that meet at every TP / expert call compute together; where they span nodes a
-    # call waits on the network, leaving the cores to the other groups, else it uses them.
-    group = layout.tp * layout.ep
+    # The ranks that meet at every TP / expert / context-parallel call compute together; where
+    # they span nodes a call waits on the network, leaving the cores to the other groups, else
+    # it uses them (ep and cp groups both run inside dp × cp, tp apart: one holds the other).
+    group = layout.tp * math.lcm(layout.ep, layout.cp)
     held = float(group <= cluster.gpus_per_node)
     if share > 1 and p > 1:  # stages take turns on the cores: simulated
         per_stage = cluster.gpus // p
@@ -313,16 +426,18 @@ class _Pipelined(NamedTuple):
     pipeline: float
     tp_comm: float
     ep_comm: float
+    cp_comm: float
     rank: RankParams
 
 
 def _pipelined(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster) -> _Pipelined:
     t, p, v, m = layout.tp, layout.pp, layout.virtual_stages, layout.micro_batches
-    compute_f, compute_b, tp_f, tp_b, ep_f, ep_b, p2p = _micro_batch(model, layout, seq_len, cluster)
-    parts = _pipeline(layout, cluster, (compute_f, compute_b), (tp_f + ep_f, tp_b + ep_b), p2p)
+    compute_f, compute_b, tp_f, tp_b, ep_f, ep_b, cp_f, cp_b, p2p = _micro_batch(model, layout, seq_len, cluster)
+    calls = (tp_f + ep_f + cp_f, tp_b + ep_b + cp_b)
+    parts = _pipeline(layout, cluster, (compute_f, compute_b), calls, p2p)
     ranks = (rank_params(model, t, p, v, r, layout.unit_numel, layout.ep) for r in {0, p - 1})
     rank = max(ranks, key=lambda r: r.numel)
-    return _Pipelined(*parts, m * (tp_f + tp_b), m * (ep_f + ep_b), rank)
+    return _Pipelined(*parts, m * (tp_f + tp_b), m * (ep_f + ep_b), m * (cp_f + cp_b), rank)
 
 
 def _optimizer_seconds(layout: Layout, rank: RankParams, cluster: Cluster) -> float:
@@ -334,10 +449,15 @@ def _optimizer_seconds(layout: Layout, rank: RankParams, cluster: Cluster) -> fl
 
 def predict_step_times(model: GPTConfig, layouts: list[Layout], seq_len: int, cluster: Cluster) -> list[StepTime]:
     """Step times on `cluster` (the model in the module docstring) of layouts that differ at
-    most in how dp communicates (`search.comm_variants`): the micro-batch is costed once."""
-    shared = _pipelined(model, layouts[0], seq_len, cluster)
+    most in how dp communicates (`search.comm_variants`) and how cp ranks attend
+    (`search.cp_variants`): the micro-batch is costed once per cp mode."""
+    pipelines: dict[tuple, _Pipelined] = {}
     times = []
     for lo in layouts:
+        mode = (lo.cp_mode, lo.cp_a2a)
+        if mode not in pipelines:
+            pipelines[mode] = _pipelined(model, lo, seq_len, cluster)
+        shared = pipelines[mode]
         tied = tied_embedding(model, lo, cluster)
         collectives = dp_collectives(lo, cluster, shared.rank, shared.compute_f, shared.compute_b)
         collectives += (tied,) if tied else ()
@@ -353,6 +473,7 @@ def predict_step_times(model: GPTConfig, layouts: list[Layout], seq_len: int, cl
                 _optimizer_seconds(lo, shared.rank, cluster),
                 collectives,
                 shared.ep_comm,
+                shared.cp_comm,
             )
         )
     return times
@@ -360,9 +481,11 @@ def predict_step_times(model: GPTConfig, layouts: list[Layout], seq_len: int, cl
 
 def step_time_floor(model: GPTConfig, layouts: list[Layout], seq_len: int, cluster: Cluster) -> float:
     """A lower bound of every `predict_step_times` total of `layouts` without their data-parallel
-    collectives (which expose ≥ 0 s): the shared pipeline plus the shortest optimizer step."""
-    shared = _pipelined(model, layouts[0], seq_len, cluster)
-    return shared.pipeline + min(_optimizer_seconds(lo, shared.rank, cluster) for lo in layouts)
+    collectives (which expose ≥ 0 s): the shortest pipeline of their cp modes plus the shortest
+    optimizer step."""
+    modes = {(lo.cp_mode, lo.cp_a2a): lo for lo in layouts}
+    shared = [_pipelined(model, lo, seq_len, cluster) for lo in modes.values()]
+    return min(x.pipeline for x in shared) + min(_optimizer_seconds(lo, shared[0].rank, cluster) for lo in layouts)
 
 
 def predict_step_time(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster) -> StepTime:
