@@ -10,13 +10,15 @@ Three tables:
                 forward + backward (`parallel.context.ring.hop_forward` / `hop_backward` over
                 every hop, in one process, no communication): the slowest member over the
                 mean. zigzag (member g holds chunks g and 2cp−1−g; goal ≤ 1.05) against the
-                plain contiguous ring (member g holds chunk g: ≈ 2 − 1/cp).
+                plain contiguous ring (member g holds chunk g: ≈ 2 − 1/cp). The members take
+                turns call by call, in an order that rotates, so that all see the same load.
     memory      the GPT's activations saved for backward on each rank (research.metrics.
                 ActivationMeter) for the same sequences at cp 1, 2, 4 (gloo ranks): the
                 largest rank over cp1's / cp (goal ≤ 1.1).
     step        forward + backward of the GPT at cp 2 on sequences of 2S tokens against cp 1
-                on S tokens (the same tokens per rank; attention's quadratic part doubles):
-                medians over rounds that alternate the two. torch's context_parallel
+                on S tokens (the same tokens per rank; attention's quadratic part doubles),
+                both on 2 ranks (cp 1: each rank its own sequences): medians over rounds that
+                alternate the two. torch's context_parallel
                 (torch.distributed.tensor.experimental) dispatches only the CUDA flash,
                 memory-efficient and cuDNN kernels, so on the CPU cp 1 is the baseline.
 """
@@ -31,7 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from experiments.bench.common import launch, median, timed
+from experiments.bench.common import launch, median, step_times, take_turns
 from experiments.bench.config import GPTRun, parse_config
 from experiments.bench.results import finish, goal
 from experiments.bench.tables import mib, table
@@ -49,7 +51,7 @@ class Config(GPTRun):
     attention_seq: int = arg(4096, "tokens per sequence of the balance table")
     cps: tuple[int, ...] = arg((2, 4, 8), "cp sizes of the balance table")
     head_dim: int = arg(32, "head dimension of the balance table")
-    repeats: int = arg(5, "timed repeats of each member's blocks (after 2 untimed)")
+    repeats: int = arg(9, "timed repeats of each member's blocks (after 2 untimed)")
     seq: int = arg(1024, "tokens per sequence of the memory table, and S of the step table (cp 2 runs 2S)")
     layers: int = arg(2, "transformer blocks")
     rounds: int = arg(3, "rounds of the step table, each timing cp 1 then cp 2")
@@ -70,22 +72,32 @@ class Config(GPTRun):
 # ---- balance --------------------------------------------------------------------------------
 
 
-def zigzag_member(q, k, v, dout, cp: int, g: int) -> None:
-    """Member g's ring work over every hop on whole-sequence q, k, v, dout [b, H, s, d]: its
-    blocks forward, merged, then backward (what `ring_attention` computes, without sending)."""
+Held = tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]
+
+
+def zigzag_inputs(q, k, v, dout, cp: int, g: int) -> Held:
+    """Member g's queries and output gradient, and the keys and values of every member (what
+    the ring brings it), from whole-sequence q, k, v, dout [b, H, s, d]."""
     s = q.shape[-2]
     mine = positions(s, cp, g)
-    held = [torch.stack((k, v))[..., positions(s, cp, src), :] for src in range(cp)]
-    qg, saved, merged = q[..., mine, :], kernels.Saved(), [(None, None), (None, None)]
+    kv = torch.stack((k, v))
+    return q[..., mine, :], dout[..., mine, :], [kv[..., positions(s, cp, src), :] for src in range(cp)]
+
+
+def zigzag_member(held: Held, cp: int, g: int) -> None:
+    """Member g's ring work over every hop (`zigzag_inputs`): its blocks forward, merged,
+    then backward (what `ring_attention` computes, without sending)."""
+    qg, dout, kvs = held
+    saved, merged = kernels.Saved(), [(None, None), (None, None)]
     for src in range(cp):
-        hop_forward(qg, held[src], g, src, cp, None, merged, saved)
-    out = torch.cat([o for o, _ in merged], dim=-2).to(q.dtype)
+        hop_forward(qg, kvs[src], g, src, cp, None, merged, saved)
+    out = torch.cat([o for o, _ in merged], dim=-2).to(qg.dtype)
     lse = torch.cat([lse for _, lse in merged], dim=-1)
-    acc = kernels.accumulator(q.dtype)
+    acc = kernels.accumulator(qg.dtype)
     dq = torch.zeros_like(qg, dtype=acc)
     for src in range(cp):
-        dkv = torch.zeros_like(held[src], dtype=acc)
-        hop_backward(dout[..., mine, :], qg, held[src], out, lse, g, src, cp, None, dq, dkv, saved)
+        dkv = torch.zeros_like(kvs[src], dtype=acc)
+        hop_backward(dout, qg, kvs[src], out, lse, g, src, cp, None, dq, dkv, saved)
 
 
 def _contiguous_member(q, k, v, dout, cp: int, g: int) -> None:
@@ -103,6 +115,12 @@ def _contiguous_member(q, k, v, dout, cp: int, g: int) -> None:
         kernels.backward(part(dout, g), part(q, g), part(k, j), part(v, j), out, lse, kind, None, saved)
 
 
+def _time_call(name: str, fn: Any, step: int) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t0)
+
+
 def _pairs(layout: str, s: int, cp: int, g: int) -> int:
     """Query-key pairs member g computes under the causal mask."""
     if layout == "zigzag":
@@ -117,9 +135,15 @@ def balance(cfg: Config) -> list[dict[str, Any]]:
     q, k, v, dout = (torch.randn(shape, generator=gen) for _ in range(4))
     rows = []
     for cp in cfg.cps:
-        for layout, member in (("zigzag", zigzag_member), ("contiguous", _contiguous_member)):
+        work = {
+            "zigzag": [lambda g=g, x=zigzag_inputs(q, k, v, dout, cp, g): zigzag_member(x, cp, g) for g in range(cp)],
+            "contiguous": [lambda g=g: _contiguous_member(q, k, v, dout, cp, g) for g in range(cp)],
+        }
+        for layout, members in work.items():
             flops = [4 * cfg.head_dim * cfg.heads * _pairs(layout, cfg.attention_seq, cp, g) for g in range(cp)]
-            seconds = [timed(lambda g=g: member(q, k, v, dout, cp, g), torch.device("cpu"), cfg.repeats) for g in range(cp)]
+            names = [str(g) for g in range(cp)]
+            turns = take_turns(names, 1, 2 + cfg.repeats, lambda _: dict(zip(names, members)), _time_call)
+            seconds = [median(t["times_ms"]) / 1e3 for t in step_times(turns, 2).values()]
             flop_ratio, time_ratio = max(flops) / (sum(flops) / cp), max(seconds) / (sum(seconds) / cp)
             rows.append(
                 {
@@ -138,14 +162,13 @@ def balance(cfg: Config) -> list[dict[str, Any]]:
 # ---- memory and step time on gloo ranks -----------------------------------------------------
 
 
-def _model_and_batch(cfg: Config, seq: int):
-    """This rank's GPT (cp = the world) and its share of 2 sequences of `seq` tokens."""
-    import torch.distributed as dist
-
+def _model_and_batch(cfg: Config, seq: int, cp: int):
+    """This rank's GPT and its share of `micro_batch` sequences of `seq` tokens (the other
+    ranks than cp's read their own: data parallelism, without its reduction)."""
     from parallel import ParallelDims
     from research.model import GPT
 
-    dims = ParallelDims(cp=dist.get_world_size() if dist.is_initialized() else 1).build("cpu")
+    dims = ParallelDims(cp=cp).build("cpu")
     model = GPT(dataclasses.replace(cfg.gpt_config(), max_seq_len=seq), dims.tp_group, context=dims.context)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab, (cfg.micro_batch, seq), generator=gen)
@@ -156,14 +179,16 @@ def _model_and_batch(cfg: Config, seq: int):
 def _activations(cfg: Config) -> int:
     from research.metrics import ActivationMeter
 
-    model, ids, labels = _model_and_batch(cfg, cfg.seq)
+    import torch.distributed as dist
+
+    model, ids, labels = _model_and_batch(cfg, cfg.seq, dist.get_world_size())
     with ActivationMeter([model]) as meter:
         model(ids, labels).backward()
     return meter.peak_bytes
 
 
-def _step_ms(cfg: Config, seq: int) -> list[float]:
-    model, ids, labels = _model_and_batch(cfg, seq)
+def _step_ms(cfg: Config, seq: int, cp: int) -> list[float]:
+    model, ids, labels = _model_and_batch(cfg, seq, cp)
 
     def step() -> None:
         model(ids, labels).backward()
@@ -194,9 +219,9 @@ def memory(cfg: Config) -> list[dict[str, Any]]:
 
 def step(cfg: Config) -> dict[str, Any]:
     times: dict[int, list[float]] = {1: [], 2: []}
-    for _ in range(cfg.rounds):
+    for _ in range(cfg.rounds):  # both on 2 ranks, so that both see the same machine load
         for cp in (1, 2):
-            times[cp] += max(launch(_step_ms, cp, cfg, cp * cfg.seq), key=median)  # the slowest rank
+            times[cp] += max(launch(_step_ms, 2, cfg, cp * cfg.seq, cp), key=median)  # the slowest rank
     one, two = median(times[1]), median(times[2])
     per_token = cfg.gpt_config().flops_per_token
     flops = per_token(2 * cfg.seq) / per_token(cfg.seq)
@@ -222,6 +247,7 @@ MEMORY_COLUMNS = {
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg, args = parse_config(Config, __doc__, argv)
+    torch.set_num_threads(1)
     print(
         f"context_parallel: balance at seq {cfg.attention_seq}, {cfg.heads} heads of {cfg.head_dim}, fp32 on 1 thread; "
         f"GPT {cfg.layers} layers d_model {cfg.d_model} at seq {cfg.seq} (x{cfg.micro_batch}); torch {torch.__version__}",

@@ -10,9 +10,12 @@ lse) + out₂·exp(lse₂ − lse) (`merge`, fp32). The backward of a block need
 out and lse (Dao 2023): P = exp(S − lse), dv = Pᵀ dout, dS = P ⊙ (dout vᵀ − rowsum(dout ⊙ out)),
 dq = dS k · scale, dk = dSᵀ q · scale.
 
-On CUDA in fp16 / bf16 the fused kernels run it (flash for full and causal blocks, the
-memory-efficient kernel with an additive mask for masked ones), never materializing the
-block's scores; elsewhere the same math in fp32 (fp64 for fp64 inputs; `_math_forward`).
+Fused kernels run it where they exist, never materializing the block's scores: on CUDA in
+fp16 / bf16 flash for full and causal blocks and the memory-efficient kernel with an additive
+mask for masked ones; on the CPU its flash kernel (any float dtype, the mask additive). A
+kernel reports a row with no allowed key as lse 0, which the merge would count: such rows of
+a masked block get lse −∞. Elsewhere (CUDA in fp32) the same math runs in fp32
+(`_math_forward`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def accumulator(dtype: torch.dtype) -> torch.dtype:
 
 
 def fused(q: torch.Tensor) -> bool:
-    """Whether blocks of `q` run on the fused kernels (CUDA, fp16 / bf16)."""
+    """Whether blocks of `q` run on the fused CUDA kernels (fp16 / bf16)."""
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
@@ -51,6 +54,10 @@ def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: Block, mask: torch.Tensor | None, saved: Saved
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [b, H, c, d], lse [b, H, c] fp32) of one block; `mask` [c, c] for a MASKED one."""
+    if q.device.type == "cpu":
+        bias = _bias(mask, q) if kind is Block.MASKED else None
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, kind is Block.CAUSAL, attn_mask=bias)
+        return out, _no_key(lse, mask)
     if not fused(q):
         return _math_forward(q, k, v, kind, mask)
     if kind is Block.MASKED:
@@ -58,7 +65,7 @@ def forward(
             q, k, v, _bias(mask, q), True, 0.0, False
         )
         saved.efficient = (seed, offset, lse.shape[-1])
-        return out, lse[..., : q.shape[-2]]
+        return out, _no_key(lse[..., : q.shape[-2]], mask)
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, kind is Block.CAUSAL
     )
@@ -78,6 +85,11 @@ def backward(
     saved: Saved,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one block, given the merged `out` and `lse` of its queries."""
+    if q.device.type == "cpu":
+        bias = _bias(mask, q) if kind is Block.MASKED else None
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.to(accumulator(q.dtype)), 0.0, kind is Block.CAUSAL, attn_mask=bias
+        )
     if not fused(q):
         return _math_backward(dout, q, k, v, out, lse, kind, mask)
     if kind is Block.MASKED:
@@ -91,6 +103,11 @@ def backward(
     return aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, kind is Block.CAUSAL, seed, offset
     )
+
+
+def _no_key(lse: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`lse` with −∞ for the rows of `mask` that allow no key (a kernel reports 0 there)."""
+    return lse if mask is None else lse.masked_fill(~mask.any(-1), float("-inf"))
 
 
 def _bias(mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
