@@ -299,27 +299,31 @@ def bucket_key(group: object, root: int | None, marks: ParamMarks) -> tuple:
 
 
 def assign_buckets(
-    params: list[torch.nn.Parameter], key: Callable[[torch.nn.Parameter], object], bucket_numel: int
+    params: list[torch.nn.Parameter],
+    key: Callable[[torch.nn.Parameter], object],
+    bucket_numel: float,
+    last_numel: float | None = None,
 ) -> list[list[torch.nn.Parameter]]:
-    """Split `params` by `key(p)`, pack each part greedily, in the given order, into buckets
-    of at most ~bucket_numel elements, and order the buckets by their last parameter: when
-    gradients arrive in `params` order, that is the order in which buckets complete (so a
-    part spread over the whole model, such as the norms of a no-decay group, goes last
-    instead of holding back every bucket launched in order after it)."""
+    """Split `params` (in the order their gradients arrive) by `key(p)`, pack each part
+    greedily from its last parameter back, into a first bucket of at most ~last_numel
+    elements (default bucket_numel; the one reduced with no backward left to hide it) and
+    then buckets of ~bucket_numel, and order the buckets by their last parameter: the order
+    in which buckets complete (so a part spread over the whole model, such as the norms of a
+    no-decay group, goes last instead of holding back every bucket launched after it)."""
     last_arrival = arrival_key({p: i for i, p in enumerate(params)})
     parts: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:
         parts.setdefault(key(p), []).append(p)
     buckets: list[list[torch.nn.Parameter]] = []
     for part in parts.values():
-        current, size = [], 0
-        for p in part:
-            if current and size + p.numel() > bucket_numel:
-                buckets.append(current)
-                current, size = [], 0
+        current, size, cap = [], 0, bucket_numel if last_numel is None else last_numel
+        for p in reversed(part):
+            if current and size + p.numel() > cap:
+                buckets.append(current[::-1])
+                current, size, cap = [], 0, bucket_numel
             current.append(p)
             size += p.numel()
-        buckets.append(current)
+        buckets.append(current[::-1])
     return sorted(buckets, key=last_arrival)
 
 

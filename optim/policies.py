@@ -65,6 +65,10 @@ class Communication:
     Attributes:
         bucket_numel: target elements per flat bucket at stages 0-2; each bucket's gradients
             are reduced as one collective as soon as its last gradient arrives in backward.
+        last_bucket_numel: stages 0-2: the bucket whose gradients arrive last in backward is
+            reduced with no backward left to overlap it, so it holds at most this many
+            elements (a parameter larger goes alone) and buckets are filled from it towards
+            the first to arrive (None: bucket_numel // 16; DDP's small first bucket, reversed).
         unit_numel: stage 3: a module claims its not-yet-claimed parameters as one gather
             unit once they reach this many elements (FSDP's wrapping unit).
         resident_numel: stage 3: units smaller than this stay gathered, like stage 2 (None:
@@ -89,6 +93,7 @@ class Communication:
     """
 
     bucket_numel: int = 2**24
+    last_bucket_numel: int | None = None
     unit_numel: int = 2**22
     resident_numel: int | None = None
     overlap_param_gather: bool = False
@@ -100,6 +105,11 @@ class Communication:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive number of elements, such as {2**22}")
+
+    @property
+    def last_bucket(self) -> int:
+        """The most elements of the bucket completed last in backward (`last_bucket_numel`)."""
+        return self.bucket_numel // 16 if self.last_bucket_numel is None else self.last_bucket_numel
 
     @property
     def resident(self) -> int:

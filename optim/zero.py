@@ -334,7 +334,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         units: list[tuple[torch.nn.Module, list[FlatBucket]]] = []
         if not self.sharding.parameters:
-            buckets = [make(ps, self.sharding) for ps in assign_buckets(arrival, key, self.communication.bucket_numel)]
+            comm = self.communication
+            buckets = [
+                make(ps, self.sharding) for ps in assign_buckets(arrival, key, comm.bucket_numel, comm.last_bucket)
+            ]
         else:
             buckets = []
             for module, params in reversed(stage3_units(self.model, set(group_of), self.communication.unit_numel)):
