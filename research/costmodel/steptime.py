@@ -38,9 +38,10 @@ Step time, per micro-batch on the slowest pipeline rank (the last: L/p layers + 
   a node, else the network. K adds t_ring − Σ t_j = (r−1)·max(0, t_kv − t_j); the backward
   likewise with blocks 2t_j and K/V plus dK/dV (2t_kv); recompute (selective or full) runs the
   forward ring again in backward. All-to-all (a = c ranks; hybrid: a = cp_a2a, the inner
-  ranks of the cp group, tp apart): 4 per layer forward (q, k, v in, the output back), 4 in
-  backward (8 with full recompute), each A·T·(h/t)·(a − 1)/a bytes per rank
-  (`cp_all_to_all_bytes`), not overlapped, costed as E's.
+  ranks of the cp group, tp apart): per layer forward q, k, v in (one all-to-all of the three
+  stacked) and the output back, 4A·T·(h/t)·(a − 1)/a bytes per rank in all, each tensor's
+  A·T·(h/t)·(a − 1)/a (`cp_all_to_all_bytes`); the backward the same (twice with full
+  recompute); not overlapped, costed as E's.
 - η (`MATMUL_EFFICIENCY`): the one calibrated constant, see there. With float8 linear
   layers (`Layout.fp8`) their FLOPs run at the GPU's float8 peak, the rest at its 16-bit one.
 
@@ -281,9 +282,10 @@ def all_to_all_seconds(cluster: Cluster, nbytes: float, size: int, stride: int, 
 
 
 def cp_all_to_all_bytes(model: GPTConfig, layout: Layout, seq_len: int) -> float:
-    """Bytes one rank sends in one all-to-all of context-parallel attention (q, k or v in, or the
-    output back): A·T·(h/t)·(a − 1)/a over a group of a = `Layout.cp_a2a_size` ranks (cp for
-    all-to-all, cp_a2a for hybrid; 0 for a ring), T = s·b/cp."""
+    """Bytes one rank sends in context-parallel attention's all-to-alls for one tensor (q, k or v
+    in, or the output back): A·T·(h/t)·(a − 1)/a over a group of a = `Layout.cp_a2a_size`
+    ranks (cp for all-to-all, cp_a2a for hybrid; 0 for a ring), T = s·b/cp. q, k and v go in
+    one all-to-all (3×), the output in another: 4× a layer and pass."""
     a = layout.cp_a2a_size
     return DTYPE_BYTES[layout.precision] * layout.tokens(seq_len) * model.d_model / layout.tp * (a - 1) / a
 
@@ -338,10 +340,14 @@ def context_parallel_seconds(
         ring_f = ring_exposed_seconds([block] * r, kv)
         ring_b = ring_exposed_seconds([2 * block] * r, 2 * kv)  # K/V and dK/dV
         ring_b += ring_f if layout.recompute != "none" else 0.0  # the recomputed core runs the ring again
-    a = layout.cp_a2a_size
-    one = partial(all_to_all_seconds, cluster, cp_all_to_all_bytes(model, layout, seq_len), a, layout.tp)
-    a2a_f = _calls(4 * layers, compute_f, one) if a > 1 else 0.0
-    a2a_b = _calls(4 * (1 + (layout.recompute == "full")) * layers, compute_b, one) if a > 1 else 0.0
+    a, nbytes = layout.cp_a2a_size, cp_all_to_all_bytes(model, layout, seq_len)
+
+    def call(before: float) -> float:  # the mean of a layer's two: q, k, v stacked (3×), the output (1×)
+        one = partial(all_to_all_seconds, cluster, size=a, stride=layout.tp, before=before)
+        return (one(3 * nbytes) + one(nbytes)) / 2
+
+    a2a_f = _calls(2 * layers, compute_f, call) if a > 1 else 0.0
+    a2a_b = _calls(2 * (1 + (layout.recompute == "full")) * layers, compute_b, call) if a > 1 else 0.0
     return layers * ring_f + a2a_f, layers * ring_b + a2a_b
 
 
