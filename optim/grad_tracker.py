@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.nn.parallel import DistributedDataParallel
 
 from optim.buffers import FlatBucket, GradState
@@ -57,10 +56,6 @@ MOVED = (
 NOT_TRAINED = (
     "parameter {name!r} has a gradient but ZeroOptimizer does not train it: it was replaced or unfrozen after the "
     "optimizer was built; build ZeroOptimizer once the model is final, with every parameter you will train trainable"
-)
-COMPILED = (
-    "torch.compile cannot trace ZeRO stage 3, whose hooks gather and free the parameters around every "
-    "module; use stage 2 with torch.compile, or stage 3 without it"
 )
 MODEL_PARALLEL_CLIP = (
     "clipping the tensors in a model-parallel ZeroOptimizer's param_groups cannot count the other tensor / "
@@ -249,14 +244,12 @@ class GradTracker:
             self.show_shard_grads()
 
     def check_model(self, module: torch.nn.Module, args: tuple) -> None:
-        """Forward pre-hook: refuse a DDP wrapper, compilation at stage 3 and parameters moved
-        or cast since construction, before they can train silently wrong."""
+        """Forward pre-hook: refuse a DDP wrapper and parameters moved or cast since
+        construction, before they can train silently wrong."""
         ddp = DistributedDataParallel._get_active_ddp_module()
         if ddp is not None:
             framework = wrapped_by(ddp)
             raise RuntimeError(WRAPPED_BY[framework].format(stage=self.shared.stage) if framework else WRAPPED)
-        if self.shared.sharding.parameters and (torch.compiler.is_compiling() or get_eval_frame_callback() is not None):
-            raise RuntimeError(COMPILED)
         for k, b in enumerate(self.buckets):
             device = b.param_shard.device
             for i, p in enumerate(b.params):

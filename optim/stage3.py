@@ -234,6 +234,7 @@ class ParamGatherer:
             b.release_params()
         unit.full, unit.gathers = None, []
 
+    @torch.compiler.disable
     def _reshard_idle(self) -> None:
         """End of the root forward: free units gathered but not in use (unused prefetches)."""
         if not _in_backward():
@@ -242,6 +243,7 @@ class ParamGatherer:
                     self._reshard(unit)
 
     # ---- hooks --------------------------------------------------------------------------
+    @torch.compiler.disable
     def _on_root_forward(self, module: torch.nn.Module, args: tuple) -> None:
         if not _in_backward():
             self.check_in(TRAINING_FORWARD if torch.is_grad_enabled() else EVAL_FORWARD)
@@ -253,11 +255,13 @@ class ParamGatherer:
             check_in(self.side, what, self.check_ins)
             self.check_ins += 1
 
+    @torch.compiler.disable
     def _pre_forward(self, needed: list[Unit]) -> None:
         for unit in needed:
             unit.users += 1
             self._unshard(unit, "backward" if _in_backward() else "forward")
 
+    @torch.compiler.disable
     def _post_forward(self, needed: list[Unit], output: object) -> None:
         for unit in needed:
             unit.users -= 1

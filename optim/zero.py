@@ -60,6 +60,7 @@ def _shared(name: str, doc: str) -> property:
     return property(attrgetter(f"zero_state.{name}"), doc=doc)
 
 
+@torch.compiler.disable
 def _wait_before_forward(opt: ZeroOptimizer, buckets: list[FlatBucket], module: torch.nn.Module, args: tuple) -> None:
     """overlap_param_gather's forward pre-hook: the module's buckets' gathers end first."""
     opt.wait_params(buckets)
@@ -257,6 +258,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._state_dicts = StateDicts(state, self._shard_step)
         self._model_state = ModelStateHooks(state, self._gatherer)
 
+    @torch.compiler.disable
     def _check_model(self, module: torch.nn.Module, args: tuple) -> None:
         """The model check (`GradTracker.check_model`) before each root forward."""
         self._grads.check_model(module, args)

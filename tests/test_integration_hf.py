@@ -18,6 +18,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 
 from safetensors.torch import load_file
+from torch._dynamo.utils import counters
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, get_scheduler
 
 from optim.integrations.hf import ZERO_OPTIMIZER_DIR, ZeroTrainer
@@ -112,9 +113,11 @@ def train(stage: int, output_dir: str, resume: str | None = None, **overrides) -
         zero_kwargs=ZERO_KWARGS,
     )
     trainer.seen = []
+    counters["stats"].clear()
     with accounting.tracking() as log:
         trainer.train(resume_from_checkpoint=resume)
     return {
+        "graphs": counters["stats"]["unique_graphs"],
         "seen": trainer.seen,
         "norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
         "reductions": log.calls(op="reduce_scatter_tensor") / len(trainer.zero_optimizer.buckets),
@@ -146,6 +149,9 @@ def train_stages(root: str) -> dict:
         checkpoint = os.path.join(root, f"stage{stage}", "checkpoint-5")
         resumed = os.path.join(root, f"resumed{stage}")
         runs[("resumed", stage)] = train(stage, resumed, resume=checkpoint, **stage_overrides(stage))
+    for stage in COMPILED:
+        compiled = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
+        runs[("compiled", stage)] = train(stage, os.path.join(root, f"compiled{stage}"), **compiled, **stage_overrides(stage))
     return runs
 
 
@@ -215,6 +221,23 @@ def test_stage_matches_single_process_adamw(runs, stage) -> None:
         assert run["reductions"] == STEPS * (ACCUM if stage == 2 else 1)
 
 
+COMPILED = (1, 3)
+
+
+@pytest.mark.parametrize("stage", COMPILED)
+def test_torch_compile_trains_as_eager(runs, stage) -> None:
+    """TrainingArguments(torch_compile=True): the model Trainer compiles (its stage-3 gathers
+    between the compiled graphs) ends on the eager run's norms and weights."""
+    _, ranks = runs
+    for rank in ranks:
+        eager, compiled = rank[stage], rank[("compiled", stage)]
+        assert compiled["graphs"] > 0 and eager["graphs"] == 0  # compiled indeed, and only when asked
+        assert compiled["seen"] and len(compiled["seen"]) == len(eager["seen"])
+        torch.testing.assert_close(torch.tensor(compiled["norms"]), torch.tensor(eager["norms"]), rtol=RTOL, atol=0)
+        for name, want in eager["weights"].items():
+            torch.testing.assert_close(compiled["weights"][name], want, rtol=RTOL, atol=ATOL, msg=name)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_model_safetensors_holds_the_full_weights(runs, stage) -> None:
     """checkpoint-10/model.safetensors holds every weight at full shape (the tied lm_head once,
@@ -282,7 +305,6 @@ MISUSES = [  # (make, the start of its sentence)
     ),
     (_with(optim="adafactor"), "optim='adafactor' is not an elementwise optimizer"),
     (_with(fp16=True), "ZeroTrainer does not support fp16=True"),
-    (_with(torch_compile=True), "ZeroTrainer does not support torch_compile=True"),
     (
         _with(load_best_model_at_end=True, eval_strategy="steps", eval_steps=5, metric_for_best_model="loss"),
         "ZeroTrainer does not support load_best_model_at_end=True",

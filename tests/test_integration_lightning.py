@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, Dataset
 
 from optim import ZeroOptimizer
@@ -176,10 +177,14 @@ def train_everything(root: Path) -> dict[str, Any]:
     stage 3's step-10 checkpoint. Rank 0 adds the single-process reference."""
     out: dict[str, Any] = {"weights": {}, "lr_warnings": [], "wrapped": []}
     seen, strategies = {}, {}
-    for name, cls in [(0, LitTiny), (1, LitTiny), (2, LitTiny), (3, LitTiny), ("manual", ManualLit)]:
-        module, strategy = cls(), ZeroStrategy(2 if name == "manual" else name, **SMALL)
+    runs = [(0, LitTiny), (1, LitTiny), (2, LitTiny), (3, LitTiny), ("manual", ManualLit), ("compiled", LitTiny)]
+    for name, cls in runs:
+        stage = {"manual": 2, "compiled": 3}.get(name, name)
+        module, strategy = cls(), ZeroStrategy(stage, **SMALL)
+        if name == "compiled":  # Lightning's compile switch: fit the torch.compile'd module
+            module = torch.compile(module, backend="aot_eager")
         every5 = pl.callbacks.ModelCheckpoint(root / f"ckpt{name}", every_n_train_steps=5, save_top_k=-1)
-        ckpt = [every5] if name != "manual" else []
+        ckpt = [every5] if name in range(4) else []
         trainer = make_trainer(
             strategy,
             root,
@@ -190,6 +195,8 @@ def train_everything(root: Path) -> dict[str, Any]:
         with warnings.catch_warnings(record=True) as caught, accounting.tracking() as log:
             warnings.simplefilter("always")
             trainer.fit(module)
+        if name == "compiled":
+            out["compiled_graphs"] = counters["stats"]["unique_graphs"]
         if name == 2:
             out["reduce_scatters"] = log.calls(op="reduce_scatter_tensor")
             out["buckets"] = len(strategy.zero_optimizer.buckets)
@@ -367,13 +374,14 @@ def close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: flo
         torch.testing.assert_close(got[k], value, rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("name", [0, 1, 2, 3, "manual"])
+@pytest.mark.parametrize("name", [0, 1, 2, 3, "manual", "compiled"])
 def test_lightning_matches_plain_torch(trained: list[dict[str, Any]], name: Any) -> None:
-    """Stage `name` (or manual optimization at stage 2) on 2 ranks, accumulation 2, clip 1.0,
-    10 AdamW steps with warmup: the full weights equal a single-process torch loop's over the
-    same micro-batches, on every rank."""
+    """Stage `name` (or manual optimization at stage 2, or stage 3 fitting a torch.compile'd
+    module) on 2 ranks, accumulation 2, clip 1.0, 10 AdamW steps with warmup: the full weights
+    equal a single-process torch loop's over the same micro-batches, on every rank."""
     for rank in trained:
         close(rank["weights"][name], trained[0]["reference"][name])
+        assert rank["compiled_graphs"] > 0
 
 
 def test_each_sample_once_per_epoch(trained: list[dict[str, Any]]) -> None:

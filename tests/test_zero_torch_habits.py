@@ -341,10 +341,10 @@ def compiled_training(stage: int, backend: str) -> dict:
     "stage,backend",
     slow_except([(2, "aot_eager"), (3, "aot_eager")], [(0, "aot_eager"), (2, "inductor"), (3, "inductor")]),
 )
-def test_torch_compile_trains_like_eager_or_is_refused_at_stage_3(stage: int, backend: str) -> None:
+def test_torch_compile_of_the_whole_model_trains_like_eager(stage: int, backend: str) -> None:
+    """torch.compile(model) after the optimizer is built (nanoGPT's habit): at stage 3 the
+    gather and free hooks run eagerly between compiled graphs (several units here)."""
     for out in run_distributed(compiled_training, 2, stage, backend, timeout=180):
-        if stage == 3:
-            assert "torch.compile cannot trace ZeRO stage 3" in out[True], out[True]
-        else:
-            for name, eager in out[False].items():
-                torch.testing.assert_close(out[True][name], eager, rtol=1e-5, atol=1e-6)
+        assert isinstance(out[True], dict), out[True]
+        for name, eager in out[False].items():
+            torch.testing.assert_close(out[True][name], eager, rtol=1e-5, atol=1e-6)

@@ -58,7 +58,6 @@ UNSUPPORTED_ARGS = {
     "fp16": "torch.amp's GradScaler cannot see ZeroOptimizer's gradients; use bf16=True",
     "fp16_full_eval": "casting the model for evaluation detaches it from the optimizer's buffers; leave it off",
     "bf16_full_eval": "casting the model for evaluation detaches it from the optimizer's buffers; leave it off",
-    "torch_compile": "ZeroOptimizer's gradient and stage-3 gather hooks are untested under torch.compile; leave it off",
     "load_best_model_at_end": "Trainer would load the best weights into the model, not into ZeroOptimizer, "
     "whose weights are the ones saved; load the best checkpoint's model.safetensors after training",
     "auto_find_batch_size": "a retried step would find the failed step's gradients in the optimizer's buckets; "
