@@ -111,23 +111,32 @@ def test_ring_in_the_step_time(recompute: str) -> None:
     """Per layer, blocks t_j = the rank's attention core / cp at η·peak, K/V transfers of
     2A·(s/cp)·b·h/t bytes: over NVLink while tp·cp ranks share a node, hidden under 16K-token
     blocks; across nodes and with 1K-token blocks exposed, (cp − 1)(t_kv − t_j) per layer
-    forward, twice that backward (K/V and dK/dV, blocks 2t_j), and once more with the core
-    recomputed (selective)."""
+    forward; backward blocks 2t_j against K/V and the fp32 dK/dV sums at once (3× the bf16
+    K/V bytes, as `parallel.context.ring` sends them), plus the sums' last hop home, and the
+    forward ring once more with the core recomputed (selective)."""
     gpu = GPUS["h100"]
     rate = MATMUL_EFFICIENCY * gpu.peak_flops
     model = _model(LONG)
-    near = Layout(cp=8, recompute=recompute)
-    assert costmodel.context_parallel_seconds(model, near, LONG, Cluster(gpu, 8), 26) == (0.0, 0.0)
+    near, node = Layout(cp=8, recompute=recompute), Cluster(gpu, 8)
+    home = 2 * 2 * 2 * (LONG / 8) * model.d_model / gpu.intra_node_bandwidth + node.intra_node_latency
+    # hidden but for the backward's last hop of the fp32 dK/dV sums
+    assert costmodel.context_parallel_seconds(model, near, LONG, node, 26) == (0.0, pytest.approx(26 * home))
     s, cp, h = 8192, 8, model.d_model
     model, cluster, layout = _model(s), Cluster(gpu, 64, gpus_per_node=4), Layout(cp=cp, recompute=recompute)
     block = 4 * s * h * (s / cp) / rate / cp  # core FLOPs per token (4sh) × the rank's tokens, in cp blocks
-    kv = 2 * 2 * (s / cp) * h / cluster.inter_node_bandwidth + cluster.inter_node_latency
+
+    def transfer(nbytes: float) -> float:
+        return nbytes / cluster.inter_node_bandwidth + cluster.inter_node_latency
+
+    kv_bytes = 2 * 2 * (s / cp) * h  # keys and values of the rank's chunk, bf16
+    kv = transfer(kv_bytes)
     assert costmodel.kv_transfer_seconds(model, layout, s, cluster) == pytest.approx(kv)
     assert kv > 2 * block  # bandwidth-bound
     forward, backward = costmodel.context_parallel_seconds(model, layout, s, cluster, 26)
     assert forward == pytest.approx(26 * (cp - 1) * (kv - block))
     redo = forward if recompute == "selective" else 0.0
-    assert backward == pytest.approx(26 * (cp - 1) * (2 * kv - 2 * block) + redo)
+    both, home = transfer(kv_bytes + 2 * kv_bytes), transfer(2 * kv_bytes)  # + the sums, fp32
+    assert backward == pytest.approx(26 * ((cp - 1) * (both - 2 * block) + home) + redo)
     step = costmodel.predict_step_time(model, layout, s, cluster)
     assert step.cp_comm == pytest.approx(forward + backward)
     assert step.pipeline == pytest.approx(step.forward + step.backward)

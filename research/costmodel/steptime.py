@@ -36,8 +36,10 @@ Step time, per micro-batch on the slowest pipeline rank (the last: L/p layers + 
   t_j = W_core/r, the rank's attention core cut into r blocks; t_kv one K/V block,
   2A·T·h/t bytes (`memory.kv_block_bytes`) with one α, over NVLink while the t·c ranks share
   a node, else the network. K adds t_ring − Σ t_j = (r−1)·max(0, t_kv − t_j); the backward
-  likewise with blocks 2t_j and K/V plus dK/dV (2t_kv); recompute (selective or full) runs the
-  forward ring again in backward. All-to-all (a = c ranks; hybrid: a = cp_a2a, the inner
+  likewise with blocks 2t_j and K/V plus the running dK/dV sums in flight at once (the sums
+  in fp32, as `parallel.context` sends them: 3 t_kv's bytes at A = 2), plus the sums' last
+  hop back to their owner, exposed; recompute (selective or full) runs the forward ring
+  again in backward. All-to-all (a = c ranks; hybrid: a = cp_a2a, the inner
   ranks of the cp group, tp apart): per layer forward q, k, v in (one all-to-all of the three
   stacked) and the output back, 4A·T·(h/t)·(a − 1)/a bytes per rank in all, each tensor's
   A·T·(h/t)·(a − 1)/a (`cp_all_to_all_bytes`); the backward the same (twice with full
@@ -306,12 +308,12 @@ def ring_exposed_seconds(blocks: Sequence[float], transfer: float) -> float:
     return sum(max(0.0, transfer - block) for block in blocks[1:])
 
 
-def kv_transfer_seconds(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster) -> float:
-    """Seconds of one ring step's K/V transfer (`memory.kv_block_bytes`) to the next rank of the
-    ring (cp/cp_a2a ranks tp·cp_a2a apart, inside tp's node placement): NVLink and α_intra while
-    the tp·cp ranks share a node, else the GPU's network share and α_inter (the ranks at a node's
-    edge send across it)."""
-    nbytes = kv_block_bytes(model, seq_len, layout)
+def kv_transfer_seconds(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluster, blocks: float = 1) -> float:
+    """Seconds of one ring step's transfer of `blocks` K/V blocks' bytes (`memory.kv_block_bytes`)
+    to the next rank of the ring (cp/cp_a2a ranks tp·cp_a2a apart, inside tp's node placement):
+    NVLink and α_intra while the tp·cp ranks share a node, else the GPU's network share and
+    α_inter (the ranks at a node's edge send across it)."""
+    nbytes = blocks * kv_block_bytes(model, seq_len, layout)
     if layout.tp * layout.cp <= cluster.gpus_per_node:
         return nbytes / cluster.gpu.intra_node_bandwidth + cluster.latency(1, 0)
     return nbytes / cluster.inter_node_bandwidth + cluster.latency(0, 1)
@@ -336,9 +338,15 @@ def context_parallel_seconds(
     if r > 1:
         core = model.forward_flops_per_token(seq_len)[1] * layout.tokens(seq_len) / layout.tp
         rate = (cluster.gpu.matmul_efficiency or MATMUL_EFFICIENCY) * cluster.gpu.peak_flops
-        block, kv = cluster.compute_share * core / rate / r, kv_transfer_seconds(model, layout, seq_len, cluster)
-        ring_f = ring_exposed_seconds([block] * r, kv)
-        ring_b = ring_exposed_seconds([2 * block] * r, 2 * kv)  # K/V and dK/dV
+        block, transfer = (
+            cluster.compute_share * core / rate / r,
+            partial(kv_transfer_seconds, model, layout, seq_len, cluster),
+        )
+        ring_f = ring_exposed_seconds([block] * r, transfer())
+        # backward: K/V and the running dK/dV sums (fp32: `parallel.context.kernels.accumulator`)
+        # in flight at once, and the sums' last hop back to their owner after the last block
+        sums = max(DTYPE_BYTES[layout.precision], 4) / DTYPE_BYTES[layout.precision]
+        ring_b = ring_exposed_seconds([2 * block] * r, transfer(1 + sums)) + transfer(sums)
         ring_b += ring_f if layout.recompute != "none" else 0.0  # the recomputed core runs the ring again
     a, nbytes = layout.cp_a2a_size, cp_all_to_all_bytes(model, layout, seq_len)
 
