@@ -299,11 +299,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._broadcast_from_first(buf.data)
 
     def _build_buckets(self, group_of: dict) -> tuple[list[FlatBucket], list[tuple[torch.nn.Module, list[FlatBucket]]]]:
-        """The buckets, in the order they are expected to complete in backward (whose gradients
-        are expected in reverse registration order: by the position of their last parameter
-        in it, `assign_buckets`), and at stage 3 the gathered units (module, its buckets). A
-        bucket holds one param group of one root module (`optim.stage3.root_modules`: the chunks of
-        a pipeline rank) and, at stage 3, of one unit."""
+        """The buckets, in the order they are expected to complete in backward (gradients are
+        expected in reverse registration order; `assign_buckets`), and at stage 3 the gathered
+        units (module, its buckets). A bucket holds one param group of one root module (a
+        pipeline rank's chunk, `optim.stage3.root_modules`) and, at stage 3, of one unit."""
         arrival = list(reversed(list(group_of)))
         position = {p: i for i, p in enumerate(arrival)}
         root_of = {p: i for i, r in enumerate(root_modules(self.model)) for p in r.parameters()}
@@ -334,26 +333,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 keeps_reduced_sum=self._keeps_reduced_sum(sharding, replicate),
             )
 
-        units: list[tuple[torch.nn.Module, list[FlatBucket]]] = []
-        if not self.sharding.parameters:
-            comm = self.communication
+        comm = self.communication
+        if self.sharding.parameters:
+            buckets, units = self._unit_buckets(group_of, position, key, make)
+        else:
             buckets = [
                 make(ps, self.sharding) for ps in assign_buckets(arrival, key, comm.bucket_numel, comm.last_bucket)
             ]
-        else:
-            buckets = []
-            for module, params in reversed(stage3_units(self.model, set(group_of), self.communication.unit_numel)):
-                resident = sum(p.numel() for p in params) < self.communication.resident
-                sharding = SHARD_GRADIENTS if resident else SHARD_PARAMETERS
-                unit = [
-                    make(ps, sharding) for ps in assign_buckets(sorted(params, key=position.get), key, float("inf"))
-                ]
-                buckets += unit
-                if not resident:
-                    units.append((module, unit))
-            last_arrival = arrival_key(position)
-            buckets.sort(key=lambda b: last_arrival(b.params))
+            units = []
         self._allocate(buckets)
+        return buckets, units
+
+    def _unit_buckets(
+        self, group_of: dict, position: dict, key: Callable, make: Callable
+    ) -> tuple[list[FlatBucket], list[tuple[torch.nn.Module, list[FlatBucket]]]]:
+        """Stage 3: each unit's buckets (one per bucket key), sharded or, for a unit smaller than
+        `resident`, kept gathered like stage 2; the buckets in the order they complete, and the
+        gathered units."""
+        comm = self.communication
+        buckets, units = [], []
+        for module, params in reversed(stage3_units(self.model, set(group_of), comm.unit_numel)):
+            resident = sum(p.numel() for p in params) < comm.resident
+            sharding = SHARD_GRADIENTS if resident else SHARD_PARAMETERS
+            unit = [make(ps, sharding) for ps in assign_buckets(sorted(params, key=position.get), key, float("inf"))]
+            buckets += unit
+            if not resident:
+                units.append((module, unit))
+        last_arrival = arrival_key(position)
+        buckets.sort(key=lambda b: last_arrival(b.params))
         return buckets, units
 
     def _data_parallel_groups(self, marks: ParamMarks) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:

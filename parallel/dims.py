@@ -335,9 +335,7 @@ class ParallelDims:
         groups = none | {"dp_cp": dp_cp}
         a = self.cp_a2a
         if 1 < a < self.cp:
-            cp_groups = [
-                [self.rank_of(p, d, c, t) for c in range(self.cp)] for p, t in cells for d in range(self.dp)
-            ]
+            cp_groups = [[self.rank_of(p, d, c, t) for c in range(self.cp)] for p, t in cells for d in range(self.dp)]
             groups["cp_a2a"], _ = dist.new_subgroups_by_enumeration(
                 [ranks[i : i + a] for ranks in cp_groups for i in range(0, self.cp, a)], group_desc="cp_a2a"
             )

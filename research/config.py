@@ -217,6 +217,11 @@ class TrainConfig:
     seed: int = arg(0, "seed of data order, init and dropout", rule=SEED)
     precision: Literal["fp32", "bf16", "fp16"] = arg("fp32", "compute dtype (masters and optimizer state stay fp32)")
     reduce_dtype: Literal["fp32", "bf16"] = arg("fp32", "dtype of the gradient reduction")
+    compile: bool | None = arg(
+        None,
+        "compile each transformer block on its own (regional torch.compile: one graph for all alike blocks; the "
+        "optimizer's hooks and collectives between graphs); None: on with CUDA, off on the CPU",
+    )
     global_batch_size: int | None = arg(
         None, "sequences per step = micro-batch size × micro-batches × dp", rule=AT_LEAST_1
     )

@@ -555,6 +555,18 @@ class GPT(nn.Module):
         return (ce * valid).sum() * self.context.size / count
 
 
+def compile_blocks(chunks: list[GPT], fullgraph: bool) -> None:
+    """Regional compilation: each transformer block's computation (`Block._forward`, inside
+    its module hooks and its full-recompute checkpoint) compiled on its own; torch.compile keys
+    its graphs by code, so alike blocks share one graph and compile time does not grow with
+    depth. Whatever the graphs cannot hold runs eagerly between them: a ZeRO-3 unit's gather
+    and free, a collective of TP, experts or context parallelism; `fullgraph` asks for one
+    graph per block where nothing breaks it."""
+    for chunk in chunks:
+        for block in chunk.blocks.values():
+            block._forward = torch.compile(block._forward, fullgraph=fullgraph)
+
+
 def pipeline_chunks(
     config: GPTConfig,
     pp_rank: int,

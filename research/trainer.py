@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._dynamo.utils import counters
 
 from optim import ZeroOptimizer
 from optim.policies import DTYPES, Communication, MixedPrecision, ZeroPlusPlus
@@ -37,7 +38,7 @@ from parallel.random import seed_everything
 from research import checkpoint, costmodel, data, metrics, moe
 from research.config import RUN_FILES, RunConfig, TrainConfig, check_vocab, save_yaml
 from research.errors import NonFiniteLossError
-from research.model import GPTConfig, pipeline_chunks
+from research.model import GPTConfig, compile_blocks, pipeline_chunks
 
 SCHEDULE = ("lr", "min_lr", "warmup_steps", "lr_decay_steps", "lr_schedule", "steps")  # what sets lr(t)
 
@@ -157,7 +158,8 @@ class Trainer:
         self._load_or_resume()
         trained = sum(shape.numel() for shape in self.opt.param_shapes().values())
         metrics.say(
-            f"start-up: model ({trained:,} trained parameters on rank 0) and ZeRO-{par.zero} optimizer "
+            f"start-up: model ({trained:,} trained parameters on rank 0{', blocks compiled' if self.compiled else ''}) "
+            f"and ZeRO-{par.zero} optimizer "
             f"({time.perf_counter() - started:.1f} s); the first step warms up"
         )
 
@@ -181,6 +183,10 @@ class Trainer:
         self.opt = build_optimizer(
             cfg, self.model, dims.dp_shard_group, dims.mp_group, dims.dp_replicate_group, dims.dp_shard_node_groups
         )
+        self.compiled = tr.compile if tr.compile is not None else self.device.type == "cuda"
+        if self.compiled:  # one graph per block where no collective or ZeRO-3 gather breaks it
+            plain = par.zero < 3 and dims.tp == dims.cp == dims.ep == 1 and not cfg.model.moe_experts
+            compile_blocks(chunks, fullgraph=plain)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_multiplier(cfg.train))
         self.executor = PipelineExecutor(
             chunks,
@@ -462,6 +468,8 @@ class Trainer:
             **ranked,
             **metrics.throughput(tokens, step_time, flops_per_token, world, peak),
         }
+        if self.compiled:  # distinct graphs compiled so far on this rank: constant once warm, or it recompiles
+            row["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
         if self.cfg.model.moe_experts:  # the loss: cross-entropy and every MoE layer's auxiliary losses
             merged = moe.merge_router_metrics(
                 metrics.all_ranks(moe.router_metrics(self.model, count_slots=self.dims.tp_rank == 0))

@@ -598,8 +598,10 @@ def test_a_cp_layout_that_cannot_run_is_one_sentence(argv: list[str], world: int
 
 
 def test_cp_mode_sets_the_all_to_all_groups() -> None:
-    cfgs = {mode: parse_args(["--cp", "4", "--cp-mode", mode, *extra], 8) for mode, extra in (
-        ("ring", []), ("all-to-all", []), ("hybrid", ["--cp-a2a", "2"]))}
+    cfgs = {
+        mode: parse_args(["--cp", "4", "--cp-mode", mode, *extra], 8)
+        for mode, extra in (("ring", []), ("all-to-all", []), ("hybrid", ["--cp-a2a", "2"]))
+    }
     assert {mode: cfg.parallel.a2a_ranks for mode, cfg in cfgs.items()} == {"ring": 1, "all-to-all": 4, "hybrid": 2}
     assert {cfg.parallel.dp for cfg in cfgs.values()} == {2}
     assert str(cfgs["hybrid"].parallel.dims(8)) == "tp=1 cp=4 (all-to-all 2) pp=1 dp=2 (world 8)"

@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parallel.context import ContextGroups, positions
-from parallel.context import kernels
+from parallel.context import ContextGroups, kernels, positions
 from parallel.context.chunks import Block, block_kind, block_mask
 from tests.conftest import slow_except
 from tests.dist_utils import run_distributed
@@ -62,7 +61,10 @@ def test_block_kinds_match_the_mask(window: int | None) -> None:
         expected = {
             0: Block.SKIP,
             c * c: Block.FULL,
-        }.get(int(mask.sum()), Block.CAUSAL if torch.equal(mask, torch.ones(c, c, dtype=torch.bool).tril()) else Block.MASKED)
+        }.get(
+            int(mask.sum()),
+            Block.CAUSAL if torch.equal(mask, torch.ones(c, c, dtype=torch.bool).tril()) else Block.MASKED,
+        )
         assert kind is expected, (q_chunk, k_chunk, window)
 
 
@@ -80,8 +82,9 @@ def test_blocks_merged_by_log_sum_exp_equal_full_attention(window: int | None) -
                 continue
             mask = block_mask(qi, ki, c, window, q.device) if kind is Block.MASKED else None
             part = slice(ki * c, (ki + 1) * c)
-            o, l = kernels.forward(q[..., qi * c : (qi + 1) * c, :], k[..., part, :], v[..., part, :], kind, mask, kernels.Saved())
-            out, lse = kernels.merge(out, lse, o, l)
+            query = q[..., qi * c : (qi + 1) * c, :]
+            block_out, block_lse = kernels.forward(query, k[..., part, :], v[..., part, :], kind, mask, kernels.Saved())
+            out, lse = kernels.merge(out, lse, block_out, block_lse)
         torch.testing.assert_close(out, expected[..., qi * c : (qi + 1) * c, :], rtol=1e-12, atol=1e-12)
 
 
@@ -97,9 +100,7 @@ def _context_groups(a2a: int) -> ContextGroups:
             if rank in ranks:
                 mine[name] = group
     cp = dist.new_group(list(range(world)))
-    return ContextGroups(
-        cp, mine["a2a"] if a2a > 1 else None, mine["ring"] if a2a < world else None
-    )
+    return ContextGroups(cp, mine["a2a"] if a2a > 1 else None, mine["ring"] if a2a < world else None)
 
 
 def _attention_on_ranks(a2a: int, window: int | None, s: int) -> float:
@@ -115,7 +116,9 @@ def _attention_on_ranks(a2a: int, window: int | None, s: int) -> float:
     out = groups.attention(*local, window, lambda q_, k_, v_: _reference(q_, k_, v_, window))
     out.backward(dout[..., mine, :])
     worst = 0.0
-    for got, want in [(out, expected[..., mine, :])] + [(x.grad, y.grad[..., mine, :]) for x, y in zip(local, (q, k, v))]:
+    for got, want in [(out, expected[..., mine, :])] + [
+        (x.grad, y.grad[..., mine, :]) for x, y in zip(local, (q, k, v))
+    ]:
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
         worst = max(worst, float((got - want).abs().max()))
     return worst
@@ -155,8 +158,18 @@ def _ring_in_one_process(q, k, v, dout, ring: int, window: int | None):
         for src in range(ring):
             dkv_src = torch.zeros_like(kv[..., where[src], :], dtype=acc)
             hop_backward(
-                dout[..., where[g], :], q[..., where[g], :], kv[..., where[src], :], mine, lse, g, src, ring, window,
-                dq_g, dkv_src, saved,
+                dout[..., where[g], :],
+                q[..., where[g], :],
+                kv[..., where[src], :],
+                mine,
+                lse,
+                g,
+                src,
+                ring,
+                window,
+                dq_g,
+                dkv_src,
+                saved,
             )
             dkv[..., where[src], :] += dkv_src
         dq[..., where[g], :] = dq_g

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from parallel import ParallelDims
 from parallel.context import positions
-from research.model import IGNORE_INDEX, GPT, GPTConfig
+from research.model import GPT, IGNORE_INDEX, GPTConfig
 from tests.conftest import slow_except
 from tests.dist_utils import run_distributed
 

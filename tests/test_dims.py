@@ -19,7 +19,16 @@ from tests.dist_utils import run_distributed
 
 # (tp, pp, dp, cp) on 8 ranks: 3D, pure DP, pure TP, TP × PP, PP × DP, and with context
 # parallelism: TP × CP × DP, PP × DP × CP, DP × CP.
-LAYOUTS_8 = [(2, 2, 2, 1), (1, 1, 8, 1), (8, 1, 1, 1), (2, 4, 1, 1), (1, 2, 4, 1), (2, 1, 2, 2), (1, 2, 2, 2), (1, 1, 2, 4)]
+LAYOUTS_8 = [
+    (2, 2, 2, 1),
+    (1, 1, 8, 1),
+    (8, 1, 1, 1),
+    (2, 4, 1, 1),
+    (1, 2, 4, 1),
+    (2, 1, 2, 2),
+    (1, 2, 2, 2),
+    (1, 1, 2, 4),
+]
 
 
 # ---------------------------------------------------------------------------
@@ -49,8 +58,14 @@ LAYOUTS_8 = [(2, 2, 2, 1), (1, 1, 8, 1), (8, 1, 1, 1), (2, 4, 1, 1), (1, 2, 4, 1
         ({"dp_shard": 0, "world_size": 8}, "dp_shard=0 must be a positive integer"),
         ({"ranks_per_node": 0, "world_size": 8}, "ranks_per_node=0 must be a positive integer"),
         ({"tp": 2, "cp": 3, "world_size": 8}, "tp=2 × cp=3 × pp=1 = 6 does not divide the world size 8"),
-        ({"cp": 4, "cp_a2a": 3, "world_size": 8}, "cp_a2a=3 does not divide cp=4: the cp ranks form rings of all-to-all groups of that size"),
-        ({"cp": 2, "ep": 3, "world_size": 8}, "ep=3 does not divide dp=4 × cp=2: expert parallelism splits the experts over ranks of one shard group"),
+        (
+            {"cp": 4, "cp_a2a": 3, "world_size": 8},
+            "cp_a2a=3 does not divide cp=4: the cp ranks form rings of all-to-all groups of that size",
+        ),
+        (
+            {"cp": 2, "ep": 3, "world_size": 8},
+            "ep=3 does not divide dp=4 × cp=2: expert parallelism splits the experts over ranks of one shard group",
+        ),
     ],
 )
 def test_invalid_layouts_are_refused_in_one_sentence(kwargs: dict, message: str) -> None:

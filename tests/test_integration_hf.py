@@ -151,7 +151,9 @@ def train_stages(root: str) -> dict:
         runs[("resumed", stage)] = train(stage, resumed, resume=checkpoint, **stage_overrides(stage))
     for stage in COMPILED:
         compiled = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
-        runs[("compiled", stage)] = train(stage, os.path.join(root, f"compiled{stage}"), **compiled, **stage_overrides(stage))
+        runs[("compiled", stage)] = train(
+            stage, os.path.join(root, f"compiled{stage}"), **compiled, **stage_overrides(stage)
+        )
     return runs
 
 

@@ -26,6 +26,7 @@ Three tables:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -58,8 +59,15 @@ class Config(GPTRun):
     steps: int = arg(5, "timed steps per run of the step table (after 2 untimed)")
 
     QUICK: ClassVar[dict[str, Any]] = {
-        "attention_seq": 256, "cps": (2, 4), "repeats": 2, "seq": 128, "layers": 1, "d_model": 32,
-        "vocab": 256, "rounds": 1, "steps": 2,
+        "attention_seq": 256,
+        "cps": (2, 4),
+        "repeats": 2,
+        "seq": 128,
+        "layers": 1,
+        "d_model": 32,
+        "vocab": 256,
+        "rounds": 1,
+        "steps": 2,
     }
 
     def problem(self) -> str | None:
@@ -109,8 +117,8 @@ def _contiguous_member(q, k, v, dout, cp: int, g: int) -> None:
         kind = block_kind(g, j, c, None)
         if kind is not Block.SKIP:
             kinds.append((j, kind))
-            o, l = kernels.forward(part(q, g), part(k, j), part(v, j), kind, None, saved)
-            out, lse = kernels.merge(out, lse, o, l)
+            block_out, block_lse = kernels.forward(part(q, g), part(k, j), part(v, j), kind, None, saved)
+            out, lse = kernels.merge(out, lse, block_out, block_lse)
     for j, kind in kinds:
         kernels.backward(part(dout, g), part(q, g), part(k, j), part(v, j), out, lse, kind, None, saved)
 
@@ -135,14 +143,14 @@ def balance(cfg: Config) -> list[dict[str, Any]]:
     q, k, v, dout = (torch.randn(shape, generator=gen) for _ in range(4))
     rows = []
     for cp in cfg.cps:
+        held = [zigzag_inputs(q, k, v, dout, cp, g) for g in range(cp)]
         work = {
-            "zigzag": [lambda g=g, x=zigzag_inputs(q, k, v, dout, cp, g): zigzag_member(x, cp, g) for g in range(cp)],
-            "contiguous": [lambda g=g: _contiguous_member(q, k, v, dout, cp, g) for g in range(cp)],
+            "zigzag": {str(g): functools.partial(zigzag_member, held[g], cp, g) for g in range(cp)},
+            "contiguous": {str(g): functools.partial(_contiguous_member, q, k, v, dout, cp, g) for g in range(cp)},
         }
         for layout, members in work.items():
             flops = [4 * cfg.head_dim * cfg.heads * _pairs(layout, cfg.attention_seq, cp, g) for g in range(cp)]
-            names = [str(g) for g in range(cp)]
-            turns = take_turns(names, 1, 2 + cfg.repeats, lambda _: dict(zip(names, members)), _time_call)
+            turns = take_turns(list(members), 1, 2 + cfg.repeats, lambda _, m=members: m, _time_call)
             seconds = [median(t["times_ms"]) / 1e3 for t in step_times(turns, 2).values()]
             flop_ratio, time_ratio = max(flops) / (sum(flops) / cp), max(seconds) / (sum(seconds) / cp)
             rows.append(
@@ -177,9 +185,9 @@ def _model_and_batch(cfg: Config, seq: int, cp: int):
 
 
 def _activations(cfg: Config) -> int:
-    from research.metrics import ActivationMeter
-
     import torch.distributed as dist
+
+    from research.metrics import ActivationMeter
 
     model, ids, labels = _model_and_batch(cfg, cfg.seq, dist.get_world_size())
     with ActivationMeter([model]) as meter:
@@ -265,7 +273,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     results["seconds"] = time.perf_counter() - start
     numbers = [r["time_ratio"] for r in results["balance"]] + [r["ratio"] for r in results["memory"]] + [s["ratio"]]
-    return finish(results, [] if all(x == x and abs(x) != float("inf") for x in numbers) else ["context_parallel"], args.json)
+    return finish(
+        results, [] if all(x == x and abs(x) != float("inf") for x in numbers) else ["context_parallel"], args.json
+    )
 
 
 if __name__ == "__main__":

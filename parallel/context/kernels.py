@@ -61,9 +61,7 @@ def forward(
     if not fused(q):
         return _math_forward(q, k, v, kind, mask)
     if kind is Block.MASKED:
-        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
-            q, k, v, _bias(mask, q), True, 0.0, False
-        )
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, _bias(mask, q), True, 0.0, False)
         saved.efficient = (seed, offset, lse.shape[-1])
         return out, _no_key(lse[..., : q.shape[-2]], mask)
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(

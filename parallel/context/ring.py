@@ -62,7 +62,14 @@ Merged = list[tuple[torch.Tensor | None, torch.Tensor | None]]
 
 
 def hop_forward(
-    q: torch.Tensor, kv: torch.Tensor, g: int, src: int, r: int, window: int | None, merged: Merged, saved: kernels.Saved
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    g: int,
+    src: int,
+    r: int,
+    window: int | None,
+    merged: Merged,
+    saved: kernels.Saved,
 ) -> None:
     """Member g's queries q [b, H, 2c, d] against member src's keys and values kv [2, b, H,
     2c, d]: each block computed and merged into `merged` (per query half: out, lse)."""

@@ -501,6 +501,26 @@ def compile_kernels(ctx: Context) -> dict[str, Any]:
 CONTEXT_GOAL = 1.15
 
 
+def _ring_against_fused(
+    device: torch.device, shape: tuple[int, ...], dtype: torch.dtype, cp: int, repeats: int
+) -> tuple[float, list[float]]:
+    """(seconds of one causal SDPA forward + backward on q, k, v of `shape`, each ring
+    member's seconds for its share of the same work)."""
+    gen = torch.Generator(device).manual_seed(0)
+    q, k, v, dout = (torch.randn(shape, device=device, generator=gen, dtype=dtype) for _ in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    whole = timed(
+        lambda: torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).backward(dout),
+        device,
+        repeats,
+    )
+    members = []
+    for g in range(cp):
+        held = context_parallel.zigzag_inputs(q, k, v, dout, cp, g)
+        members.append(timed(lambda g=g, held=held: context_parallel.zigzag_member(held, cp, g), device, repeats))
+    return whole, members
+
+
 def context(ctx: Context) -> dict[str, Any]:
     """Context parallelism's ring on one GPU: every member's work at cp 8 (its two zigzag query
     chunks against each key chunk in turn, merged by log-sum-exp, forward + backward, on the
@@ -510,24 +530,10 @@ def context(ctx: Context) -> dict[str, Any]:
     over the fused call's / 8 (goal ≤ 1.15 at each length) and the slowest member over the mean."""
     device, cp = ctx.device, 8
     heads, head_dim, dtype = (2, 16, torch.float32) if ctx.smoke else (16, 128, torch.bfloat16)
+    repeats = 2 if ctx.smoke else 5
     rows = []
     for seq in (1024, 2048) if ctx.smoke else (32 * 1024, 128 * 1024):
-        gen = torch.Generator(device).manual_seed(0)
-        q, k, v, dout = (
-            torch.randn(1, heads, seq, head_dim, device=device, generator=gen, dtype=dtype) for _ in range(4)
-        )
-        leaves = [x.requires_grad_() for x in (q.clone(), k.clone(), v.clone())]
-
-        def fused_call() -> None:
-            torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).backward(dout)
-
-        repeats = 2 if ctx.smoke else 5
-        whole = timed(fused_call, device, repeats)
-        members = []
-        for g in range(cp):
-            held = context_parallel.zigzag_inputs(q, k, v, dout, cp, g)
-            members.append(timed(lambda g=g, held=held: context_parallel.zigzag_member(held, cp, g), device, repeats))
-            del held
+        whole, members = _ring_against_fused(device, (1, heads, seq, head_dim), dtype, cp, repeats)
         mean = sum(members) / cp
         rows.append(
             {
@@ -538,7 +544,6 @@ def context(ctx: Context) -> dict[str, Any]:
                 "ratio": mean / (whole / cp),
             }
         )
-        del q, k, v, dout, leaves
         _free(device)
     worst = max(r["ratio"] for r in rows)
     return {
