@@ -175,9 +175,7 @@ class MoE(nn.Module):
         logits, probs, weights, experts = self.router(x_sbh.reshape(-1, h))
         aux = self._aux_losses(logits, probs, experts)
         x_all, w_all, e_all = self._tokens_of_the_tp_group(x_sbh, weights.view(s, b, -1), experts.view(s, b, -1))
-        k = self.cfg.top_k
-        rows, counts, plan = self.dispatcher.dispatch(x_all.reshape(-1, h), e_all.reshape(-1, k))
-        y = self.dispatcher.combine(self.experts(rows, counts), plan, w_all.reshape(-1, k)).view(x_all.shape)
+        y = self._experts_of(x_all, w_all, e_all)
         if tp_size(self.tp_group) > 1:
             y = reduce_scatter_to_sp(y, self.tp_group) if self.sp else reduce_from_tp(y, self.tp_group)
         if _recording():
@@ -186,6 +184,15 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x_sbh)
         return y, aux
+
+    @torch.compiler.disable
+    def _experts_of(self, x_all: torch.Tensor, w_all: torch.Tensor, e_all: torch.Tensor) -> torch.Tensor:
+        """The routed tokens through their experts and back (dispatch, grouped GEMM, combine),
+        outside any compiled graph: their sizes change with the routing every step, which
+        would recompile a graph that held them."""
+        k, h = self.cfg.top_k, x_all.shape[-1]
+        rows, counts, plan = self.dispatcher.dispatch(x_all.reshape(-1, h), e_all.reshape(-1, k))
+        return self.dispatcher.combine(self.experts(rows, counts), plan, w_all.reshape(-1, k)).view(x_all.shape)
 
     def _tokens_of_the_tp_group(
         self, x_sbh: torch.Tensor, w_sbk: torch.Tensor, e_sbk: torch.Tensor
