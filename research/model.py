@@ -402,6 +402,12 @@ class Block(nn.Module):
         out, aux = self.mlp(self.norm2(x)) if self.is_moe else (self.mlp(self.norm2(x)), None)
         return x + _dropout(out, p, train, self.sp), aux
 
+    def compile_computation(self, fullgraph: bool = False) -> None:
+        """Compile the block's computation (`_forward`) with torch.compile, inside its module
+        hooks and its full-recompute checkpoint: a ZeRO-3 gather around the block stays outside
+        the graph, and recompute replays the compiled graph."""
+        self._forward = torch.compile(self._forward, fullgraph=fullgraph)
+
     def forward(
         self, x_sbh: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -556,15 +562,14 @@ class GPT(nn.Module):
 
 
 def compile_blocks(chunks: list[GPT], fullgraph: bool) -> None:
-    """Regional compilation: each transformer block's computation (`Block._forward`, inside
-    its module hooks and its full-recompute checkpoint) compiled on its own; torch.compile keys
-    its graphs by code, so alike blocks share one graph and compile time does not grow with
-    depth. Whatever the graphs cannot hold runs eagerly between them: a ZeRO-3 unit's gather
+    """Regional compilation: each transformer block's computation compiled on its own
+    (`Block.compile_computation`); torch.compile keys its graphs by code, so alike blocks share
+    one graph and compile time does not grow with depth. Whatever the graphs cannot hold runs eagerly between them: a ZeRO-3 unit's gather
     and free, a collective of TP, experts or context parallelism; `fullgraph` asks for one
     graph per block where nothing breaks it."""
     for chunk in chunks:
         for block in chunk.blocks.values():
-            block._forward = torch.compile(block._forward, fullgraph=fullgraph)
+            block.compile_computation(fullgraph)
 
 
 def pipeline_chunks(

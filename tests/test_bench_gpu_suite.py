@@ -20,10 +20,10 @@ from experiments.bench.gpu_suite import PARTS
 pytestmark = pytest.mark.bench
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN_ON_CPU = ("environment", "fused_step", "quantize", "mfu", "memory", "zero_stages", "compile")
+RUN_ON_CPU = ("environment", "fused_step", "quantize", "mfu", "memory", "zero_stages", "compile", "context", "fp8")
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
@@ -40,7 +40,7 @@ def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=140,
+        timeout=290,
         check=False,
     )
     assert proc.returncode == 0, f"suite failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
@@ -65,7 +65,8 @@ def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
     quantized = results["parts"]["quantize"]["rows"]
     assert {(r["bits"], r["op"]) for r in quantized} == {(b, op) for b in (8, 4) for op in ("quantize", "dequantize")}
     assert all(r["gbs"] > 0 and r["of_copy"] > 0 for r in quantized)
-    assert {r["loop"] for r in results["parts"]["mfu"]["rows"]} == {"ours", "plain", "ours_fp8"}
+    loops = {"ours", "plain", "ours_compiled", "plain_compiled", "ours_fp8"}
+    assert {r["loop"] for r in results["parts"]["mfu"]["rows"]} == loops
     memory = results["parts"]["memory"]["rows"]
     assert {(r["recompute"], r["seq_len"]) for r in memory} == {
         (c, s) for c in ("none", "selective", "full") for s in (32, 64)
@@ -76,10 +77,10 @@ def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
     compiled = results["parts"]["compile"]
     assert compiled["targets"] == ["sm_90", "gfx942"] and len(compiled["rows"]) == 2 * 2 * 48, compiled["targets"]
     assert all(r["ok"] and r["spills"] == 0 for r in compiled["rows"]) and compiled["narrow_on_cuda"] == 0
+    methods = ["plain", "zero0", "zero1", "zero2", "zero3"]
     assert [r["method"] for r in results["parts"]["zero_stages"]["rows"]] == [
-        "plain",
-        "zero0",
-        "zero1",
-        "zero2",
-        "zero3",
+        *methods,
+        *(m + "_compiled" for m in methods),
     ]
+    assert [r["seq"] for r in results["parts"]["context"]["rows"]] == [1024, 2048]
+    assert [r["linears"] for r in results["parts"]["fp8"]["rows"]] == ["bf16", "float8"]

@@ -234,7 +234,7 @@ def test_a_compiled_float8_block_is_as_close_to_fp32_as_the_eager_one() -> None:
         return [y.detach().float(), x.grad.float(), *(p.grad.float() for p in module.parameters())]
 
     want, eager = run(exact, torch.float32), run(block, torch.bfloat16)
-    block._forward = torch.compile(block._forward)
+    block.compile_computation()
     for got, ref, fp32 in zip(run(block, torch.bfloat16), eager, want, strict=True):
         error, eager_error = float((got - fp32).norm() / fp32.norm()), float((ref - fp32).norm() / fp32.norm())
         assert error <= max(1.5 * eager_error, 1e-3) and error < 0.1, (error, eager_error)

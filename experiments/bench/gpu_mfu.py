@@ -5,14 +5,16 @@ same model trained by a plain PyTorch loop, in one call.
     python -m experiments.bench.gpu_mfu --quick              # CPU smoke run (a tiny model, fp32)
 
 ours    `experiments.train.run` with the config (one process, ZeroOptimizer stage 0, bf16
-        compute copies of fp32 masters, fused Adam step), as a user would run it.
+        compute copies of fp32 masters, fused Adam step, `--no-compile`), as a user would run it.
 plain   `research.model.GPT` (the same modules, so the same attention kernel:
         F.scaled_dot_product_attention) with fp32 parameters under
         `torch.autocast(bfloat16)` and `torch.optim.AdamW(fused=True)`: the usual
         single-GPU mixed-precision loop, on the same global batches.
+ours_compiled   the command with `--compile` (each block compiled on its own).
+plain_compiled  the plain loop with `model = torch.compile(model)`: the strongest single-GPU peer.
 
-ours_fp8  the command with `--fp8 tensorwise` (float8 attention and MLP linear layers; `--fp8`
-        of this bench, on by default).
+ours_fp8  the command with `--compile --fp8 tensorwise` (float8 attention and MLP linear
+        layers; `--fp8` of this bench, on by default), against ours_compiled.
 
 All count model FLOPs as `GPTConfig.flops_per_token` without recompute (3 × forward
 matmuls); MFU = FLOP/s / the device's dense bf16 peak (`research.metrics.peak_flops`), for
@@ -61,18 +63,21 @@ class Config:
     steps: int = arg(10, "timed steps")
     warmup: int = arg(3, "untimed steps before them")
     fp8: bool = arg(True, "also run the command with --fp8 tensorwise (bf16 compute, float8 linear layers)")
+    compile: bool = arg(True, "also the compiled rows (ours_compiled, plain_compiled)")
 
 
-def plain_loop(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
-    """The plain PyTorch loop on the command's model and batches; median step time etc."""
+def plain_loop(argv: list[str], steps: int, warmup: int, compile: bool = False) -> dict[str, float]:
+    """The plain PyTorch loop on the command's model and batches (`compile`: under
+    `torch.compile(model)`); median step time etc."""
     from research.model import GPT
 
     cfg = parse_run_args(argv, 1)
     model_cfg, batches = load_data(cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = GPT(model_cfg).to(device)
+    raw = GPT(model_cfg).to(device)
+    model = torch.compile(raw) if compile else raw
     opt = torch.optim.AdamW(
-        model.parameters(),
+        raw.parameters(),
         lr=cfg.train.lr,
         betas=(cfg.train.beta1, cfg.train.beta2),
         weight_decay=cfg.train.weight_decay,
@@ -91,7 +96,7 @@ def plain_loop(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 loss = model(ids.to(device), targets.to(device)) / m
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_grad or float("inf"))
+        torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.train.clip_grad or float("inf"))
         opt.step()
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -122,16 +127,21 @@ def ours(argv: list[str], steps: int, warmup: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the loops and print their table; the results: {"config", "rows" (a record per loop),
-    "ratio_step_time" (ours / plain) and, with --fp8, "fp8_speedup" (ours / ours_fp8)}."""
+    "ratio_step_time" (ours / plain), with --compile "ratio_compiled" (ours_compiled /
+    plain_compiled) and with --fp8 "fp8_speedup" (tokens/s of ours_fp8 over the bf16 run)}."""
     p = config_parser(Config, __doc__)
     p.add_argument("--quick", action="store_true", help="a tiny fp32 model (CPU smoke run)")
     known, rest = p.parse_known_args(argv)
     args = config_from(Config, known)
     run_argv = ["--config", args.config, *(QUICK if known.quick else []), *rest]
-    loops = {"ours": ours(run_argv, args.steps, args.warmup), "plain": plain_loop(run_argv, args.steps, args.warmup)}
+    steps = (args.steps, args.warmup)
+    loops = {"ours": ours([*run_argv, "--no-compile"], *steps), "plain": plain_loop(run_argv, *steps)}
+    if args.compile:
+        loops["ours_compiled"] = ours([*run_argv, "--compile"], *steps)
+        loops["plain_compiled"] = plain_loop(run_argv, *steps, compile=True)
     if args.fp8:
-        fp8_argv = [*run_argv, "--precision", "bf16", "--fp8", "tensorwise"]
-        loops["ours_fp8"] = ours(fp8_argv, args.steps, args.warmup)
+        fp8_argv = [*run_argv, "--compile", "--precision", "bf16", "--fp8", "tensorwise"]
+        loops["ours_fp8"] = ours(fp8_argv, *steps)
     print(
         f"gpu_mfu: {args.config} {' '.join(rest)}; {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
     )
@@ -140,9 +150,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = {"config": asdict(args), "rows": rows}
     results["ratio_step_time"] = loops["ours"]["step_time_s"] / loops["plain"]["step_time_s"]
     print(f"step time ours / plain: {results['ratio_step_time']:.3f}")
-    if args.fp8:
-        results["fp8_speedup"] = loops["ours"]["step_time_s"] / loops["ours_fp8"]["step_time_s"]
-        print(f"step time ours / ours_fp8: {results['fp8_speedup']:.3f}")
+    if args.compile:
+        results["ratio_compiled"] = loops["ours_compiled"]["step_time_s"] / loops["plain_compiled"]["step_time_s"]
+        print(f"step time ours_compiled / plain_compiled: {results['ratio_compiled']:.3f}")
+    if args.fp8:  # tokens/s of float8 over bf16, both compiled (eager bf16 without --compile rows)
+        bf16 = loops["ours_compiled" if args.compile else "ours"]
+        results["fp8_speedup"] = loops["ours_fp8"]["tokens_per_s"] / bf16["tokens_per_s"]
+        print(f"tokens/s ours_fp8 / bf16: {results['fp8_speedup']:.3f}")
     return results
 
 

@@ -38,15 +38,16 @@ from experiments.bench.gpu_suite.runner import GPU_BUDGET_S, SMOKE_BUDGET_S, Con
 from research.cli import arg, config_from, config_parser
 
 PARTS = [
-    Part("environment", parts.environment, 30, report.environment_md),
-    Part("cuda_tests", parts.cuda_tests, 120, report.cuda_tests_md),
-    Part("fused_step", parts.fused_step, 60, report.fused_step_md),
+    Part("environment", parts.environment, 20, report.environment_md),
+    Part("cuda_tests", parts.cuda_tests, 100, report.cuda_tests_md),
+    Part("fused_step", parts.fused_step, 30, report.fused_step_md),
     Part("quantize", parts.quantize, 20, report.quantize_md),
-    Part("mfu", parts.mfu, 110, report.mfu_md),
-    Part("memory", parts.memory, 60, report.memory_md),
-    Part("zero_stages", parts.zero_stages, 60, report.zero_stages_md),
+    Part("mfu", parts.mfu, 130, report.mfu_md),
+    Part("memory", parts.memory, 30, report.memory_md),
+    Part("zero_stages", parts.zero_stages, 90, report.zero_stages_md),
     Part("compile", parts.compile_kernels, 20, report.compile_md),
     Part("context", parts.context, 40, report.context_md),
+    Part("fp8", parts.fp8_block, 40, report.fp8_md),
 ]
 NAMES = tuple(p.name for p in PARTS)
 

@@ -31,7 +31,7 @@ from research.config import RunConfig
 from research.config import parse_args as parse_run_args
 from research.costmodel import Layout, num_params, predict_memory
 from research.costmodel.memory import RESERVED_BYTES
-from research.model import GPT, GPTConfig
+from research.model import GPT, Block, GPTConfig, compile_blocks
 from research.trainer import build_optimizer, weight_decay_groups
 
 MiB = 2**20
@@ -302,22 +302,31 @@ def quantize(ctx: Context) -> dict[str, Any]:
 
 
 def mfu(ctx: Context) -> dict[str, Any]:
-    """`gpu_mfu.main`: the ~1.3B GPT of --config in bf16 through the training command (also
-    with float8 linear layers) next to the plain PyTorch loop (`--quick`'s tiny fp32 model on
-    the CPU): tokens/s, TFLOP/s, MFU against the datasheet peak and the fraction of the matmul
-    rate `environment` measured. Goals: MFU >= 50 %, step time ours / plain <= 1.03."""
+    """`gpu_mfu.main`: the ~1.3B GPT of --config in bf16 through the training command, eager
+    and compiled (and compiled with float8 linear layers), next to the plain PyTorch loop eager
+    and under torch.compile (`--quick`'s tiny fp32 model on the CPU): tokens/s, TFLOP/s, MFU
+    against the datasheet peak and the fraction of the matmul rate `environment` measured.
+    Goals: eager MFU >= 50 %, compiled MFU >= 60 %, step time ours / plain <= 1.03 eager and
+    <= 1.0 compiled, float8 / bf16 tokens/s >= 1.0."""
     steps = ["--quick", "--steps", "2", "--warmup", "1"] if ctx.smoke else ["--steps", "10", "--warmup", "3"]
     argv = ["--config", ctx.config, *steps, *(["--data-cache", ctx.data_cache] if ctx.data_cache else [])]
     r = gpu_mfu.main(argv)
     matmul = _measured(ctx, "matmul_tflops")
     rows = [{**row, "of_matmul": row["tflops_per_device"] / matmul if matmul else None} for row in r["rows"]]
+    mfu_of = {row["loop"]: row["mfu"] for row in rows}
     return {
         "status": "ok",
         "argv": argv,
         "rows": rows,
         "fp8_speedup": r.get("fp8_speedup"),
         "matmul_tflops": matmul,
-        "goals": {"mfu": goal(rows[0]["mfu"], ">=", 0.5), "ours_vs_plain": goal(r["ratio_step_time"], "<=", 1.03)},
+        "goals": {
+            "mfu": goal(mfu_of["ours"], ">=", 0.5),
+            "mfu_compiled": goal(mfu_of.get("ours_compiled"), ">=", 0.6),
+            "ours_vs_plain": goal(r["ratio_step_time"], "<=", 1.03),
+            "compiled_vs_plain_compiled": goal(r.get("ratio_compiled"), "<=", 1.0),
+            "fp8_over_bf16": goal(r.get("fp8_speedup"), ">=", 1.0),
+        },
     }
 
 
@@ -387,8 +396,12 @@ def memory(ctx: Context) -> dict[str, Any]:
     return {"status": "ok", "model": f"{_describe(cfg)}, ZeRO stage {cfg.parallel.zero}, micro-batch 1", "rows": rows}
 
 
-def _step_fns(method: str, cfg: RunConfig, device: torch.device) -> tuple[Callable[..., None], Callable[[], None]]:
-    """(forward_backward(ids, labels), optimizer_step()) of "plain" or "zero<stage>"."""
+def _step_fns(
+    method: str, cfg: RunConfig, device: torch.device, compiled: bool = False
+) -> tuple[Callable[..., None], Callable[[], None]]:
+    """(forward_backward(ids, labels), optimizer_step()) of "plain" or "zero<stage>";
+    `compiled`: the plain model under torch.compile(model), ours with its blocks compiled as
+    the training command's --compile does."""
     tr = cfg.train
     clip = tr.clip_grad or math.inf
     if method == "plain":
@@ -397,10 +410,11 @@ def _step_fns(method: str, cfg: RunConfig, device: torch.device) -> tuple[Callab
             weight_decay_groups(model, tr.weight_decay), lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps, fused=True
         )
         dtype = DTYPES[tr.precision]
+        run = torch.compile(model) if compiled else model
 
         def forward_backward(ids: torch.Tensor, labels: torch.Tensor) -> None:
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                loss = model(ids, labels)
+                loss = run(ids, labels)
             loss.backward()
 
         def step() -> None:
@@ -411,6 +425,8 @@ def _step_fns(method: str, cfg: RunConfig, device: torch.device) -> tuple[Callab
         return forward_backward, step
 
     model, zero = _build_ours(cfg, device)
+    if compiled:
+        compile_blocks([model], fullgraph=cfg.parallel.zero < 3)
 
     def forward_backward(ids: torch.Tensor, labels: torch.Tensor) -> None:
         zero.backward(model(ids, labels))
@@ -427,14 +443,17 @@ def zero_stages(ctx: Context) -> dict[str, Any]:
     """ZeroOptimizer stages 0-3 at world size 1 against the plain loop (fp32 parameters under
     autocast + AdamW(fused=True)) on the same GPT, one micro-batch of 4 sequences per step:
     median forward + backward and optimizer (clip, step, zero_grad) times, the cost of the
-    machinery without communication."""
+    machinery without communication; eager, then compiled (ours: each block, as --compile;
+    plain: torch.compile(model)) against the plain compiled loop. Goal: every stage compiled
+    <= 1.05 x the plain compiled loop."""
     device = ctx.device
     warmup, steps = (1, 2) if ctx.smoke else (2, 5)
     _single_process_group()
     rows = []
-    for method in ("plain", "zero0", "zero1", "zero2", "zero3"):
-        cfg = _run_config(ctx, 4, *([] if method == "plain" else ["--zero", method[4:]]))
-        forward_backward, step = _step_fns(method, cfg, device)
+    for method in [m + kind for kind in ("", "_compiled") for m in ("plain", "zero0", "zero1", "zero2", "zero3")]:
+        base = method.removesuffix("_compiled")
+        cfg = _run_config(ctx, 4, *([] if base == "plain" else ["--zero", base[4:]]))
+        forward_backward, step = _step_fns(base, cfg, device, compiled=base != method)
         batch = _tokens(cfg, cfg.train.micro_batch_size, cfg.data.seq_len, device)
         fb_s, step_s = [], []
         for i in range(warmup + steps):
@@ -456,15 +475,21 @@ def zero_stages(ctx: Context) -> dict[str, Any]:
         )
         del forward_backward, step
         _free(device)
+    plain = {r["method"]: r for r in rows if r["method"].startswith("plain")}
     for r in rows:
-        r["total_vs_plain"] = r["total_ms"] / rows[0]["total_ms"]
-        r["step_vs_plain"] = r["step_ms"] / rows[0]["step_ms"]
+        peer = plain["plain_compiled" if r["method"].endswith("_compiled") else "plain"]
+        r["total_vs_plain"] = r["total_ms"] / peer["total_ms"]
+        r["step_vs_plain"] = r["step_ms"] / peer["step_ms"]
+    compiled = [
+        r["total_vs_plain"] for r in rows if r["method"].startswith("zero") and r["method"].endswith("_compiled")
+    ]
     return {
         "status": "ok",
         "model": f"{_describe(cfg)}, 4 x {cfg.data.seq_len} tokens per step",
         "warmup": warmup,
         "steps": steps,
         "rows": rows,
+        "goal": goal(max(compiled), "<=", 1.05),
     }
 
 
@@ -554,4 +579,46 @@ def context(ctx: Context) -> dict[str, Any]:
         "dtype": str(dtype).removeprefix("torch."),
         "rows": rows,
         "goal": goal(worst, "<=", CONTEXT_GOAL),
+    }
+
+
+FP8_BLOCK_GOAL = 1.2
+
+
+def fp8_block(ctx: Context) -> dict[str, Any]:
+    """Float8 where it pays: one 8B-shaped block (d_model 4096, 32 heads, SwiGLU d_ff 14336,
+    8192 tokens; d 64, 4 heads, 128 tokens on the CPU) in bf16, compiled as --compile does,
+    with its attention and MLP linears in bf16 and in tensorwise float8: forward + backward
+    time and tokens/s. Goal: float8 / bf16 tokens/s >= 1.2."""
+    device = ctx.device
+    shape = (
+        {"d_model": 64, "n_heads": 4, "d_ff": 128, "seq": 128}
+        if ctx.smoke
+        else {"d_model": 4096, "n_heads": 32, "d_ff": 14336, "seq": 8192}
+    )
+    seq = shape.pop("seq")
+    rows = []
+    for recipe in ("none", "tensorwise"):
+        config = GPTConfig(n_layers=1, max_seq_len=seq, activation="swiglu", bias=False, fp8=recipe, **shape)
+        block = Block(config, None, False).to(device, torch.bfloat16)
+        block.compile_computation()
+        x = torch.randn(seq, 1, config.d_model, device=device, dtype=torch.bfloat16, requires_grad=True)
+
+        def step(block: Block = block, x: torch.Tensor = x) -> None:
+            y, _ = block(x)
+            y.backward(torch.ones_like(y))
+
+        seconds = timed(step, device, 3 if ctx.smoke else 10)
+        rows.append(
+            {"linears": "bf16" if recipe == "none" else "float8", "seconds": seconds, "tokens_per_s": seq / seconds}
+        )
+        del block, x
+        _free(device)
+    ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return {
+        "status": "ok",
+        "shape": {**shape, "seq": seq},
+        "rows": rows,
+        "ratio": ratio,
+        "goal": goal(ratio, ">=", FP8_BLOCK_GOAL),
     }

@@ -119,14 +119,23 @@ def mfu_md(r: dict[str, Any]) -> str:
         "TFLOP/s": "tflops_per_device:.3g",
         "MFU": "mfu:.1%",
         "of measured matmul": "of_matmul:.1%",
-        "goal (MFU)": lambda x: _verdict(r["goals"]["mfu"]) if x["loop"] == "ours" else "-",
+        "goal (MFU)": lambda x: {
+            "ours": _verdict(r["goals"]["mfu"]),
+            "ours_compiled": _verdict(r["goals"]["mfu_compiled"]),
+        }.get(x["loop"], "-"),
     }
-    ratio = r["goals"]["ours_vs_plain"]
+    goals = r["goals"]
+    lines = [
+        f"step time ours / plain: {_num(goals['ours_vs_plain']['value'], '.3f')} ({_verdict(goals['ours_vs_plain'])})",
+        "ours_compiled / plain_compiled: "
+        f"{_num(goals['compiled_vs_plain_compiled']['value'], '.3f')} ({_verdict(goals['compiled_vs_plain_compiled'])})",
+        f"tokens/s fp8 / bf16: {_num(goals['fp8_over_bf16']['value'], '.3f')} ({_verdict(goals['fp8_over_bf16'])})",
+    ]
     return (
         table(r["rows"], columns)
-        + f"\n\nStep time ours / plain: {ratio['value']:.3f} (goal {_verdict(ratio)}); "
-        + (f"ours / ours_fp8: {r['fp8_speedup']:.3f}; " if r.get("fp8_speedup") else "")
-        + f"`python -m experiments.bench.gpu_mfu {' '.join(r['argv'])}`."
+        + "\n\n"
+        + "; ".join(lines)
+        + f"; `python -m experiments.bench.gpu_mfu {' '.join(r['argv'])}`."
     )
 
 
@@ -168,7 +177,11 @@ ZERO_STAGES: dict[str, Cell] = {
 
 
 def zero_stages_md(r: dict[str, Any]) -> str:
-    return f"{r['model']}; medians of {r['steps']} steps after {r['warmup']}.\n\n" + table(r["rows"], ZERO_STAGES)
+    return (
+        f"{r['model']}; medians of {r['steps']} steps after {r['warmup']}; each row against the plain loop of its "
+        f"kind (eager or compiled); goal for the slowest compiled stage: {_verdict(r['goal'])}.\n\n"
+        + table(r["rows"], ZERO_STAGES)
+    )
 
 
 def compile_md(r: dict[str, Any]) -> str:
@@ -245,4 +258,14 @@ def context_md(r: dict[str, Any]) -> str:
     return (
         f"cp {r['cp']}, {r['heads']} heads of {r['head_dim']}, {r['dtype']}, forward + backward; goal for the "
         f"worst length: {_verdict(r['goal'])}.\n\n" + table(r["rows"], CONTEXT)
+    )
+
+
+def fp8_md(r: dict[str, Any]) -> str:
+    shape = r["shape"]
+    columns: dict[str, Cell] = {"linears": "linears", "fwd+bwd ms": millis(".2f"), "tokens/s": "tokens_per_s:,.0f"}
+    return (
+        f"One block, d_model {shape['d_model']}, {shape['n_heads']} heads, SwiGLU d_ff {shape['d_ff']}, "
+        f"{shape['seq']} tokens, bf16, compiled; float8 / bf16 tokens/s {r['ratio']:.3f} ({_verdict(r['goal'])}).\n\n"
+        + table(r["rows"], columns)
     )
