@@ -205,6 +205,7 @@ def _gone_within(names: list[str], seconds: float) -> bool:
     return False
 
 
+@pytest.mark.slow
 @needs_namespaces
 @pytest.mark.timeout(120)
 def test_namespaces_are_gone_after_the_launcher_is_killed() -> None:
@@ -278,6 +279,7 @@ for nbytes in (262144, 4194304):
 """
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_a_shaped_link_passes_messages_at_its_rate_not_faster() -> None:
     """A message crosses a 100 Mbit/s link in its bytes over the rate, however short the

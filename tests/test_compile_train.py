@@ -12,7 +12,6 @@ import os
 import pytest
 import torch
 
-from tests.conftest import slow_except
 from tests.dist_utils import run_distributed
 
 STEPS = 10
@@ -57,7 +56,8 @@ def eager(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     return run_distributed(launch, 1, base, dict(SINGLE), timeout=300)[0]
 
 
-@pytest.mark.parametrize("layout", slow_except(["dp2-zero3-units-recompute"], list(LAYOUTS)[1:]))
+@pytest.mark.slow  # a quick check of compilation under ZeRO-3: tests/test_zero_torch_habits.py
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_compiled_layout_follows_the_eager_single_process(eager, tmp_path, layout: str) -> None:
     world, flags, single = LAYOUTS[layout]
     rows = run_distributed(launch, world, str(tmp_path), {layout: ["--compile", *flags]}, timeout=900)[0][layout]

@@ -64,6 +64,7 @@ def _rank1_hangs() -> int:
     return dist.get_rank()
 
 
+@pytest.mark.slow
 def test_hanging_rank_times_out() -> None:
     start = time.monotonic()
     with pytest.raises(AssertionError, match=r"distributed test timed out after 3s on ranks \[1\]"):

@@ -211,6 +211,7 @@ def test_compiled_cast_on_cuda_is_the_eager_one(dtype: torch.dtype) -> None:
                 assert a.stride() == b.stride() and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+@pytest.mark.slow
 def test_a_compiled_float8_block_is_as_close_to_fp32_as_the_eager_one() -> None:
     """torch.compile of a bf16 block with tensorwise float8 linears (inductor on the CPU): the
     float8 casts trace into the block's graph. The bits differ from eager (inductor keeps fp32

@@ -122,6 +122,7 @@ def interpreter_report() -> dict[str, dict[str, float]]:
     return {_case_id(case): run_case("triton", CPU, *case, tol=NEAR) for case in CASES}
 
 
+@pytest.mark.slow
 def test_triton_interpreter_matches_torch_optim():
     assert len(run_interpreted("tests.test_fused", "interpreter_report")) == len(CASES)
 

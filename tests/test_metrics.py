@@ -449,6 +449,7 @@ def test_wandb_disabled_and_non_zero_ranks_never_import_wandb(monkeypatch: pytes
         WandbRun("dryrun")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_wandb_offline_run_under_out_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for var in ("RANK", "WANDB_MODE", "WANDB_DIR", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_PROJECT"):

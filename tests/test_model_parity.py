@@ -13,6 +13,7 @@ from parallel import accounting
 from parallel.marks import NO_MARKS, param_marks
 from parallel.random import seed_everything
 from research.model import GPT, GPTConfig
+from tests.conftest import slow_except
 from tests.dist_utils import run_distributed
 
 BASE = GPTConfig(vocab_size=61, n_layers=2, n_heads=4, d_model=32, max_seq_len=16, vocab_multiple=64)
@@ -81,7 +82,7 @@ def tp_variants() -> list[tuple[str, bool, str, float, dict]]:
     return results
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", slow_except([2], [4]))
 def test_tp_equals_tp1(tp: int) -> None:
     results = run_distributed(tp_variants, tp, timeout=300)
     for i, (name, sp, recompute, loss, grads) in enumerate(results[0]):

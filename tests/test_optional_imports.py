@@ -58,6 +58,7 @@ def python(code: str, *argv: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_optim_and_every_integration_work_without_triton_and_apex() -> None:
     proc = python(TRAIN_LIKE_ADAMW)
     assert proc.returncode == 0 and "trained like AdamW at stages 0-3" in proc.stdout, proc.stderr[-3000:]

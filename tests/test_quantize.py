@@ -161,6 +161,7 @@ def interpreter_report() -> dict[str, int]:
     return compare_backends(torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_triton_kernels_are_bitwise_the_torch_reference() -> None:
     checked = run_interpreted("tests.test_quantize", "interpreter_report")
     assert checked["cases"] >= 2 * len(QUANT_CASES) and checked["ties"] > 100, checked

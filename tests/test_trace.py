@@ -54,6 +54,7 @@ def _rows(folder: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_every_rank_writes_the_csv_the_call_graph_and_the_chrome_trace(traced: list[dict]) -> None:
     assert Path(traced[1]["folder"]) == Path(traced[0]["folder"]) / "rank1"
     for rank in traced:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -19,6 +21,7 @@ def busy_loops() -> int:
     return count
 
 
+@pytest.mark.slow
 def test_pytest_runs_beside_busy_loops_that_end_with_it() -> None:
     before = busy_loops()
     passed = subprocess.run(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from optim.policies import Communication
@@ -13,6 +14,7 @@ from tests.zero_runs import zero_train
 SMALL = {"communication": Communication(bucket_numel=1500, unit_numel=500, resident_numel=100)}
 
 
+@pytest.mark.slow
 def test_save_4_ranks_stage3_load_2_ranks_stage1(tmp_path) -> None:
     """Save after 5 steps on 4 ranks at stage 3, resume on 2 ranks at stage 1 for 5 more:
     the losses and weights equal an uninterrupted single-process run."""

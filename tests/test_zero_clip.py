@@ -18,6 +18,7 @@ import torch.distributed as dist
 from optim import ZeroOptimizer
 from optim.policies import Communication
 from parallel import marks
+from tests.conftest import slow_except
 from tests.dist_utils import dp_by_mp_groups, run_distributed
 from tests.models import batches, make_model
 
@@ -123,7 +124,7 @@ def test_clip_grad_norm_over_param_groups_is_the_global_norm(dims: dict | None) 
             assert "never reduced" in got["unsynced"], stage
 
 
-@pytest.mark.parametrize("dims", [None, {"dp_shard": 2}], ids=["plain", "hybrid"])
+@pytest.mark.parametrize("dims", slow_except([None], [{"dp_shard": 2}]))
 def test_clipping_param_groups_trains_like_torch(dims: dict | None) -> None:
     """Clipping (active) with clip_grad_norm_ over the optimizer's param_groups scales the real
     gradients: 4 ranks, 2 micro-batches, 4 steps at each stage equal one torch process clipping

@@ -259,6 +259,7 @@ def stalled(err_dir: str) -> None:
         time.sleep(60)
 
 
+@pytest.mark.slow
 def test_the_watchdog_names_a_rank_that_never_arrives(tmp_path: Path) -> None:
     """Both ranks end within seconds, rank 0 with the sentence. Which end the harness sees
     first depends on the machine's load: rank 1's exit (stopped by the watchdog), or rank 0's

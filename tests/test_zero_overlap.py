@@ -102,6 +102,7 @@ def late_peer_cases() -> dict[str, tuple[float, float, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_overlapped_reductions_leave_backward_free_where_the_buckets_stay() -> None:
     """At stages 0-1 (full buckets kept anyway) a backward inside `overlapped_reductions()`
     returns while a late peer still holds its reductions, and leaving the context waits for
