@@ -181,6 +181,7 @@ def train_everything(root: Path) -> dict[str, Any]:
     for name, cls in runs:
         stage = {"manual": 2, "compiled": 3}.get(name, name)
         module, strategy = cls(), ZeroStrategy(stage, **SMALL)
+        lightning_module = module  # what Lightning trains (it unwraps a compiled module)
         if name == "compiled":  # Lightning's compile switch: fit the torch.compile'd module
             module = torch.compile(module, backend="aot_eager")
         every5 = pl.callbacks.ModelCheckpoint(root / f"ckpt{name}", every_n_train_steps=5, save_top_k=-1)
@@ -201,7 +202,7 @@ def train_everything(root: Path) -> dict[str, Any]:
             out["reduce_scatters"] = log.calls(op="reduce_scatter_tensor")
             out["buckets"] = len(strategy.zero_optimizer.buckets)
         out["lr_warnings"] += [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
-        out["wrapped"].append(trainer.strategy.model is not module)
+        out["wrapped"].append(trainer.strategy.model is not lightning_module)
         out["weights"][name] = strategy.full_state_dict()
         seen[name], strategies[name] = module.seen, strategy
 
