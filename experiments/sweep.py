@@ -249,14 +249,14 @@ def _point_nproc(
     sweep's `nproc` (None when there is none)."""
     if own.get("nproc") or not overrides.get("dp"):
         return own.get("nproc") or sweep_nproc
-    return setting["tp"] * setting.get("cp", 1) * setting["pp"] * setting["dp"]
+    return setting["tp"] * setting["cp"] * setting["pp"] * setting["dp"]
 
 
 def _requested(setting: dict[str, Any], nproc: int) -> dict[str, Any]:
     """The CONFIG_COLUMNS a point asks for, and its process count; dp = nproc / (tp·cp·pp)
     when the config leaves dp to the world size."""
     requested = {**{k: setting.get(k) for k in CONFIG_COLUMNS}, "nproc": int(nproc)}
-    model_parallel = setting["tp"] * setting.get("cp", 1) * setting["pp"]
+    model_parallel = setting["tp"] * setting["cp"] * setting["pp"]
     if requested["dp"] is None and nproc % model_parallel == 0:
         requested["dp"] = nproc // model_parallel
     return requested

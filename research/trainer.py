@@ -82,6 +82,13 @@ def load_data(cfg: RunConfig) -> tuple[GPTConfig, data.GlobalBatches]:
     )
 
 
+def one_graph_per_block(cfg: RunConfig) -> bool:
+    """Whether --compile can hold each block in one graph (fullgraph): nothing breaks it, no
+    ZeRO-3 gather, no collective of TP or context parallelism, no MoE routing."""
+    par = cfg.parallel
+    return par.zero < 3 and par.tp == par.cp == 1 and not cfg.model.moe_experts
+
+
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Matrices decay; vectors (norm weights, biases) do not."""
     params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
@@ -184,9 +191,8 @@ class Trainer:
             cfg, self.model, dims.dp_shard_group, dims.mp_group, dims.dp_replicate_group, dims.dp_shard_node_groups
         )
         self.compiled = tr.compile if tr.compile is not None else self.device.type == "cuda"
-        if self.compiled:  # one graph per block where no collective or ZeRO-3 gather breaks it
-            plain = par.zero < 3 and dims.tp == dims.cp == dims.ep == 1 and not cfg.model.moe_experts
-            compile_blocks(chunks, fullgraph=plain)
+        if self.compiled:
+            compile_blocks(chunks, fullgraph=one_graph_per_block(cfg))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_multiplier(cfg.train))
         self.executor = PipelineExecutor(
             chunks,

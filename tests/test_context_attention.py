@@ -138,41 +138,20 @@ def test_context_parallel_attention_equals_one_device(world: int, a2a: int, wind
 
 
 def _ring_in_one_process(q, k, v, dout, ring: int, window: int | None):
-    """Every ring member's hops (`hop_forward`, `hop_backward`) in one process: the whole
+    """Every ring member's work in one process (`ring.member_in_one_process`): the whole
     sequence's output and q, k, v gradients, as the ring computes them."""
-    from parallel.context.ring import hop_backward, hop_forward
+    from parallel.context.ring import member_in_one_process
 
-    s = q.shape[-2]
-    where = [positions(s, ring, g) for g in range(ring)]
+    where = [positions(q.shape[-2], ring, g) for g in range(ring)]
     kv = torch.stack((k, v))
+    kvs = [kv[..., w, :] for w in where]
     acc = kernels.accumulator(q.dtype)
     out, dq, dkv = torch.empty_like(q), torch.zeros_like(q, dtype=acc), torch.zeros_like(kv, dtype=acc)
     for g in range(ring):
-        saved, merged = kernels.Saved(), [(None, None), (None, None)]
-        for src in range(ring):
-            hop_forward(q[..., where[g], :], kv[..., where[src], :], g, src, ring, window, merged, saved)
-        mine = torch.cat([o for o, _ in merged], dim=-2).to(q.dtype)
-        lse = torch.cat([lse for _, lse in merged], dim=-1)
-        out[..., where[g], :] = mine
-        dq_g = torch.zeros_like(q[..., where[g], :], dtype=acc)
-        for src in range(ring):
-            dkv_src = torch.zeros_like(kv[..., where[src], :], dtype=acc)
-            hop_backward(
-                dout[..., where[g], :],
-                q[..., where[g], :],
-                kv[..., where[src], :],
-                mine,
-                lse,
-                g,
-                src,
-                ring,
-                window,
-                dq_g,
-                dkv_src,
-                saved,
-            )
-            dkv[..., where[src], :] += dkv_src
-        dq[..., where[g], :] = dq_g
+        mine, dq_g, dkvs = member_in_one_process(q[..., where[g], :], dout[..., where[g], :], kvs, g, window)
+        out[..., where[g], :], dq[..., where[g], :] = mine, dq_g
+        for w, part in zip(where, dkvs, strict=True):
+            dkv[..., w, :] += part
     return out, dq, dkv[0], dkv[1]
 
 

@@ -7,8 +7,8 @@ shrink with cp, and what a cp step costs.
 Three tables:
     balance     per cp and layout, each ring member's attention FLOPs (query-key pairs the
                 causal mask allows, x 4·d per pair and head) and the time of its blocks'
-                forward + backward (`parallel.context.ring.hop_forward` / `hop_backward` over
-                every hop, in one process, no communication): the slowest member over the
+                forward + backward over every hop (`parallel.context.ring.member_in_one_process`,
+                in one process, no communication): the slowest member over the
                 mean. zigzag (member g holds chunks g and 2cp−1−g; goal ≤ 1.05) against the
                 plain contiguous ring (member g holds chunk g: ≈ 2 − 1/cp). The members take
                 turns call by call, in an order that rotates, so that all see the same load.
@@ -40,7 +40,7 @@ from experiments.bench.results import finish, goal
 from experiments.bench.tables import mib, table
 from parallel.context import kernels
 from parallel.context.chunks import Block, block_kind, positions
-from parallel.context.ring import hop_backward, hop_forward
+from parallel.context.ring import member_in_one_process
 from research.cli import arg
 
 BALANCE_GOAL = 1.05
@@ -92,20 +92,10 @@ def zigzag_inputs(q, k, v, dout, cp: int, g: int) -> Held:
     return q[..., mine, :], dout[..., mine, :], [kv[..., positions(s, cp, src), :] for src in range(cp)]
 
 
-def zigzag_member(held: Held, cp: int, g: int) -> None:
-    """Member g's ring work over every hop (`zigzag_inputs`): its blocks forward, merged,
-    then backward (what `ring_attention` computes, without sending)."""
+def zigzag_member(held: Held, g: int) -> None:
+    """Member g's ring work over every hop (`zigzag_inputs`; `ring.member_in_one_process`)."""
     qg, dout, kvs = held
-    saved, merged = kernels.Saved(), [(None, None), (None, None)]
-    for src in range(cp):
-        hop_forward(qg, kvs[src], g, src, cp, None, merged, saved)
-    out = torch.cat([o for o, _ in merged], dim=-2).to(qg.dtype)
-    lse = torch.cat([lse for _, lse in merged], dim=-1)
-    acc = kernels.accumulator(qg.dtype)
-    dq = torch.zeros_like(qg, dtype=acc)
-    for src in range(cp):
-        dkv = torch.zeros_like(kvs[src], dtype=acc)
-        hop_backward(dout, qg, kvs[src], out, lse, g, src, cp, None, dq, dkv, saved)
+    member_in_one_process(qg, dout, kvs, g)
 
 
 def _contiguous_member(q, k, v, dout, cp: int, g: int) -> None:
@@ -145,7 +135,7 @@ def balance(cfg: Config) -> list[dict[str, Any]]:
     for cp in cfg.cps:
         held = [zigzag_inputs(q, k, v, dout, cp, g) for g in range(cp)]
         work = {
-            "zigzag": {str(g): functools.partial(zigzag_member, held[g], cp, g) for g in range(cp)},
+            "zigzag": {str(g): functools.partial(zigzag_member, held[g], g) for g in range(cp)},
             "contiguous": {str(g): functools.partial(_contiguous_member, q, k, v, dout, cp, g) for g in range(cp)},
         }
         for layout, members in work.items():

@@ -151,6 +151,26 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
+def member_in_one_process(
+    q: torch.Tensor, dout: torch.Tensor, kvs: list[torch.Tensor], g: int, window: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Ring member g's work with every member's keys and values in hand (`kvs[src]`, [2, b, H,
+    2c, d]), as `ring_attention` computes it without sending: its blocks forward and merged,
+    then backward from `dout`. Returns (out, dq, the gradient of each member's keys and
+    values); for measurements and tests of one member's share."""
+    r = len(kvs)
+    saved, merged = kernels.Saved(), [(None, None), (None, None)]
+    for src in range(r):
+        hop_forward(q, kvs[src], g, src, r, window, merged, saved)
+    out = torch.cat([o for o, _ in merged], dim=-2).to(q.dtype)
+    lse = torch.cat([lse for _, lse in merged], dim=-1)
+    acc = kernels.accumulator(q.dtype)
+    dq, dkvs = torch.zeros_like(q, dtype=acc), [torch.zeros_like(kv, dtype=acc) for kv in kvs]
+    for src in range(r):
+        hop_backward(dout, q, kvs[src], out, lse, g, src, r, window, dq, dkvs[src], saved)
+    return out, dq, dkvs
+
+
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, window: int | None = None
 ) -> torch.Tensor:

@@ -32,7 +32,7 @@ from research.config import parse_args as parse_run_args
 from research.costmodel import Layout, num_params, predict_memory
 from research.costmodel.memory import RESERVED_BYTES
 from research.model import GPT, Block, GPTConfig, compile_blocks
-from research.trainer import build_optimizer, weight_decay_groups
+from research.trainer import build_optimizer, one_graph_per_block, weight_decay_groups
 
 MiB = 2**20
 GiB = 2**30
@@ -426,7 +426,7 @@ def _step_fns(
 
     model, zero = _build_ours(cfg, device)
     if compiled:
-        compile_blocks([model], fullgraph=cfg.parallel.zero < 3)
+        compile_blocks([model], fullgraph=one_graph_per_block(cfg))
 
     def forward_backward(ids: torch.Tensor, labels: torch.Tensor) -> None:
         zero.backward(model(ids, labels))
@@ -542,7 +542,7 @@ def _ring_against_fused(
     members = []
     for g in range(cp):
         held = context_parallel.zigzag_inputs(q, k, v, dout, cp, g)
-        members.append(timed(lambda g=g, held=held: context_parallel.zigzag_member(held, cp, g), device, repeats))
+        members.append(timed(lambda g=g, held=held: context_parallel.zigzag_member(held, g), device, repeats))
     return whole, members
 
 
