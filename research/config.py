@@ -91,6 +91,10 @@ MODEL_FLAGS: dict[str, dict[str, Any]] = {
         "float8 matmuls in the attention and MLP linear layers (not the head, router or experts): "
         "tensorwise dynamic scaling (needs --precision bf16)"
     ),
+    "fp8_filter": about(
+        "which linears --fp8 casts: auto leaves those too small to gain in bf16 (per rank in ≤ 2048, "
+        "out ≤ 1024, or in ≤ 4096 with out ≤ 2048 features), none casts all of them"
+    ),
 }
 
 
@@ -656,16 +660,19 @@ def validate_fp8(m: GPTConfig, par: ParallelConfig, precision: str, tokens: int 
         raise ConfigError(
             f"--fp8 needs --seq-len × --micro-batch-size divisible by 16 (torch._scaled_mm), got {tokens}"
         )
-    widths = {
-        "--d-model": m.d_model,
-        "--d-model·3 / --tp": 3 * m.d_model // par.tp,
-        "--d-ff / --tp": m.ffn_dim // par.tp,
-    }
-    odd = {name: w for name, w in widths.items() if w % 16}
+    cast = m.float8_linears(par.tp)
+    if not cast:
+        raise ConfigError(
+            f"--fp8={m.fp8} would cast no linear layer: at --d-model={m.d_model}, --d-ff={m.ffn_dim} and "
+            f"--tp={par.tp} every one is too small for float8 to gain (--fp8-filter auto): "
+            "pass --fp8-filter none to cast them anyway, or drop --fp8"
+        )
+    shapes = m.linear_shapes(par.tp)
+    odd = {name: shapes[name] for name in sorted(cast) if any(n % 16 for n in shapes[name])}
     if odd:
         raise ConfigError(
-            "--fp8 needs the linear layers' local sizes divisible by 16 (torch._scaled_mm), but "
-            + ", ".join(f"{name} = {w}" for name, w in odd.items())
+            "--fp8 needs the float8 linear layers' local sizes divisible by 16 (torch._scaled_mm), but "
+            + ", ".join(f"{name} is {i} -> {o}" for name, (i, o) in odd.items())
         )
 
 

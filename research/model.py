@@ -51,6 +51,7 @@ from parallel.tensor import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tp,
+    fp8,
     gather_from_sp,
     sequence_parallel_grad_sync,
     shard_of,
@@ -97,6 +98,7 @@ class GPTConfig:
     moe_z_loss_coeff: float = 0.001
     moe_renormalize: bool = True
     fp8: Literal["none", "tensorwise"] = "none"
+    fp8_filter: Literal["auto", "none"] = "auto"
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -107,6 +109,7 @@ class GPTConfig:
             "activation": ("gelu", "swiglu"),
             "recompute": ("none", "selective", "full"),
             "fp8": ("none", "tensorwise"),
+            "fp8_filter": ("auto", "none"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -159,6 +162,25 @@ class GPTConfig:
     def with_vocab_of(self, tokenizer_vocab: int) -> GPTConfig:
         """This config with its vocabulary raised to the tokenizer's (a run's real vocabulary)."""
         return replace(self, vocab_size=max(self.vocab_size, tokenizer_vocab))
+
+    def linear_shapes(self, tp: int) -> dict[str, tuple[int, int]]:
+        """(in, out) features of a dense block's four linears on one of tp ranks: QKV and the
+        MLP's up projection split their outputs, the attention projection and the MLP's down
+        projection their inputs."""
+        h, f = self.d_model, self.ffn_dim
+        up = 2 * f if self.activation == "swiglu" else f
+        return {"qkv": (h, 3 * h // tp), "proj": (h // tp, h), "up": (h, up // tp), "down": (f // tp, h)}
+
+    def float8_linears(self, tp: int) -> frozenset[str]:
+        """The linears of `linear_shapes` that run in float8 when it is on: with `fp8_filter`
+        "auto" those whose local shape `fp8.pays`, with "none" all four (an MoE layer's experts
+        and the head never)."""
+        shapes = self.linear_shapes(tp)
+        return frozenset(n for n, (i, o) in shapes.items() if self.fp8_filter == "none" or fp8.pays(i, o))
+
+    def fp8_recipe(self, linear: str, tp: int) -> str:
+        """The float8 recipe of one of `linear_shapes`' linears: `fp8`, or "none" where it stays in bf16."""
+        return self.fp8 if linear in self.float8_linears(tp) else "none"
 
     def validate_tp(self, tp: int) -> None:
         """One sentence per layout this model cannot be split into."""
@@ -294,13 +316,14 @@ class Attention(nn.Module):
         context: ContextGroups | None = None,
     ) -> None:
         super().__init__()
-        h, self.config, self.context = config.d_model, config, context
-        self.heads = config.n_heads // tp_size(group)
+        h, self.config, self.context, t = config.d_model, config, context, tp_size(group)
+        self.heads = config.n_heads // t
         self.qkv = ColumnParallelLinear(
-            h, 3 * h, group=group, bias=config.qkv_bias, sequence_parallel=sequence_parallel, fp8=config.fp8
-        )
+            h, 3 * h, group=group, bias=config.qkv_bias, sequence_parallel=sequence_parallel,
+            fp8=config.fp8_recipe("qkv", t),
+        )  # fmt: skip
         self.proj = RowParallelLinear(
-            h, h, group=group, bias=config.bias, sequence_parallel=sequence_parallel, fp8=config.fp8
+            h, h, group=group, bias=config.bias, sequence_parallel=sequence_parallel, fp8=config.fp8_recipe("proj", t)
         )
 
     def core(self, qkv_sbX: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
@@ -353,11 +376,12 @@ class MLP(nn.Module):
         h, f = config.d_model, config.ffn_dim
         self.swiglu = config.activation == "swiglu"
         width = 2 * f if self.swiglu else f
+        t = tp_size(group)
         self.up = ColumnParallelLinear(
-            h, width, group=group, bias=config.bias, sequence_parallel=sequence_parallel, fp8=config.fp8
+            h, width, group=group, bias=config.bias, sequence_parallel=sequence_parallel, fp8=config.fp8_recipe("up", t)
         )
         self.down = RowParallelLinear(
-            f, h, group=group, bias=config.bias, sequence_parallel=sequence_parallel, fp8=config.fp8
+            f, h, group=group, bias=config.bias, sequence_parallel=sequence_parallel, fp8=config.fp8_recipe("down", t)
         )
 
     def forward(self, x_sbh: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ OPTIONS = {
     "dropout": {"dropout": 0.1},
     "rope": {"position": "rope"},
     "no-bias": {"bias": False},
-    "fp8": {"fp8": "tensorwise"},
+    "fp8": {"fp8": "tensorwise", "fp8_filter": "none"},
 }
 LAYOUTS = [(1, False), (2, False), (2, True)]  # (tp, sp)
 RECOMPUTE = ("none", "selective", "full")

@@ -83,4 +83,4 @@ def test_gpu_suite_cpu_smoke(tmp_path: Path) -> None:
         *(m + "_compiled" for m in methods),
     ]
     assert [r["seq"] for r in results["parts"]["context"]["rows"]] == [1024, 2048]
-    assert [r["linears"] for r in results["parts"]["fp8"]["rows"]] == ["bf16", "float8"]
+    assert [r["linears"] for r in results["parts"]["fp8"]["rows"]] == ["bf16", "float8 down,proj,qkv,up"]

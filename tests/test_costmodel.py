@@ -35,6 +35,7 @@ import torch
 
 from parallel import accounting
 from parallel.pipeline import simulate
+from parallel.tensor import fp8 as fp8_linear
 from research import costmodel
 from research.costmodel import GPU, GPUS, Cluster, Layout
 from research.costmodel.dpcomm import dp_traffic, expert_layout
@@ -1244,12 +1245,20 @@ def test_plan_command_takes_a_moe_config(capsys: pytest.CaptureFixture[str]) -> 
     assert all(int(row.split()[5]) in (1, 2, 4, 8) for row in rows)
 
 
+@pytest.mark.parametrize("cast", ["every", "down"])
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_fp8_activations_are_what_the_layer_saves(activation: str) -> None:
+def test_fp8_activations_are_what_the_layer_saves(activation: str, cast: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Float8 linear layers change a layer's saved bytes by `fp8_bytes`: measured by the
-    saved-tensor hooks, to the scales' few bytes."""
+    saved-tensor hooks, to the scales' few bytes; with every linear in float8, and with the
+    MLP's down projection alone (`fp8.pays` made to pass only its wider-in-than-out weight)."""
+    if cast == "down":
+        monkeypatch.setattr(fp8_linear, "pays", lambda in_features, out_features: in_features > out_features)
     s, b = 64, 2
-    one = GPTConfig(vocab_size=128, n_layers=1, n_heads=4, d_model=64, max_seq_len=s, activation=activation)
+    one = GPTConfig(
+        vocab_size=128, n_layers=1, n_heads=4, d_model=64, max_seq_len=s, activation=activation,
+        fp8_filter="none" if cast == "every" else "auto",
+    )  # fmt: skip
+    assert one.float8_linears(1) == ({"down"} if cast == "down" else {"qkv", "proj", "up", "down"})
     two = dataclasses.replace(one, n_layers=2)
 
     def layer(recipe: str) -> int:

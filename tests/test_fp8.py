@@ -95,7 +95,7 @@ def _train(base: str, data: str, name: str, argv: list[str]) -> list[float]:
     common = [
         *("--n-layers", "2", "--n-heads", "2", "--d-model", "64", "--max-seq-len", "32", "--seq-len", "32"),
         *("--vocab-multiple", "128", "--global-batch-size", "8", "--steps", str(STEPS), "--lr", "3e-3"),
-        *("--warmup-steps", "5", "--precision", "bf16", "--seed", "0", "--wandb", "disabled"),
+        *("--warmup-steps", "5", "--precision", "bf16", "--seed", "0", "--wandb", "disabled", "--fp8-filter", "none"),
         *("--log-every", "1000", "--data", data, "--data-cache", os.path.join(base, "cache"), "--out", out),
     ]
     run([*common, *argv])
@@ -176,13 +176,43 @@ def test_fp8_needs_bf16_and_sizes_of_16() -> None:
     from research.config import ParallelConfig, validate_fp8
     from research.model import GPTConfig
 
+    every = {"fp8": "tensorwise", "fp8_filter": "none"}
     with pytest.raises(ConfigError, match="use it with --precision bf16"):
-        validate_fp8(GPTConfig(d_model=64, fp8="tensorwise"), ParallelConfig(), "fp32")
+        validate_fp8(GPTConfig(d_model=64, **every), ParallelConfig(), "fp32")
     with pytest.raises(ConfigError, match="divisible by 16"):
-        validate_fp8(GPTConfig(d_model=40, n_heads=4, fp8="tensorwise"), ParallelConfig(), "bf16")
+        validate_fp8(GPTConfig(d_model=40, n_heads=4, **every), ParallelConfig(), "bf16")
     with pytest.raises(ConfigError, match="--micro-batch-size divisible by 16"):
-        validate_fp8(GPTConfig(d_model=64, fp8="tensorwise"), ParallelConfig(), "bf16", tokens=24)
-    validate_fp8(GPTConfig(d_model=64, fp8="tensorwise"), ParallelConfig(tp=2), "bf16")
+        validate_fp8(GPTConfig(d_model=64, **every), ParallelConfig(), "bf16", tokens=24)
+    validate_fp8(GPTConfig(d_model=64, **every), ParallelConfig(tp=2), "bf16")
+
+
+def test_the_linears_too_small_to_gain_stay_in_bf16() -> None:
+    """`fp8.pays` on a rank's [out, in] weight: no float8 where in ≤ 2048, out ≤ 1024, or in ≤ 4096
+    with out ≤ 2048. The 1.31B GPT (h 2048, f 8192) casts its MLP down projection alone; an 8B-shaped
+    block (h 4096, SwiGLU f 14336) all four, and at tp 8 its up projection alone; with
+    --fp8-filter none every linear is cast; a model where none pays is refused with what to pass."""
+    from research.config import ParallelConfig, validate_fp8
+    from research.model import GPTConfig
+
+    assert (
+        fp8.pays(4097, 1025)
+        and not fp8.pays(4097, 1024)
+        and not fp8.pays(2049, 1025)
+        and not fp8.pays(2048, 8192)
+        and not fp8.pays(8192, 1024)
+    )
+    assert not fp8.pays(4096, 2048) and fp8.pays(4097, 2048) and fp8.pays(4096, 2049)
+    gpt13 = GPTConfig(n_layers=26, n_heads=16, d_model=2048, fp8="tensorwise")
+    assert gpt13.float8_linears(1) == {"down"}
+    assert dataclasses.replace(gpt13, fp8_filter="none").float8_linears(1) == {"qkv", "proj", "up", "down"}
+    block8b = GPTConfig(n_heads=32, d_model=4096, d_ff=14336, activation="swiglu", fp8="tensorwise")
+    assert block8b.float8_linears(1) == {"qkv", "proj", "up", "down"}
+    assert block8b.float8_linears(8) == {"up"}  # down: 1792 inputs per rank
+    model = Block(dataclasses.replace(gpt13, n_layers=1, max_seq_len=16), None, False)
+    recipes = {n: m.fp8 for n, m in model.named_modules() if hasattr(m, "fp8")}
+    assert recipes == {"attn.qkv": "none", "attn.proj": "none", "mlp.up": "none", "mlp.down": "tensorwise"}
+    with pytest.raises(ConfigError, match=r"would cast no linear layer.*--fp8-filter none"):
+        validate_fp8(GPTConfig(d_model=64, fp8="tensorwise"), ParallelConfig(), "bf16")
 
 
 def test_fp8_is_refused_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,7 +222,7 @@ def test_fp8_is_refused_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(torch.version, "hip", "6.3.42131", raising=False)
     with pytest.raises(ConfigError, match="train in bf16 on ROCm"):
-        validate_fp8(GPTConfig(d_model=64, fp8="tensorwise"), ParallelConfig(), "bf16")
+        validate_fp8(GPTConfig(d_model=64, fp8="tensorwise", fp8_filter="none"), ParallelConfig(), "bf16")
 
 
 @pytest.mark.cuda
@@ -220,7 +250,9 @@ def test_a_compiled_float8_block_is_as_close_to_fp32_as_the_eager_one() -> None:
     tolerance is stated against the fp32 block: the compiled block's output and gradients are
     as close to it as the eager float8 block's (within 1.5x its error, and 10 % outright)."""
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=256, n_layers=1, n_heads=4, d_model=64, max_seq_len=32, fp8="tensorwise")
+    cfg = GPTConfig(
+        vocab_size=256, n_layers=1, n_heads=4, d_model=64, max_seq_len=32, fp8="tensorwise", fp8_filter="none"
+    )
     block = Block(cfg, None, False)
     exact = Block(dataclasses.replace(cfg, fp8="none"), None, False)
     exact.load_state_dict(block.state_dict())

@@ -116,6 +116,15 @@ class _Float8Linear(torch.autograd.Function):
         return dx.view(ctx.x_shape), dw
 
 
+def pays(in_features: int, out_features: int) -> bool:
+    """Whether a float8 matmul of a [out, in] weight is faster than the bf16 one it replaces:
+    not when in ≤ 2048, out ≤ 1024, or in ≤ 4096 with out ≤ 2048 (torchao's thresholds,
+    measured on the H100 with compiled casts: below them the casts, amax and scaling cost
+    more than the faster matmul saves). The sizes are a rank's own shard under TP."""
+    small = in_features <= 2048 or out_features <= 1024 or (in_features <= 4096 and out_features <= 2048)
+    return not small
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str) -> torch.Tensor:
     """F.linear(x, weight, bias) with its matmul in float8 under `recipe` ("none": as is)."""
     if recipe == "none":

@@ -112,6 +112,11 @@ class Layout:
         """T: tokens of a micro-batch that one rank holds, b·s/cp."""
         return seq_len * self.micro_batch_size / self.cp
 
+    def float8_linears(self, model: GPTConfig) -> frozenset[str]:
+        """The dense block's linears this layout runs in float8 (`GPTConfig.float8_linears` at
+        its tp; none without `fp8`)."""
+        return model.float8_linears(self.tp) if self.fp8 else frozenset()
+
     def describe_cp(self) -> str:
         """The context parallelism, e.g. cp=2 (ring), cp=4 all-to-all, cp=8 hybrid/2; "" at cp = 1."""
         if self.cp == 1:

@@ -207,12 +207,17 @@ def fp8_bytes(model: GPTConfig, seq_len: int, layout: Layout, moe: bool = False)
     QKV and MLP-up inputs kept in 1 byte, gathered under SP, in place of A bytes (shards under
     SP), the MLP-down input (f wide) in 1 byte too, the projection's input in 1 byte once more
     (recompute none: the attention core keeps its own copy) or in place of the A-byte one
-    (selective); an MoE layer's experts stay in bf16."""
+    (selective); an MoE layer's experts stay in bf16. Each term counts where its linear is in
+    float8 (`Layout.float8_linears`)."""
     T, h, t, A = layout.tokens(seq_len), model.d_model, layout.tp, DTYPE_BYTES[layout.precision]
     column = T * h * (1 - A * (1 / t if layout.sp else 1))
-    projection = T * h / t * (1 if layout.recompute == "none" else 1 - A)
-    mlp = column - (A - 1) * T * model.ffn_dim / t
-    return column + projection + (0.0 if moe else mlp)
+    change = {
+        "qkv": column,
+        "proj": T * h / t * (1 if layout.recompute == "none" else 1 - A),
+        "up": 0.0 if moe else column,
+        "down": 0.0 if moe else -(A - 1) * T * model.ffn_dim / t,
+    }
+    return sum(change[n] for n in layout.float8_linears(model))
 
 
 def moe_mlp_bytes(model: GPTConfig, seq_len: int, layout: Layout) -> float:

@@ -45,7 +45,8 @@ Step time, per micro-batch on the slowest pipeline rank (the last: L/p layers + 
   A·T·(h/t)·(a − 1)/a (`cp_all_to_all_bytes`); the backward the same (twice with full
   recompute); not overlapped, costed as E's.
 - η (`MATMUL_EFFICIENCY`): the one calibrated constant, see there. With float8 linear
-  layers (`Layout.fp8`) their FLOPs run at the GPU's float8 peak, the rest at its 16-bit one.
+  layers (`Layout.fp8`) the FLOPs of those large enough to gain (`GPTConfig.float8_linears`) run
+  at the GPU's float8 peak, the rest at its 16-bit one.
 
 Step = m(t_f + t_b) + bubble + exposed p2p + exposed DP communication + optimizer step. The bubble is
 (p-1)(t_f + t_b)/v for gpipe / 1f1b / interleaved-1f1b and (p-1)·max(t_f, t_b/2) for zb-h1
@@ -147,7 +148,8 @@ def _micro_batch(model: GPTConfig, layout: Layout, seq_len: int, cluster: Cluste
     compute_f = flops_f / rate + mem_f / gpu.hbm_bandwidth
     compute_b = flops_b / rate + mem_b / gpu.hbm_bandwidth
     msg = T * h * DTYPE_BYTES[layout.precision]
-    regather = layout.sp and t > 1 and not layout.fp8  # the column linears' inputs, gathered again
+    # the bf16 column linears' inputs, gathered again in backward: two all-gathers, one all-reduce's time
+    regather = (layout.sp and t > 1) * len({"qkv", "up"} - layout.float8_linears(model)) / 2
     ends_f, ends_b = _tp_ends(model, layout)
     # vocabulary-parallel cross entropy: the max, the target logit and Σ exp over the T tokens
     loss = 3 * _tp_all_reduce(4 * T, t, cluster) if t > 1 else 0.0
@@ -214,14 +216,15 @@ def _tp_ends(model: GPTConfig, layout: Layout) -> tuple[float, float]:
 
 def _matmul_rate(model: GPTConfig, layout: Layout, gpu: GPU, seq_len: int, layers: int, moe: int) -> float:
     """η (the GPU's measured one, else the fit) × the matmul FLOP/s of the rank's layers: the 16-bit peak, or with float8 linear
-    layers their share of the FLOPs (QKV, projection, dense MLPs) at the float8 peak."""
+    layers the share of the FLOPs of those in float8 (of QKV, projection, dense MLPs) at the float8 peak."""
     if not layout.fp8:
         return (gpu.matmul_efficiency or MATMUL_EFFICIENCY) * gpu.peak_flops
     if gpu.fp8_flops is None:
         raise ValueError(f"the {gpu.name} has no float8 tensor cores: plan it without --fp8")
-    h = model.d_model
-    layer, core, head = model.forward_flops_per_token(seq_len)
-    linear = layers * 8 * h * h + (layers - moe) * (layer - core - 8 * h * h)
+    layer, _, head = model.forward_flops_per_token(seq_len)
+    cast = layout.float8_linears(model)
+    flops = {n: 2 * i * o if n in cast else 0 for n, (i, o) in model.linear_shapes(1).items()}
+    linear = layers * (flops["qkv"] + flops["proj"]) + (layers - moe) * (flops["up"] + flops["down"])
     total = layers * layer + (moe * model.moe_layer_extra_flops() if moe else 0.0) + head
     share = linear / total
     return (gpu.matmul_efficiency or MATMUL_EFFICIENCY) / ((1 - share) / gpu.peak_flops + share / gpu.fp8_flops)
