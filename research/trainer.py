@@ -84,9 +84,12 @@ def load_data(cfg: RunConfig) -> tuple[GPTConfig, data.GlobalBatches]:
 
 def one_graph_per_block(cfg: RunConfig) -> bool:
     """Whether --compile can hold each block in one graph (fullgraph): nothing breaks it, no
-    ZeRO-3 gather, no collective of TP or context parallelism, no MoE routing."""
+    ZeRO-3 gather, no ring of context parallelism, no MoE routing (TP, SP and all-to-all
+    context parallelism run `parallel.functional`'s operators, inside the graph), no dropout
+    (its RNG-tracker fork saves and restores the generator's state, eagerly)."""
     par = cfg.parallel
-    return par.zero < 3 and par.tp == par.cp == 1 and not cfg.model.moe_experts
+    ring = par.cp > 1 and par.cp_mode != "all-to-all"
+    return par.zero < 3 and not ring and not cfg.model.moe_experts and cfg.model.dropout == 0
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -371,3 +371,28 @@ def test_unwatch_stops_the_detector_thread_before_python_finalizes() -> None:
     """The hang detector's thread is joined by unwatch() (also registered at exit): a daemon thread
     that finalization finds inside a store call aborts the process."""
     assert run_distributed(watchdog_threads_after_unwatch, 2) == [(True, False), (True, False)]
+
+
+def _functional_on_meta() -> list[str]:
+    from parallel import functional
+
+    errors = []
+    for call in (
+        lambda x: functional.all_reduce(x, dist.group.WORLD.group_name),
+        lambda x: functional.all_gather_dim0(x, dist.group.WORLD.group_name, False),
+        lambda x: functional.reduce_scatter_dim0(x, dist.group.WORLD.group_name),
+        lambda x: functional.all_to_all(x, dist.group.WORLD.group_name),
+    ):
+        try:
+            call(torch.zeros(4, 2, device="meta"))
+            errors.append("")
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_functional_collectives_refuse_meta_tensors_as_comm_does() -> None:
+    """A meta tensor (one made without the model's device) given to a functional collective
+    is refused in comm's sentence, not answered by the operator's shape function."""
+    errors = run_distributed(_functional_on_meta, 2, timeout=60)[0]
+    assert all("every tensor of a collective must be on one of" in e for e in errors), errors

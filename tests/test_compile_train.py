@@ -2,7 +2,8 @@
 the training command: every layout follows the eager single process's loss curve (rtol 1e-5:
 inductor's kernels sum in another order) and compiles no new graph after its first step,
 ZeRO-3 with several units per block (their gathers between the block's graphs), the pipeline
-(1F1B and ZB-H1's split backward), TP + SP, hybrid sharding and experts."""
+(1F1B and ZB-H1's split backward), TP + SP, hybrid sharding, experts and context parallelism
+(all-to-all inside the block's graph, the ring between graphs)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,13 @@ LAYOUTS = {
     "dp4-hybrid2-zero3": (4, ["--dp-shard", "2", "--zero", "3", "--unit-numel", "3000"], "single"),
     "pp2-zb-h1-zero1": (2, ["--pp", "2", "--schedule", "zb-h1", "--zero", "1"], "single"),
     "dp2-ep2-zero3-moe": (2, ["--ep", "2", "--zero", "3", "--unit-numel", "3000", *MOE], "single-moe"),
+    "cp2-all-to-all-zero2": (2, ["--cp", "2", "--cp-mode", "all-to-all", "--zero", "2"], "single"),
+    "cp2-ring-zero3-units": (2, ["--cp", "2", "--zero", "3", "--unit-numel", "3000"], "single"),
 }
 SINGLE = {"single": [], "single-moe": MOE}
+# a block is one graph where its collectives are operators inside it (`parallel.functional`:
+# TP, SP, Ulysses' all-to-all), and the blocks of a process share it
+ONE_GRAPH = {"tp2-sp-pp2-dp2-zero2-1f1b", "cp2-all-to-all-zero2"}
 
 
 def train(base: str, name: str, *extra: str) -> list[dict]:
@@ -65,4 +71,43 @@ def test_compiled_layout_follows_the_eager_single_process(eager, tmp_path, layou
     torch.testing.assert_close(losses, torch.tensor([r["loss"] for r in eager[single]]), rtol=1e-5, atol=0)
     graphs = [r["compiled_graphs"] for r in rows]
     assert graphs[0] > 0 and len(set(graphs[1:])) == 1 and graphs[1] == graphs[0], graphs  # no recompilation
+    if layout in ONE_GRAPH:
+        assert graphs[0] == 1, graphs
     assert all("compiled_graphs" not in r for r in eager[single])
+
+
+def tp_collectives(base: str, runs: dict[str, list[str]]) -> dict[str, tuple[list[dict], dict]]:
+    """Each run's metrics rows and its TP collectives per step (summary.json)."""
+    out = {}
+    for name, rows in launch(base, runs).items():
+        with open(os.path.join(base, name, "summary.json")) as f:
+            out[name] = (rows, json.load(f)["comm_per_step"]["tp"]["ops"])
+    return out
+
+
+@pytest.mark.slow
+def test_a_compiled_tp_sp_block_is_one_graph_with_the_eager_collectives(tmp_path) -> None:
+    """Under TP + SP the block's all-reduces, all-gathers and reduce-scatters are operators
+    inside its one graph, called at run time: the same calls and bytes as eager (the backward's
+    re-gather of each column linear's input included, not merged with the forward's), the same
+    losses."""
+    flags = ["--tp", "2", "--sequence-parallel", "--steps", "3"]
+    out = run_distributed(tp_collectives, 2, str(tmp_path), {"eager": flags, "compiled": ["--compile", *flags]})[0]
+    (eager, eager_ops), (compiled, compiled_ops) = out["eager"], out["compiled"]
+    assert [r["compiled_graphs"] for r in compiled] == [1, 1, 1]
+    assert compiled_ops == eager_ops and eager_ops["all_gather_into_tensor"]["calls"] > 0
+    torch.testing.assert_close([r["loss"] for r in compiled], [r["loss"] for r in eager], rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_compiled_dropout_trains_as_eager(tmp_path) -> None:
+    """Dropout under --compile (the RNG tracker's fork runs eagerly, so the block is not one
+    graph): tp 2 + SP trains; the masks are inductor's, not eager's, so the losses agree to
+    the noise of the masks (1 %), and no graph is compiled after the first step."""
+    flags = ["--tp", "2", "--sequence-parallel", "--dropout", "0.1", "--steps", "3"]
+    out = run_distributed(launch, 2, str(tmp_path), {"eager": flags, "compiled": ["--compile", *flags]})[0]
+    graphs = [r["compiled_graphs"] for r in out["compiled"]]
+    assert graphs[0] > 1 and len(set(graphs)) == 1, graphs
+    torch.testing.assert_close(
+        [r["loss"] for r in out["compiled"]], [r["loss"] for r in out["eager"]], rtol=0.01, atol=0
+    )

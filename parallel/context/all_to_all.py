@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel import comm
+from parallel import functional
 
 Group = dist.ProcessGroup
 
@@ -25,8 +25,7 @@ def _to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
     a = dist.get_world_size(group)
     *lead, heads, s, d = x.shape
     parts = x.reshape(*lead, a, heads // a, s, d).movedim(-4, 0).contiguous()  # [a, .., H/a, s, d]
-    received = torch.empty_like(parts)
-    comm.all_to_all_single(received, parts, group=group)  # received[j]: rank j's tokens, my heads
+    received = functional.all_to_all(parts, group.group_name)  # received[j]: rank j's tokens, my heads
     return received.movedim(0, -3).reshape(*lead, heads // a, a * s, d)
 
 
@@ -34,8 +33,7 @@ def _to_sequence(y: torch.Tensor, group: Group) -> torch.Tensor:
     a = dist.get_world_size(group)
     *lead, heads, s, d = y.shape
     parts = y.reshape(*lead, heads, a, s // a, d).movedim(-3, 0).contiguous()  # [a, .., H/a, s/a, d]
-    received = torch.empty_like(parts)
-    comm.all_to_all_single(received, parts, group=group)  # received[j]: my tokens, rank j's heads
+    received = functional.all_to_all(parts, group.group_name)  # received[j]: my tokens, rank j's heads
     return received.movedim(0, -4).reshape(*lead, heads * a, s // a, d)
 
 

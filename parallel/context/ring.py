@@ -171,6 +171,7 @@ def member_in_one_process(
     return out, dq, dkvs
 
 
+@torch.compiler.disable  # isend / irecv in flight during each block's kernels: eager, between graphs
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, window: int | None = None
 ) -> torch.Tensor:

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from parallel import comm, marks
 from parallel.tensor import fp8
@@ -43,6 +42,7 @@ from parallel.tensor.mappings import (
     copy_to_tp,
     gather_from_sp,
     gather_from_tp,
+    group_name,
     reduce_from_tp,
     reduce_scatter_to_sp,
     scatter_to_tp,
@@ -94,8 +94,6 @@ def _sharded_weight(shape: tuple[int, int], dim: int, group: Group, init_method)
 # Gradient sync for TP-replicated parameters under sequence parallelism
 # ---------------------------------------------------------------------------
 
-_synced: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> groups its gradient hook sums over
-
 
 def sequence_parallel_grad_sync(module: nn.Module, name: str, group: Group) -> None:
     """Make the gradient of ``module``'s parameter ``name`` the sum over the TP group of the
@@ -114,6 +112,11 @@ def sequence_parallel_grad_sync(module: nn.Module, name: str, group: Group) -> N
     replicated over ``group``). A tensor hook lives with its Parameter object, which
     ``copy.deepcopy`` does not copy, so a forward pre-hook on ``module`` (which is copied)
     registers it on any marked parameter that lacks it. Idempotent; a no-op hook at tp == 1.
+    Which parameters have their hooks is kept on the module in a `_HookedParams`, which a
+    copy (deepcopy, pickle) does not carry over; eagerly the check also compares the parameter
+    objects (one assigned anew gets its hook), under torch.compile names alone (an identity
+    test would guard each block's graph on its parameters' ids, one graph per block), so
+    torch.compile traces the check without breaking the graph and replays a registration.
     """
     marks.mark_sequence_parallel(module, name, group)
     if not module.__dict__.get("_sequence_parallel_hooked"):
@@ -122,14 +125,28 @@ def sequence_parallel_grad_sync(module: nn.Module, name: str, group: Group) -> N
     _register_grad_sync_hooks(module)
 
 
+class _HookedParams(dict):
+    """(parameter name, group name) -> the parameter given a gradient hook summing over that
+    group. A copy starts empty: a tensor's hooks do not travel with its copies."""
+
+    def __deepcopy__(self, memo: dict) -> _HookedParams:
+        return _HookedParams()
+
+    def __reduce__(self) -> tuple:
+        return (_HookedParams, ())
+
+
 def _register_grad_sync_hooks(module: nn.Module, *forward_args: object) -> None:
+    hooked = module.__dict__.setdefault("_sequence_parallel_hooked_params", _HookedParams())
     for name, m in module.__dict__.get("_param_marks", {}).items():
         p = module._parameters.get(name)
         for group in m.sequence_parallel:
-            synced = _synced.get(p, ()) if p is not None else ()
-            if p is None or tp_size(group) == 1 or any(g is group for g in synced):
+            if p is None or tp_size(group) == 1:
                 continue
-            _synced[p] = (*synced, group)
+            key = (name, group_name(group))
+            if key in hooked and (torch.compiler.is_compiling() or hooked[key] is p):
+                continue
+            hooked[key] = p
             p.register_hook(partial(_all_reduce_grad, group=group))
 
 
@@ -180,7 +197,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dy_2d = dy.reshape(-1, dy.shape[-1])
-        x_2d = _all_gather_dim0(x, ctx.group).view(dy_2d.shape[0], -1).to(dy.dtype)
+        x_2d = _all_gather_dim0(x, ctx.group, again=True).view(dy_2d.shape[0], -1).to(dy.dtype)
         dx = dy_2d.mm(weight.to(dy.dtype)).view(*dy.shape[:-1], -1)
         dw = dy_2d.t().mm(x_2d).to(weight.dtype)
         db = None if ctx.bias_dtype is None else dy_2d.sum(0).to(ctx.bias_dtype)

@@ -24,10 +24,11 @@ model. Forward / backward pairs:
 (`f` and `g` are the operators of the Megatron paper, Fig. 3; g' / ḡ' replace f / g
 under sequence parallelism, Korthikanti et al. Fig. 5.)
 
-With tp == 1 every function is the identity and issues no collective. Collectives go
-through ``parallel.comm`` (so ``accounting.tracking()`` sees them) and never write into an
-autograd input or incoming gradient: autograd may share those tensors (a residual
-branch hands the same gradient to both summands).
+With tp == 1 every function is the identity and issues no collective. The collectives
+are the operators of ``parallel.functional`` (traced into a compiled block's graph, counted
+by ``accounting.tracking()`` at run time) and never write into an autograd input or
+incoming gradient: autograd may share those tensors (a residual branch hands the same
+gradient to both summands).
 
 ``group`` is the TP process group; None means the default (world) group, or a group of
 size 1 when torch.distributed is not initialized (a single-process model).
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel import comm
+from parallel import functional
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ __all__ = [
     "copy_to_tp",
     "gather_from_sp",
     "gather_from_tp",
+    "group_name",
     "reduce_from_tp",
     "reduce_scatter_to_sp",
     "scatter_to_sp",
@@ -83,6 +85,14 @@ def tp_rank(group: Group) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
+def group_name(group: Group) -> str:
+    """The name `parallel.functional`'s operators find ``group`` by (the default group's for
+    None; a `ShapeGroup`, on which nothing runs, its repr)."""
+    if isinstance(group, ShapeGroup):
+        return repr(group)
+    return (group or dist.group.WORLD).group_name
+
+
 # ---------------------------------------------------------------------------
 # Plain (non-autograd) primitives
 # ---------------------------------------------------------------------------
@@ -98,16 +108,12 @@ def _chunk(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Σ_r x_r, in a new tensor."""
-    out = x.clone(memory_format=torch.contiguous_format)
-    comm.all_reduce(out, group=group)
-    return out
+    return functional.all_reduce(x, group_name(group))
 
 
-def _all_gather_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """cat_r x_r along dim 0: [n, ...] -> [tp·n, ...]."""
-    out = x.new_empty((tp_size(group) * x.size(0), *x.shape[1:]))
-    comm.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out
+def _all_gather_dim0(x: torch.Tensor, group: Group, again: bool = False) -> torch.Tensor:
+    """cat_r x_r along dim 0: [n, ...] -> [tp·n, ...] (`again`: `functional.all_gather_dim0`'s)."""
+    return functional.all_gather_dim0(x, group_name(group), again)
 
 
 def _all_gather_last(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -122,9 +128,7 @@ def _reduce_scatter_dim0(x: torch.Tensor, group: Group) -> torch.Tensor:
     tp = tp_size(group)
     if x.size(0) % tp != 0:
         raise ValueError(f"dim 0 of size {x.size(0)} is not divisible by tp={tp}")
-    out = x.new_empty((x.size(0) // tp, *x.shape[1:]))
-    comm.reduce_scatter_tensor(out, x.contiguous(), group=group)
-    return out
+    return functional.reduce_scatter_dim0(x, group_name(group))
 
 
 # ---------------------------------------------------------------------------
