@@ -111,3 +111,25 @@ def test_compiled_dropout_trains_as_eager(tmp_path) -> None:
     torch.testing.assert_close(
         [r["loss"] for r in out["compiled"]], [r["loss"] for r in out["eager"]], rtol=0.01, atol=0
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags, rtol",
+    [
+        (["--zero", "3", "--unit-numel", "3000", "--qwz-block", "256", "--qgz-bits", "8"], 1e-4),
+        (["--zero", "1", "--precision", "bf16"], 2e-3),
+    ],
+    ids=["zero3-qwz-qgz", "zero1-bf16"],
+)
+def test_compiled_zeropp_and_bf16_follow_their_eager_runs(tmp_path, flags: list[str], rtol: float) -> None:
+    """ZeRO++'s quantized gathers and reductions, and bf16 compute, under --compile on 2 ranks:
+    the eager run of the same flags is the reference (neither is exact against fp32), to the
+    rounding of inductor's reordered sums (bf16: its 8 mantissa bits), with no recompilation."""
+    flags = [*flags, "--steps", "4"]
+    out = run_distributed(launch, 2, str(tmp_path), {"eager": flags, "compiled": ["--compile", *flags]})[0]
+    graphs = [r["compiled_graphs"] for r in out["compiled"]]
+    assert graphs[0] > 0 and len(set(graphs)) == 1, graphs
+    torch.testing.assert_close(
+        [r["loss"] for r in out["compiled"]], [r["loss"] for r in out["eager"]], rtol=rtol, atol=0
+    )
