@@ -16,6 +16,7 @@ from parallel import ParallelDims
 from parallel.random import seed_everything
 from research import costmodel
 from research.model import GPT, GPTConfig
+from tests.conftest import slow_except
 from tests.dist_utils import run_distributed
 from tests.test_model_parity import gather_tp, tp_dims
 
@@ -92,7 +93,7 @@ def train(stage: int, tp: int, sequence_parallel: bool) -> tuple[list[float], li
     return losses, norms, gather_tp({k: full[k] for k in names}, names, dims.tp_group)
 
 
-@pytest.mark.parametrize("stage,sequence_parallel", [(1, False), (3, False), (3, True)])
+@pytest.mark.parametrize("stage,sequence_parallel", slow_except([(3, False), (3, True)], [(1, False)]))
 def test_dp2_tp2_matches_single_process(stage: int, sequence_parallel: bool) -> None:
     ref_losses, ref_norms, ref_state = reference()
     results = run_distributed(train, 4, stage, 2, sequence_parallel, timeout=300)

@@ -14,6 +14,7 @@ import torch.nn as nn
 from optim import ZeroOptimizer
 from optim.policies import Communication, ZeroPlusPlus
 from parallel import ParallelDims, marks
+from tests.conftest import slow_except
 from tests.dist_utils import run_distributed
 
 SMALL = Communication(bucket_numel=64, unit_numel=16, resident_numel=0)  # several buckets and stage-3 units
@@ -119,7 +120,7 @@ def _expert_grads(stage: int, ep: int) -> dict:
     return {"grads": grads, "norm": float(opt.clip_grad_norm_(math.inf))}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", slow_except([3], [0, 1, 2]))
 def test_expert_gradients_at_ep_1_and_ep_n_are_equal(stage: int) -> None:
     """DeepSpeed's TestExpertWeightGradWithZero, here at every stage: the reduced gradients
     of every parameter (experts gathered over ep) and the global norm at ep 2 and 4 equal

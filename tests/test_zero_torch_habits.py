@@ -115,7 +115,7 @@ def parity_cases(stage: int) -> dict:
     return {case: parity(stage, *case) for case in sorted(cases, key=str)}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", slow_except([3], [0, 1, 2]))
 def test_parameters_without_gradients_match_torch(stage: int) -> None:
     results = run_distributed(parity_cases, 2, stage, timeout=240)
     for case, r in results[0].items():
