@@ -461,8 +461,9 @@ class GPT(nn.Module):
     auxiliary losses of its MoE blocks (`research.moe`); `model(input_ids_bs)` returns logits
     [b, s, v/tp] (this rank's vocabulary shard). With `expert_groups`
     (`ParallelDims.expert_groups`) the MoE blocks split their experts over its ep ranks; with
-    `context` (`ParallelDims.context`) inputs and labels are this rank's tokens of each
-    sequence (`ContextGroups.shard`) and the loss is its share (see the module docstring).
+    `context` (`ParallelDims.context`) ids and labels are still whole sequences, as without
+    it: the model keeps this rank's tokens of each (`ContextGroups.shard`), returns their
+    logits [b, s/cp, v/tp], and the loss is its share (see the module docstring).
 
     A pipeline stage builds only `layers` (global block indices; parameter names keep
     them: `blocks.5.attn.qkv.weight`), plus the embedding when `pre` and the final norm and
@@ -525,15 +526,18 @@ class GPT(nn.Module):
                     )
 
     def forward(self, inputs: torch.Tensor, labels_bs: torch.Tensor | None = None) -> torch.Tensor:
-        """`inputs`: token ids [b, s] when this module holds the embedding (pre), else the
-        hidden states x_sbh of the previous pipeline stage. Returns the loss (post, with
-        labels), logits [b, s, v/tp] (post), or the hidden states for the next stage."""
+        """`inputs`: token ids [b, s] of whole sequences when this module holds the embedding
+        (pre), else the hidden states x_sbh of the previous pipeline stage (this rank's
+        tokens). Returns the loss (post, with labels [b, s]), logits [b, s, v/tp] (post; under
+        context parallelism of this rank's tokens), or the hidden states for the next stage."""
         cp = self.context.size if self.context is not None else 1
         if self.pre:
-            s = inputs.shape[1] * cp
+            s = inputs.shape[1]
             if s > self.config.max_seq_len:
                 raise ValueError(f"sequence length {s} exceeds max_seq_len={self.config.max_seq_len}")
             where = self._positions(s, inputs.device)
+            if self.context is not None:
+                inputs = inputs.index_select(1, where)
             x = self.embed(inputs.t())
             if self.pos is not None:
                 pos = self.pos[where, None, :]
@@ -555,6 +559,13 @@ class GPT(nn.Module):
         logits_sbv = self.logits(self.norm(x))
         if labels_bs is None:
             return logits_sbv.transpose(0, 1)
+        if self.context is not None:
+            if labels_bs.shape[1] != s:
+                raise ValueError(
+                    f"labels of {labels_bs.shape[1]} tokens for sequences of {s}: under context parallelism pass "
+                    "the labels of the whole sequences, as the ids (the model keeps this rank's share of both)"
+                )
+            labels_bs = labels_bs.index_select(1, where)
         loss = self.loss(logits_sbv, labels_bs.t())
         return loss + sum(aux) if aux else loss
 

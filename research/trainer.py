@@ -1,8 +1,8 @@
 """The training loop: one optimizer step = one global batch through the pipeline schedule.
 
 Per step, data-parallel rank d takes rows [d·B/dp, (d+1)·B/dp) of global batch `step`
-(B = global batch size), split into m micro-batches (under context parallelism each cp rank
-keeps its share of every sequence, `ContextGroups.shard`); the `PipelineExecutor` runs them
+(B = global batch size), split into m micro-batches (whole sequences; under context parallelism
+the model keeps each cp rank's share of every sequence, `ContextGroups.shard`); the `PipelineExecutor` runs them
 through this rank's model chunks (pp = 1 is the one-stage pipeline: forward and backward
 per micro-batch, gradient reduction deferred to the last backward); then the ZeroOptimizer
 clips by the global norm and steps. The logged loss is the mean over the global batch:
@@ -310,9 +310,6 @@ class Trainer:
         None, global grad norm, the lr used)."""
         inputs, labels = self.batches.batch(step)
         micro = data.local_micro_batches(inputs, labels, self.dims.dp_rank, self.dims.dp, self.cfg.train.micro_batches)
-        context = self.dims.context
-        if context.size > 1:  # labels were shifted with the whole sequence: each token keeps its target
-            micro = [(context.shard(x), context.shard(y)) for x, y in micro]
         ids = [x.to(self.device) for x, _ in micro]
         targets = [y.to(self.device) for _, y in micro]
         return self._train_on(ids, targets)

@@ -1,6 +1,7 @@
 """The GPT under context parallelism: each cp rank's tokens keep their true positions and
-their own next-token labels at every chunk boundary, and the loss averaged over the cp
-ranks (in eval, with ignored labels spread unevenly) and the logits are one process's."""
+their own next-token labels at every chunk boundary, and, called with whole sequences as
+without cp, the loss averaged over the cp ranks (in eval, with ignored labels spread
+unevenly) and the logits of its tokens are one process's."""
 
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ def _loss_on_ranks(cp_a2a: int, position: str, window: int | None) -> dict:
     ctx = dims.context
     with torch.no_grad():
         want_loss, want_logits = single(ids, labels), single(ids)
-        loss, logits = parallel(ctx.shard(ids), ctx.shard(labels)), parallel(ctx.shard(ids))
+        loss, logits = parallel(ids, labels), parallel(ids)  # whole sequences in, as without cp
+        with pytest.raises(ValueError, match="pass the labels of the whole sequences"):
+            parallel(ids, ctx.shard(labels))
     mean = loss.clone()
     dist.all_reduce(mean)
     torch.testing.assert_close(mean / ctx.size, want_loss, rtol=1e-5, atol=0)

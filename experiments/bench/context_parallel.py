@@ -161,8 +161,9 @@ def balance(cfg: Config) -> list[dict[str, Any]]:
 
 
 def _model_and_batch(cfg: Config, seq: int, cp: int):
-    """This rank's GPT and its share of `micro_batch` sequences of `seq` tokens (the other
-    ranks than cp's read their own: data parallelism, without its reduction)."""
+    """This rank's GPT and `micro_batch` whole sequences of `seq` tokens, of which the model
+    keeps this rank's share (the other ranks than cp's read their own: data parallelism,
+    without its reduction)."""
     from parallel import ParallelDims
     from research.model import GPT
 
@@ -171,7 +172,7 @@ def _model_and_batch(cfg: Config, seq: int, cp: int):
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab, (cfg.micro_batch, seq), generator=gen)
     labels = torch.randint(0, cfg.vocab, (cfg.micro_batch, seq), generator=gen)
-    return model, dims.context.shard(ids), dims.context.shard(labels)
+    return model, ids, labels
 
 
 def _activations(cfg: Config) -> int:
