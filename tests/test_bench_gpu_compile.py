@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import slow_except
+
 pytest.importorskip("triton")
 
 from experiments.bench import gpu_compile as gc
@@ -62,7 +64,9 @@ def problem(row: gc.Row) -> str | None:
 
 
 @pytest.mark.parametrize("name", QUICK)
-@pytest.mark.parametrize("target", list(gc.TARGETS))
+@pytest.mark.parametrize(
+    "target", slow_except(["sm_90", "gfx942"], [t for t in gc.TARGETS if t not in ("sm_90", "gfx942")])
+)
 def test_compiles_without_spills_and_vectorized(name: str, target: str) -> None:
     for aligned in (True, False):
         row = gc.compile_row(VARIANTS[name], aligned, target)

@@ -255,7 +255,7 @@ def _units_of_real_tp_model() -> tuple[dict, list[int]]:
     return units, counts
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", slow_except([4], [2]))
 def test_rank_params_are_the_real_tp_models(tp: int) -> None:
     """With a real TP group of size tp: per pipeline rank (first, middle, last stage; two
     chunks on one rank), the planner's stage-3 units and parameter counts equal those of the
