@@ -17,6 +17,8 @@ device) runs the collective, which refuses it in one sentence as it does eagerly
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -29,8 +31,16 @@ def _group(name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(name)
 
 
-def _size(name: str) -> int:
-    return dist.get_world_size(_group(name))
+def _like(x: torch.Tensor, group: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _gathered(x: torch.Tensor, group: str, again: bool = False) -> torch.Tensor:
+    return x.new_empty((dist.get_world_size(_group(group)) * x.size(0), *x.shape[1:]))
+
+
+def _scattered(x: torch.Tensor, group: str) -> torch.Tensor:
+    return x.new_empty((x.size(0) // dist.get_world_size(_group(group)), *x.shape[1:]))
 
 
 def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
@@ -40,19 +50,19 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 
 
 def _all_gather_dim0(x: torch.Tensor, group: str, again: bool) -> torch.Tensor:
-    out = x.new_empty((_size(group) * x.size(0), *x.shape[1:]))
+    out = _gathered(x, group)
     comm.all_gather_into_tensor(out, x.contiguous(), group=_group(group))
     return out
 
 
 def _reduce_scatter_dim0(x: torch.Tensor, group: str) -> torch.Tensor:
-    out = x.new_empty((x.size(0) // _size(group), *x.shape[1:]))
+    out = _scattered(x, group)
     comm.reduce_scatter_tensor(out, x.contiguous(), group=_group(group))
     return out
 
 
 def _all_to_all(x: torch.Tensor, group: str) -> torch.Tensor:
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = _like(x, group)
     comm.all_to_all_single(out, x.contiguous(), group=_group(group))
     return out
 
@@ -83,29 +93,20 @@ def all_to_all(x: torch.Tensor, group: str) -> torch.Tensor:
     return _all_to_all(x, group)
 
 
-@all_reduce.register_fake
-def _(x: torch.Tensor, group: str) -> torch.Tensor:
-    if x.device.type == "meta":
-        return _all_reduce(x, group)
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+def _shape_function(run: Callable[..., torch.Tensor], empty: Callable[..., torch.Tensor]) -> Callable:
+    """An operator's fake implementation: its output's shape (`empty`), or on a real meta
+    tensor the collective itself (`run`), which refuses it."""
+
+    def fake(x: torch.Tensor, *args: object) -> torch.Tensor:
+        return run(x, *args) if x.device.type == "meta" else empty(x, *args)
+
+    return fake
 
 
-@all_gather_dim0.register_fake
-def _(x: torch.Tensor, group: str, again: bool) -> torch.Tensor:
-    if x.device.type == "meta":
-        return _all_gather_dim0(x, group, again)
-    return x.new_empty((_size(group) * x.size(0), *x.shape[1:]))
-
-
-@reduce_scatter_dim0.register_fake
-def _(x: torch.Tensor, group: str) -> torch.Tensor:
-    if x.device.type == "meta":
-        return _reduce_scatter_dim0(x, group)
-    return x.new_empty((x.size(0) // _size(group), *x.shape[1:]))
-
-
-@all_to_all.register_fake
-def _(x: torch.Tensor, group: str) -> torch.Tensor:
-    if x.device.type == "meta":
-        return _all_to_all(x, group)
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+for _op, _run, _empty in (
+    (all_reduce, _all_reduce, _like),
+    (all_gather_dim0, _all_gather_dim0, _gathered),
+    (reduce_scatter_dim0, _reduce_scatter_dim0, _scattered),
+    (all_to_all, _all_to_all, _like),
+):
+    _op.register_fake(_shape_function(_run, _empty))

@@ -537,7 +537,7 @@ class GPT(nn.Module):
                 raise ValueError(f"sequence length {s} exceeds max_seq_len={self.config.max_seq_len}")
             where = self._positions(s, inputs.device)
             if self.context is not None:
-                inputs = inputs.index_select(1, where)
+                inputs = self.context.shard(inputs)
             x = self.embed(inputs.t())
             if self.pos is not None:
                 pos = self.pos[where, None, :]
@@ -565,7 +565,7 @@ class GPT(nn.Module):
                     f"labels of {labels_bs.shape[1]} tokens for sequences of {s}: under context parallelism pass "
                     "the labels of the whole sequences, as the ids (the model keeps this rank's share of both)"
                 )
-            labels_bs = labels_bs.index_select(1, where)
+            labels_bs = self.context.shard(labels_bs)
         loss = self.loss(logits_sbv, labels_bs.t())
         return loss + sum(aux) if aux else loss
 
