@@ -221,6 +221,8 @@ def test_a_stalled_rank_is_named_and_the_others_exit(tmp_path: Path) -> None:
     try:
         metrics = out / "metrics.jsonl"
         assert _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, 120), log.read_text()
+        # a few publish periods while training: the rank to stop has published its record
+        time.sleep(3 * desync.PUBLISH_INTERVAL_S)
         victim = _rank_pid(proc.pid, 2)
         os.kill(victim, signal.SIGSTOP)
         stopped = time.monotonic()
