@@ -20,7 +20,7 @@ shard.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -305,26 +305,42 @@ def assign_buckets(
     last_numel: float | None = None,
 ) -> list[list[torch.nn.Parameter]]:
     """Split `params` (in the order their gradients arrive) by `key(p)`, pack each part
-    greedily from its last parameter back, into a first bucket of at most ~last_numel
-    elements (default bucket_numel; the one reduced with no backward left to hide it) and
-    then buckets of ~bucket_numel, and order the buckets by their last parameter: the order
-    in which buckets complete (so a part spread over the whole model, such as the norms of a
-    no-decay group, goes last instead of holding back every bucket launched after it)."""
+    greedily from its last parameter back into buckets whose caps double from last_numel
+    (default bucket_numel) up to bucket_numel, and order the buckets by their last
+    parameter: the order in which buckets complete (so a part spread over the whole model,
+    such as the norms of a no-decay group, goes last instead of holding back every bucket
+    launched after it).
+
+    The doubling tail: the bucket completed last is reduced with no backward left to hide
+    it, the one before with only the last one's backward, and so on; a cap of
+    last_numel·2^k for the k-th bucket from the end keeps what is left to reduce when
+    backward ends under ~2·last_numel, where one full bucket completing just before the end
+    would leave all of it exposed."""
     last_arrival = arrival_key({p: i for i, p in enumerate(params)})
     parts: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:
         parts.setdefault(key(p), []).append(p)
     buckets: list[list[torch.nn.Parameter]] = []
     for part in parts.values():
-        current, size, cap = [], 0, bucket_numel if last_numel is None else last_numel
+        caps = tail_caps(bucket_numel, last_numel)
+        current, size, cap = [], 0, next(caps)
         for p in reversed(part):
             if current and size + p.numel() > cap:
                 buckets.append(current[::-1])
-                current, size, cap = [], 0, bucket_numel
+                current, size, cap = [], 0, next(caps)
             current.append(p)
             size += p.numel()
         buckets.append(current[::-1])
     return sorted(buckets, key=last_arrival)
+
+
+def tail_caps(bucket_numel: float, last_numel: float | None = None) -> Iterator[float]:
+    """The bucket caps from the bucket completed last backwards: last_numel (default
+    bucket_numel), doubling up to bucket_numel, then bucket_numel for ever."""
+    cap = bucket_numel if last_numel is None else min(last_numel, bucket_numel)
+    while True:
+        yield cap
+        cap = min(2 * cap, bucket_numel)
 
 
 def arrival_key(position: dict[torch.nn.Parameter, int]) -> Callable[[list[torch.nn.Parameter]], int]:

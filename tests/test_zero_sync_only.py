@@ -146,16 +146,19 @@ def test_buckets_come_in_the_order_they_complete() -> None:
     assert [[index[id(p)] for p in b] for b in buckets] == [[0], [2], [1, 3], [4]]
 
 
-def test_the_bucket_completed_last_is_small() -> None:
-    """Its reduction has no backward left to hide behind: the packing starts from the last
-    gradient to arrive, with a bucket of at most last_numel elements."""
-    params = [nn.Parameter(torch.zeros(3)) for _ in range(4)]  # arrival order in backward
+def test_the_buckets_completed_last_are_small() -> None:
+    """Their reductions have little or no backward left to hide behind: the packing starts
+    from the last gradient to arrive, with a bucket of at most last_numel elements, and the
+    caps double from there up to bucket_numel."""
+    params = [nn.Parameter(torch.zeros(1)) for _ in range(16)]  # arrival order in backward
     index = {id(p): i for i, p in enumerate(params)}
 
     def layout(**sizes: int) -> list[list[int]]:
         return [[index[id(p)] for p in b] for b in assign_buckets(params, key=lambda p: 0, **sizes)]
 
-    assert layout(bucket_numel=6) == [[0, 1], [2, 3]]
-    assert layout(bucket_numel=6, last_numel=3) == [[0], [1, 2], [3]]
+    assert layout(bucket_numel=8) == [list(range(8)), list(range(8, 16))]
+    assert layout(bucket_numel=4, last_numel=1) == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14], [15]]
+    assert layout(bucket_numel=4, last_numel=9) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert [len(b) for b in layout(bucket_numel=16, last_numel=3)] == [7, 6, 3]
     assert Communication().last_bucket == Communication().bucket_numel // 16
     assert Communication(last_bucket_numel=5).last_bucket == 5

@@ -257,8 +257,9 @@ def _unit_slots(units: list[Parts], resident: int) -> list[Slot]:
 
 def _bucket_slots(units: list[Parts], bucket_numel: int) -> list[Slot]:
     """A chunk's buckets at stages 0-2: each bucket key's parameters in ⌈numel / bucket_numel⌉
-    buckets of equal size (`optim.buffers.assign_buckets` packs whole parameters: a few
-    more); the vectors' first, as their buckets complete last in backward."""
+    buckets of equal size (`optim.buffers.assign_buckets` packs whole parameters and caps
+    the buckets completed last smaller: a few more); the vectors' first, as their buckets
+    complete last in backward."""
     slots = []
     vectors_first = sorted(_merged(*((u, 1) for u in units)).items(), key=lambda part: part[0][0])
     for key, (numel, _) in vectors_first:
