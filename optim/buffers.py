@@ -315,7 +315,9 @@ def assign_buckets(
     it, the one before with only the last one's backward, and so on; a cap of
     last_numel·2^k for the k-th bucket from the end keeps what is left to reduce when
     backward ends under ~2·last_numel, where one full bucket completing just before the end
-    would leave all of it exposed."""
+    would leave all of it exposed. The part's first parameters to arrive, what is left over,
+    join the bucket after them when they hold fewer than last_numel elements: that bucket
+    completes early in backward either way, and one collective fewer is one latency fewer."""
     last_arrival = arrival_key({p: i for i, p in enumerate(params)})
     parts: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:
@@ -323,14 +325,19 @@ def assign_buckets(
     buckets: list[list[torch.nn.Parameter]] = []
     for part in parts.values():
         caps = tail_caps(bucket_numel, last_numel)
-        current, size, cap = [], 0, next(caps)
+        smallest = cap = next(caps)
+        packed, current, size = [], [], 0  # latest to arrive first
         for p in reversed(part):
             if current and size + p.numel() > cap:
-                buckets.append(current[::-1])
+                packed.append(current)
                 current, size, cap = [], 0, next(caps)
             current.append(p)
             size += p.numel()
-        buckets.append(current[::-1])
+        if packed and size < smallest:
+            packed[-1] += current  # a leftover smaller than the last bucket joins its neighbour
+        else:
+            packed.append(current)
+        buckets += [b[::-1] for b in packed]
     return sorted(buckets, key=last_arrival)
 
 

@@ -160,5 +160,7 @@ def test_the_buckets_completed_last_are_small() -> None:
     assert layout(bucket_numel=4, last_numel=1) == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14], [15]]
     assert layout(bucket_numel=4, last_numel=9) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     assert [len(b) for b in layout(bucket_numel=16, last_numel=3)] == [7, 6, 3]
+    del params[7:]  # caps 2, 4 from the end leave 1 parameter over: it joins the 4
+    assert layout(bucket_numel=4, last_numel=2) == [[0, 1, 2, 3, 4], [5, 6]]
     assert Communication().last_bucket == Communication().bucket_numel // 16
     assert Communication(last_bucket_numel=5).last_bucket == 5
