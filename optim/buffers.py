@@ -309,15 +309,16 @@ def assign_buckets(
     (default bucket_numel) up to bucket_numel, and order the buckets by their last
     parameter: the order in which buckets complete (so a part spread over the whole model,
     such as the norms of a no-decay group, goes last instead of holding back every bucket
-    launched after it).
+    launched after it). A bucket closes when the next parameter would pass its cap, but
+    only once it is at least half full: under half, it takes that parameter whatever its
+    size, and a leftover under half its cap joins the bucket after it, so no collective is
+    spent on a sliver (on a CPU each one costs about as much as megabytes of reduction).
 
     The doubling tail: the bucket completed last is reduced with no backward left to hide
     it, the one before with only the last one's backward, and so on; a cap of
     last_numel·2^k for the k-th bucket from the end keeps what is left to reduce when
     backward ends under ~2·last_numel, where one full bucket completing just before the end
-    would leave all of it exposed. The part's first parameters to arrive, what is left over,
-    join the bucket after them when they hold fewer than last_numel elements: that bucket
-    completes early in backward either way, and one collective fewer is one latency fewer."""
+    would leave all of it exposed."""
     last_arrival = arrival_key({p: i for i, p in enumerate(params)})
     parts: dict[object, list[torch.nn.Parameter]] = {}
     for p in params:
@@ -325,16 +326,16 @@ def assign_buckets(
     buckets: list[list[torch.nn.Parameter]] = []
     for part in parts.values():
         caps = tail_caps(bucket_numel, last_numel)
-        smallest = cap = next(caps)
+        cap = next(caps)
         packed, current, size = [], [], 0  # latest to arrive first
         for p in reversed(part):
-            if current and size + p.numel() > cap:
+            if 2 * size >= cap and size + p.numel() > cap:
                 packed.append(current)
                 current, size, cap = [], 0, next(caps)
             current.append(p)
             size += p.numel()
-        if packed and size < smallest:
-            packed[-1] += current  # a leftover smaller than the last bucket joins its neighbour
+        if packed and 2 * size < cap:
+            packed[-1] += current  # a leftover under half its cap joins its neighbour
         else:
             packed.append(current)
         buckets += [b[::-1] for b in packed]

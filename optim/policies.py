@@ -66,11 +66,11 @@ class Communication:
         bucket_numel: target elements per flat bucket at stages 0-2; each bucket's gradients
             are reduced as one collective as soon as its last gradient arrives in backward.
         last_bucket_numel: stages 0-2: the bucket whose gradients arrive last in backward is
-            reduced with no backward left to overlap it, so it holds at most this many
-            elements (a parameter larger goes alone); buckets are filled from it towards the
-            first to arrive with caps that double up to bucket_numel, so what is left to
-            reduce when backward ends stays under about twice this (None: bucket_numel // 16;
-            DDP's small first bucket, reversed).
+            reduced with no backward left to overlap it, so it holds about this many
+            elements (more only when its own parameters fill less than half of it and the next
+            one is large); buckets are filled from it towards the first to arrive with caps
+            that double up to bucket_numel, so what is left to reduce when backward ends stays
+            under about twice this (None: bucket_numel // 16; DDP's small first bucket, reversed).
         unit_numel: stage 3: a module claims its not-yet-claimed parameters as one gather
             unit once they reach this many elements (FSDP's wrapping unit).
         resident_numel: stage 3: units smaller than this stay gathered, like stage 2 (None:

@@ -149,7 +149,8 @@ def test_buckets_come_in_the_order_they_complete() -> None:
 def test_the_buckets_completed_last_are_small() -> None:
     """Their reductions have little or no backward left to hide behind: the packing starts
     from the last gradient to arrive, with a bucket of at most last_numel elements, and the
-    caps double from there up to bucket_numel."""
+    caps double from there up to bucket_numel; a bucket closes only once half full, and a
+    leftover under half its cap joins its neighbour."""
     params = [nn.Parameter(torch.zeros(1)) for _ in range(16)]  # arrival order in backward
     index = {id(p): i for i, p in enumerate(params)}
 
@@ -157,10 +158,12 @@ def test_the_buckets_completed_last_are_small() -> None:
         return [[index[id(p)] for p in b] for b in assign_buckets(params, key=lambda p: 0, **sizes)]
 
     assert layout(bucket_numel=8) == [list(range(8)), list(range(8, 16))]
-    assert layout(bucket_numel=4, last_numel=1) == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14], [15]]
+    assert layout(bucket_numel=4, last_numel=1) == [[0, 1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14], [15]]
     assert layout(bucket_numel=4, last_numel=9) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     assert [len(b) for b in layout(bucket_numel=16, last_numel=3)] == [7, 6, 3]
     del params[7:]  # caps 2, 4 from the end leave 1 parameter over: it joins the 4
     assert layout(bucket_numel=4, last_numel=2) == [[0, 1, 2, 3, 4], [5, 6]]
+    sliver = [nn.Parameter(torch.zeros(n)) for n in (6, 1)]  # a 1-element bucket under a cap of 4 takes the 6
+    assert [len(b) for b in assign_buckets(sliver, key=lambda p: 0, bucket_numel=8, last_numel=4)] == [2]
     assert Communication().last_bucket == Communication().bucket_numel // 16
     assert Communication(last_bucket_numel=5).last_bucket == 5
