@@ -329,7 +329,7 @@ def assign_buckets(
         cap = next(caps)
         packed, current, size = [], [], 0  # latest to arrive first
         for p in reversed(part):
-            if 2 * size >= cap and size + p.numel() > cap:
+            if current and 2 * size >= cap and size + p.numel() > cap:
                 packed.append(current)
                 current, size, cap = [], 0, next(caps)
             current.append(p)
@@ -344,8 +344,8 @@ def assign_buckets(
 
 def tail_caps(bucket_numel: float, last_numel: float | None = None) -> Iterator[float]:
     """The bucket caps from the bucket completed last backwards: last_numel (default
-    bucket_numel), doubling up to bucket_numel, then bucket_numel for ever."""
-    cap = bucket_numel if last_numel is None else min(last_numel, bucket_numel)
+    bucket_numel; at least 1), doubling up to bucket_numel, then bucket_numel for ever."""
+    cap = bucket_numel if last_numel is None else min(max(last_numel, 1), bucket_numel)
     while True:
         yield cap
         cap = min(2 * cap, bucket_numel)

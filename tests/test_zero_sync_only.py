@@ -159,6 +159,7 @@ def test_the_buckets_completed_last_are_small() -> None:
 
     assert layout(bucket_numel=8) == [list(range(8)), list(range(8, 16))]
     assert layout(bucket_numel=4, last_numel=1) == [[0, 1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14], [15]]
+    assert layout(bucket_numel=8, last_numel=0) == [list(range(9)), [9, 10, 11, 12], [13, 14], [15]]  # caps from 1
     assert layout(bucket_numel=4, last_numel=9) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     assert [len(b) for b in layout(bucket_numel=16, last_numel=3)] == [7, 6, 3]
     del params[7:]  # caps 2, 4 from the end leave 1 parameter over: it joins the 4
