@@ -16,6 +16,7 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,11 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return run_distributed(script, 2, "ddp", str(tmp_path_factory.mktemp("ddp") / "ckpt.pt"))
 
 
+def _naming(name: str, key: str) -> Callable[[str], str]:
+    """torch's mismatch report (how many elements, how far off) behind the tensor's name."""
+    return lambda report: f"{name} {key}: {report}"
+
+
 def assert_matches(ours: dict, theirs: dict, rank: int) -> None:
     torch.testing.assert_close(ours["losses"], theirs["losses"], rtol=1e-5, atol=0)
     if rank == 0:
@@ -133,7 +139,7 @@ def assert_matches(ours: dict, theirs: dict, rank: int) -> None:
         assert ours[name].keys() == theirs[name].keys()
         for key, value in theirs[name].items():
             assert ours[name][key].shape == value.shape, (name, key)
-            torch.testing.assert_close(ours[name][key], value, rtol=1e-5, atol=1e-7, msg=f"{name} {key}")
+            torch.testing.assert_close(ours[name][key], value, rtol=1e-5, atol=1e-7, msg=_naming(name, key))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -171,7 +177,7 @@ def test_the_compiled_script_matches_eager_ddp(stage: int, ddp: list[dict], tmp_
             torch.testing.assert_close(ours[rank]["evals"], ddp[rank]["evals"], rtol=1e-4, atol=0)
         for name in ("final", "saved"):
             for key, value in ddp[rank][name].items():
-                torch.testing.assert_close(ours[rank][name][key], value, rtol=1e-4, atol=1e-6, msg=f"{name} {key}")
+                torch.testing.assert_close(ours[rank][name][key], value, rtol=1e-4, atol=1e-6, msg=_naming(name, key))
 
 
 def test_stage3_with_eval_and_state_dict_on_every_rank_matches_ddp(ddp: list[dict], tmp_path: Path) -> None:
