@@ -88,6 +88,8 @@ class FlatBucket:
             end = _round_up(end + p.numel(), ALIGN)
         self.numel = _round_up(max(end, 1), self.world * ALIGN)
         self._written = [False] * len(self.params)
+        self._slots: list[torch.Tensor] = []  # each parameter's view of `_slots_of`, the full grad buffer
+        self._slots_of: torch.Tensor | None = None
         self.has_grad = [False] * len(self.params)  # parameter i has a gradient (torch: .grad is not None)
 
     def _move(self, to: GradState) -> None:
@@ -186,15 +188,20 @@ class FlatBucket:
     # replicas (hybrid sharding) a region is owned by one rank per replica, so only the
     # first replica keeps A (`keeps_reduced_sum`); the others restart at zero everywhere.
     def accumulate(self, i: int, grad: torch.Tensor, scale: float) -> None:
-        """slot_i ← slot_i + scale·grad (or scale·grad for the slot's first gradient)."""
-        self._prepare_grad_buffer()
-        self._move(GradState.ACCUMULATING)
-        off = self.offsets[i]
-        slot = self.grad_buffer[off : off + self.shapes[i].numel()]
+        """slot_i ← slot_i + scale·grad (or scale·grad for the slot's first gradient). The
+        slots are views of the current full buffer in the parameters' shapes, made once per
+        buffer (stages 2-3 allocate one per reduction): this runs once per gradient in backward."""
+        if self.grad_state is not GradState.ACCUMULATING:
+            self._prepare_grad_buffer()
+            self._move(GradState.ACCUMULATING)
+        if self._slots_of is not self.grad_buffer:
+            self._slots = [self.param_view(self.grad_buffer, j) for j in range(len(self.params))]
+            self._slots_of = self.grad_buffer
+        slot = self._slots[i]
         if self._written[i]:
-            slot.add_(grad.reshape(-1), alpha=scale)
+            slot.add_(grad, alpha=scale)
         else:
-            torch.mul(grad.reshape(-1), scale, out=slot)
+            torch.mul(grad, scale, out=slot)
             self._written[i] = True
         self.has_grad[i] = True
 
@@ -267,6 +274,7 @@ class FlatBucket:
         if self.grad_buffer is not None:
             self._grad_bytes_changed(-1)
             self.grad_buffer = None
+            self._slots, self._slots_of = [], None  # its views would keep it alive
 
     def _grad_bytes_changed(self, sign: int) -> None:
         """Stages 2-3 allocate the full gradient buffer per reduction; report its bytes."""
