@@ -88,8 +88,7 @@ class FlatBucket:
             end = _round_up(end + p.numel(), ALIGN)
         self.numel = _round_up(max(end, 1), self.world * ALIGN)
         self._written = [False] * len(self.params)
-        self._slots: list[torch.Tensor] = []  # each parameter's view of `_slots_of`, the full grad buffer
-        self._slots_of: torch.Tensor | None = None
+        self._slots: list[torch.Tensor] = []  # each parameter's view of grad_buffer, in its shape
         self.has_grad = [False] * len(self.params)  # parameter i has a gradient (torch: .grad is not None)
 
     def _move(self, to: GradState) -> None:
@@ -150,7 +149,7 @@ class FlatBucket:
         else:
             self.master = flat_fp32[olo:ohi].clone()
         if not self.sharding.gradients:
-            self.grad_buffer = torch.zeros(self.numel, dtype=self.reduce_dtype, device=flat_fp32.device)
+            self._set_grad_buffer(torch.zeros(self.numel, dtype=self.reduce_dtype, device=flat_fp32.device))
             self.grad_shard = self.grad_buffer[olo:ohi]
         else:
             self.grad_shard = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=flat_fp32.device)
@@ -188,15 +187,11 @@ class FlatBucket:
     # replicas (hybrid sharding) a region is owned by one rank per replica, so only the
     # first replica keeps A (`keeps_reduced_sum`); the others restart at zero everywhere.
     def accumulate(self, i: int, grad: torch.Tensor, scale: float) -> None:
-        """slot_i ← slot_i + scale·grad (or scale·grad for the slot's first gradient). The
-        slots are views of the current full buffer in the parameters' shapes, made once per
-        buffer (stages 2-3 allocate one per reduction): this runs once per gradient in backward."""
+        """slot_i ← slot_i + scale·grad (or scale·grad for the slot's first gradient). Runs once
+        per gradient in backward, so the buffer is prepared only when accumulation starts."""
         if self.grad_state is not GradState.ACCUMULATING:
             self._prepare_grad_buffer()
             self._move(GradState.ACCUMULATING)
-        if self._slots_of is not self.grad_buffer:
-            self._slots = [self.param_view(self.grad_buffer, j) for j in range(len(self.params))]
-            self._slots_of = self.grad_buffer
         slot = self._slots[i]
         if self._written[i]:
             slot.add_(grad, alpha=scale)
@@ -220,8 +215,7 @@ class FlatBucket:
         """Zero parameter i's gradient wherever this rank holds it (its slot in the full buffer,
         its part of the shard); the other parameters keep theirs."""
         if self.grad_buffer is not None:
-            off = self.offsets[i]
-            self.grad_buffer[off : off + self.shapes[i].numel()].zero_()
+            self._slots[i].zero_()
         self.param_slice(self.grad_shard, i, self.opt_range)[1].zero_()
 
     def _prepare_grad_buffer(self) -> None:
@@ -229,7 +223,7 @@ class FlatBucket:
         a reduction laid out by the reduced-sum rule (above)."""
         reduced = self.grad_state is GradState.REDUCED
         if self.grad_buffer is None:
-            self.grad_buffer = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.grad_shard.device)
+            self._set_grad_buffer(torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.grad_shard.device))
             self._grad_bytes_changed(+1)
             self._written = [False] * len(self.params)
             if reduced:
@@ -250,8 +244,7 @@ class FlatBucket:
         self._move(GradState.REDUCING)
         for i, written in enumerate(self._written):
             if not written:
-                off = self.offsets[i]
-                self.grad_buffer[off : off + self.shapes[i].numel()].zero_()
+                self._slots[i].zero_()
         self._written = [True] * len(self.params)
         return self.grad_buffer
 
@@ -273,8 +266,13 @@ class FlatBucket:
     def _drop_grad_buffer(self) -> None:
         if self.grad_buffer is not None:
             self._grad_bytes_changed(-1)
-            self.grad_buffer = None
-            self._slots, self._slots_of = [], None  # its views would keep it alive
+            self._set_grad_buffer(None)
+
+    def _set_grad_buffer(self, buffer: torch.Tensor | None) -> None:
+        """The full gradient buffer and each parameter's slot in it (none with the buffer, whose
+        views would otherwise keep it alive)."""
+        self.grad_buffer = buffer
+        self._slots = [] if buffer is None else [self.param_view(buffer, i) for i in range(len(self.params))]
 
     def _grad_bytes_changed(self, sign: int) -> None:
         """Stages 2-3 allocate the full gradient buffer per reduction; report its bytes."""
